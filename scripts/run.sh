@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One entry point that sets up a fresh machine and runs a job:
+#   bash scripts/run.sh demo   # the main job: a small training run on 2 CPU processes
+#   bash scripts/run.sh test   # the test suite
+# Set-up is idempotent: a virtual environment in .venv, the CPU wheel of torch first (otherwise pip
+# resolves torch to a multi-GB CUDA build), then this package with its test and recipe extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  "$VPY" -m pip install -q --upgrade pip
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+if ! "$VPY" -c "import lightning_zero, pytest" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
+  "$VPY" -m pip install -q -e ".[test,recipes]"
+fi
+job="${1:-test}"; shift || true
+case "$job" in
+  test) exec "$VPY" -m pytest tests "$@" ;;
+  demo) exec "$VPY" -m lightning_zero.demo "$@" ;;
+  *) echo "usage: bash scripts/run.sh {demo|test} [args...]" >&2; exit 2 ;;
+esac
