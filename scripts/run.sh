@@ -16,7 +16,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if ! "$VPY" -c "import lightning_zero, pytest" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
-  "$VPY" -m pip install -q -e ".[test,recipes]"
+  # no build isolation: the C++ extension builds against the torch installed above; an isolated
+  # build environment would download its own (CUDA) torch.
+  "$VPY" -m pip install -q setuptools wheel ninja
+  "$VPY" -m pip install -q --no-build-isolation -e ".[test,recipes]"
 fi
 job="${1:-test}"; shift || true
 case "$job" in
