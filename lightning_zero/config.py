@@ -1,0 +1,116 @@
+"""Validated configuration objects, one per concern.
+
+Every option a user can set lives in a frozen, keyword-only dataclass whose ``__post_init__`` raises
+``ValueError`` naming the bad value and the fix, so bad input fails at construction, before any
+process group or tensor exists. The objects are passed down whole; nothing unpacks them into long
+argument lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Precision strings accepted by :class:`~lightning_zero.OffloadPrecision`, with the dtype that
+#: parameters and gradients have under ZeRO and whether an fp32 master copy is kept.
+PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
+    "32-true": (torch.float32, False),
+    "bf16-mixed": (torch.bfloat16, True),
+    "16-mixed": (torch.float16, True),
+    "bf16-true": (torch.bfloat16, False),
+}
+
+# Lightning spells some precisions in short forms; they mean the same thing.
+_PRECISION_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
+
+
+def normalize_precision(precision: str | int) -> str:
+    """Map Lightning's precision spellings onto the four :data:`PRECISIONS` keys.
+
+    Raises:
+        ValueError: for a precision ZeRO does not support here (e.g. "64-true", "16-true").
+    """
+    key = _PRECISION_ALIASES.get(precision, precision)
+    if key not in PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by lightning_zero; use one of "
+            f"{sorted(PRECISIONS)} (for fp16 parameters with fp32 master weights use '16-mixed')."
+        )
+    return str(key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """What ZeRO shards and how gradients and parameters move between ranks."""
+
+    stage: int = 2
+    """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
+
+    reduce_bucket_size: int = 25_000_000
+    """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
+    fewer, more efficient collectives and more transient memory; smaller ones overlap earlier."""
+
+    allgather_bucket_size: int = 50_000_000
+    """Most elements of updated-parameter all-gathers in flight at once after the step (stage 1/2).
+    Bounds the communication issued back to back; it does not copy through extra buffers."""
+
+    overlap_comm: bool = True
+    """Launch a bucket's reduction as soon as it is full, during backward (asynchronously; on a GPU
+    on a side stream). False reduces everything after backward: easier to debug, slower."""
+
+    allow_untested_optimizer: bool = False
+    """Accept an optimizer class that is not known to be elementwise. ZeRO steps each rank's flat
+    slice independently, which is only exact for optimizers whose update of an element depends on
+    that element alone (SGD, Adam, AdamW, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.stage == 0:
+            raise ValueError(
+                "stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead."
+            )
+        if self.stage not in (1, 2):
+            if self.stage == 3:
+                raise ValueError("stage=3 (parameter sharding) is not available yet; use stage=1 or stage=2.")
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1 or 2.")
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000); "
+                    "smaller buckets use less memory, larger ones fewer collectives."
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for "16-mixed" (fp16 gradients overflow without it)."""
+
+    initial_scale: float = 2.0**16
+    """Scale of the first step."""
+
+    growth_factor: float = 2.0
+    """Multiply the scale by this after ``growth_interval`` steps without overflow."""
+
+    backoff_factor: float = 0.5
+    """Multiply the scale by this when a step overflows (the step is skipped)."""
+
+    growth_interval: int = 1000
+    """Consecutive finite steps before the scale grows."""
+
+    min_scale: float = 1.0
+    """The scale never drops below this; reaching it repeatedly means the model diverges."""
+
+    def __post_init__(self) -> None:
+        if not self.initial_scale > 0:
+            raise ValueError(f"initial_scale={self.initial_scale} must be > 0 (DeepSpeed's default is 2**16).")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor={self.growth_factor} must be > 1 (usually 2.0).")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor={self.backoff_factor} must be in (0, 1) (usually 0.5).")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval={self.growth_interval} must be >= 1 (usually 1000).")
+        if not 0 < self.min_scale <= self.initial_scale:
+            raise ValueError(
+                f"min_scale={self.min_scale} must be in (0, initial_scale={self.initial_scale}]."
+            )

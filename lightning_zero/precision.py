@@ -1,0 +1,178 @@
+"""``OffloadPrecision``: compute dtype, fp32 master weights, loss scaling, and where states live.
+
+Under ZeRO the precision strings mean what they mean in DeepSpeed:
+
+============  ===================  ======================  =============================================
+precision     parameters, grads    master + optim states   forward
+============  ===================  ======================  =============================================
+32-true       fp32                 fp32 (master = params)  as written
+bf16-mixed    bf16                 fp32, separate          under ``torch.autocast(bfloat16)``
+16-mixed      fp16                 fp32, separate          under ``torch.autocast(float16)``; dynamic loss scaling
+bf16-true     bf16                 bf16 (master = params)  floating inputs cast to bf16
+============  ===================  ======================  =============================================
+
+so the per-rank bytes follow the ZeRO formulas (2 bytes of parameters and of gradients, 12 of
+master and Adam states, per parameter). "16-mixed" scales the loss by a dynamic factor: a step whose
+gradients overflow is skipped and the scale halves; after ``growth_interval`` good steps it doubles.
+The scaler's state is saved in checkpoints through Lightning's precision-plugin state.
+
+The strategy always runs with this plugin: :class:`~lightning_zero.ZeroStrategy` converts whatever
+plugin Lightning assigns it (Lightning replaces a named strategy's plugin) into an ``OffloadPrecision``
+with the same precision string.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+
+from lightning_zero.config import PRECISIONS, LossScaleConfig, normalize_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_zero.zero.engine import ZeroEngine
+
+
+class DynamicLossScaler:
+    """The loss scale of "16-mixed" and its update rule (see :class:`~lightning_zero.config.LossScaleConfig`)."""
+
+    def __init__(self, config: LossScaleConfig) -> None:
+        self.config = config
+        self.scale = float(config.initial_scale)
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale * self.config.backoff_factor, self.config.min_scale)
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.config.growth_interval:
+            self.scale *= self.config.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class OffloadPrecision(Precision):
+    """Precision plugin of :class:`~lightning_zero.ZeroStrategy`.
+
+    Args:
+        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true" (see the module docstring).
+        loss_scale: dynamic loss scaling options for "16-mixed" (ignored otherwise).
+    """
+
+    def __init__(self, precision: Union[str, int] = "32-true", loss_scale: Optional[LossScaleConfig] = None) -> None:
+        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.compute_dtype, self.separate_master = PRECISIONS[self.precision]
+        self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if self.precision == "16-mixed" else None
+        self.device_type = "cpu"
+        self._engine: Optional["ZeroEngine"] = None
+
+    def attach(self, engine: Optional["ZeroEngine"], device: torch.device) -> None:
+        """Called by the strategy in ``setup``: the engine that owns the gradients, and the device."""
+        self._engine = engine
+        self.device_type = device.type
+
+    # -- module and forward -------------------------------------------------------------------
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast floating parameters (and for "bf16-true" also buffers) to the compute dtype.
+
+        Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage.
+        """
+        if self.precision == "bf16-true":
+            for buffer_name, buffer in list(module.named_buffers()):
+                if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:
+                    buffer.data = buffer.data.to(self.compute_dtype)
+        for param in module.parameters():
+            if param.is_floating_point() and param.dtype != self.compute_dtype:
+                param.data = param.data.to(self.compute_dtype)
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.separate_master:
+            return torch.autocast(self.device_type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
+    @contextlib.contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        yield
+
+    # -- backward and step --------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+        tensor = super().pre_backward(tensor, module)
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def post_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+        if self._engine is not None:
+            self._engine.finish_backward()
+        tensor = super().post_backward(tensor, module)
+        return tensor / self.scaler.scale if self.scaler is not None else tensor
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Run the closure (forward + backward), expose this rank's unscaled gradient slices, call
+        the user's ``on_before_optimizer_step`` hooks and clipping, then step the slices and publish."""
+        if self._engine is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        self._engine.prepare_step(optimizer, inv_scale=1.0 / self.loss_scale)
+        self._after_closure(model, optimizer)
+        if skipped_backward:
+            self._engine.skip_step(optimizer)
+            return closure_result
+        overflow = self._engine.step(optimizer, check_overflow=self.scaler is not None)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        return closure_result
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip over the shards: the norm is global across ranks, as in DDP."""
+        if clip_val <= 0 or self._engine is None:
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self._engine.clip_grad_value(optimizer, float(clip_val))
+        else:
+            self._engine.clip_grad_norm(optimizer, float(clip_val))
+
+    # -- checkpoint ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])

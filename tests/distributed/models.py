@@ -1,0 +1,133 @@
+"""A tiny LightningModule with every hazard the ZeRO parity tests need, and the run helpers.
+
+Odd shapes (7, 15) so that flat-buffer slices cut through parameters; a weight tied between the
+embedding and the output head; a frozen layer; a parameter never used in forward; two optimizer
+parameter groups with their own hyperparameters; an LR scheduler stepped every optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, WIDTH, HIDDEN, SEQ = 11, 15, 7, 9
+
+
+class ParityModel(pl.LightningModule):
+    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, inject_inf_at: Optional[int] = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.unused = nn.Parameter(torch.randn(3, 5))
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.inject_inf_at = inject_inf_at
+        self.losses: list[float] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(self.embed(tokens))
+        x = x + self.down(torch.tanh(self.up(x)))
+        return self.head(self.norm(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        if self.inject_inf_at is not None and self.global_step == self.inject_inf_at and self.global_rank == 0:
+            loss = loss * float("inf")
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and n != "unused"]
+        # The unused parameter sits in the no-decay group: with zero gradient, Adam then leaves it
+        # unchanged under ZeRO, as DDP does by skipping parameters without a gradient.
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2 or n == "unused"]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": self.lr / 2}]
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr * 10, momentum=0.9)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(groups, lr=self.lr)
+        else:
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+    return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)
+
+
+def build_strategy(spec: Any):
+    """"ddp" -> Lightning's DDP (find_unused_parameters for the unused parameter); dict -> ZeroStrategy(**spec)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if spec == "ddp":
+        return DDPStrategy(find_unused_parameters=True)
+    if isinstance(spec, str):
+        return spec
+    from lightning_zero import ZeroStrategy
+
+    return ZeroStrategy(**spec)
+
+
+def fit(
+    strategy: Any,
+    precision: Any = "32-true",
+    max_steps: int = 6,
+    accumulate: int = 2,
+    clip: Optional[float] = 0.5,
+    model_kwargs: Optional[dict] = None,
+    devices: int = 2,
+    plugins: Optional[list] = None,
+    seed: int = 7,
+    trainer_kwargs: Optional[dict] = None,
+) -> tuple[pl.Trainer, ParityModel]:
+    """Train a freshly seeded ParityModel; returns the trainer and the model."""
+    import lightning_zero  # noqa: F401 - registers the strategy names
+
+    pl.seed_everything(seed, workers=True, verbose=False)
+    model = ParityModel(**(model_kwargs or {}))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=build_strategy(strategy),
+        precision=precision if plugins is None else None,
+        plugins=plugins,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=True,
+        **(trainer_kwargs or {}),
+    )
+    trainer.fit(model, train_dataloaders=make_loader())
+    return trainer, model
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
