@@ -139,6 +139,7 @@ class ZeroStrategy(DDPStrategy):
         self.model_to_device()
         precision = self.precision_plugin
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._engine = None
         if fitting:
             self.setup_optimizers(trainer)
             self._engine = ZeroEngine(
@@ -160,9 +161,10 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def teardown(self) -> None:
+        # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
+        # writes the unsharded optimizer state; the next setup replaces it.
         if self._engine is not None:
             self._engine.close()
-            self._engine = None
         self.precision_plugin.attach(None, self.root_device)
         super().teardown()
 

@@ -49,6 +49,9 @@ class ParityModel(pl.LightningModule):
             loss = loss * float("inf")
         return loss
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         (tokens,) = batch
         logits = self(tokens)
@@ -71,9 +74,12 @@ class ParityModel(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234) -> DataLoader:
+def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234, period: Optional[int] = None) -> DataLoader:
+    """``n`` random token rows; with ``period``, row i repeats row ``i % period``."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+    if period is not None:
+        tokens = tokens[torch.arange(n) % period]
     return DataLoader(TensorDataset(tokens), batch_size=batch_size, shuffle=False)
 
 
@@ -101,13 +107,15 @@ def fit(
     plugins: Optional[list] = None,
     seed: int = 7,
     trainer_kwargs: Optional[dict] = None,
+    ckpt_path: Optional[str] = None,
+    loader: Optional[DataLoader] = None,
 ) -> tuple[pl.Trainer, ParityModel]:
     """Train a freshly seeded ParityModel; returns the trainer and the model."""
     import lightning_zero  # noqa: F401 - registers the strategy names
 
     pl.seed_everything(seed, workers=True, verbose=False)
     model = ParityModel(**(model_kwargs or {}))
-    trainer = pl.Trainer(
+    options = dict(
         accelerator="cpu",
         devices=devices,
         strategy=build_strategy(strategy),
@@ -123,9 +131,10 @@ def fit(
         num_sanity_val_steps=0,
         limit_val_batches=0,
         deterministic=True,
-        **(trainer_kwargs or {}),
     )
-    trainer.fit(model, train_dataloaders=make_loader())
+    options.update(trainer_kwargs or {})
+    trainer = pl.Trainer(**options)
+    trainer.fit(model, train_dataloaders=loader if loader is not None else make_loader(), ckpt_path=ckpt_path)
     return trainer, model
 
 
