@@ -85,7 +85,6 @@ class ZeroStrategy(DDPStrategy):
             allow_untested_optimizer=allow_untested_optimizer,
         )
         self._loss_scale = loss_scale
-        self._explicit_precision = precision_plugin is not None
         self._engine: Optional[ZeroEngine] = None
         super().__init__(
             accelerator=accelerator,
@@ -114,16 +113,9 @@ class ZeroStrategy(DDPStrategy):
         """Lightning assigns a generic plugin to a strategy chosen by name: keep its precision string."""
         if plugin is None or isinstance(plugin, OffloadPrecision):
             return plugin
+        # (A plugin given to the strategy itself reaches here unchanged: Lightning prefers it to the
+        # Trainer's precision flag.)
         requested = normalize_precision(getattr(plugin, "precision", "32-true"))
-        current = getattr(self, "_precision_plugin", None)
-        if self._explicit_precision and isinstance(current, OffloadPrecision):
-            # "32-true" is the Trainer's default, not a request to override the strategy's plugin.
-            if requested in ("32-true", current.precision):
-                return current
-            raise ValueError(
-                f"ZeroStrategy was given OffloadPrecision({current.precision!r}) but the Trainer asks for "
-                f"precision={requested!r}; set the precision in one place only."
-            )
         return OffloadPrecision(requested, self._loss_scale)
 
     # -- setup and teardown ---------------------------------------------------------------------

@@ -140,3 +140,23 @@ def fit(
 
 def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+class ManualParityModel(ParityModel):
+    """Manual optimization: two backward calls (two half-batches) per optimizer step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        for half in (tokens[:2], tokens[2:]):
+            logits = self(half)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), half[:, 1:].reshape(-1))
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from harness import run_ranks
 from models import fit, state
 
@@ -72,3 +73,55 @@ def test_bf16_mixed_matches_ddp():
                 # over the whole tensor (norm) the difference stays at the bf16 storage rounding
                 # (~4e-3) plus such flips. Measured <= 1.3e-2; a wrong shard mapping gives ~1.
                 assert _norm_rel(got["state"][key], value) <= 5e-2, (rank, name, key)
+
+
+class _Memory(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.breakdown = trainer.strategy.memory_breakdown()
+
+
+def _manual_and_memory_worker(rank: int) -> dict:
+    import lightning.pytorch as pl
+
+    from models import ManualParityModel, make_loader
+
+    from models import build_strategy
+
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 30}), ("zero2", {"stage": 2})):
+        pl.seed_everything(7, verbose=False)
+        model = ManualParityModel()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=build_strategy(strategy), max_steps=4, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(model, train_dataloaders=make_loader(n=24))
+        out[name] = {"losses": model.losses, "state": state(model)}
+    memory = _Memory()
+    trainer, model = fit({"stage": 2, "reduce_bucket_size": 40}, precision="bf16-mixed", max_steps=2,
+                         trainer_kwargs={"callbacks": [memory]})
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    out["memory"] = {"breakdown": memory.breakdown, "trainable": trainable, "frozen": frozen}
+    return out
+
+
+def test_manual_optimization_and_memory_breakdown():
+    for res in run_ranks(_manual_and_memory_worker):
+        ref = res["ddp"]
+        for name in ("zero1", "zero2"):
+            # fp32, two manual_backward calls per step: same bound and reason as test_fp32_matches_ddp.
+            torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+            for key, value in ref["state"].items():
+                assert _max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)
+        mem = res["memory"]
+        device = mem["breakdown"]["device"]
+        psi, n = mem["trainable"], 2
+        # bf16-mixed stage 2 (ZeRO paper): 2 bytes of parameters per element, and per rank 2/N of
+        # gradients, 4/N of fp32 master and 8/N of Adam moments. Flat buffers add < N padding
+        # elements each (bucket of 40 elements -> a few buffers), Adam adds a scalar step per buffer.
+        assert 2 * psi + 2 * mem["frozen"] <= device["parameters"] <= 2 * psi + 2 * mem["frozen"] + 2 * 64
+        assert 2 * psi / n <= device["gradients"] <= 2 * psi / n + 2 * 64
+        assert 4 * psi / n <= device["master_weights"] <= 4 * psi / n + 4 * 64
+        assert 8 * psi / n <= device["optimizer_states"] <= 8 * psi / n + 8 * 64 + 4 * 64
+        assert all(v == 0 for v in mem["breakdown"]["host"].values())

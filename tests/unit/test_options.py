@@ -1,0 +1,136 @@
+"""Every invalid option fails at construction or setup with a ValueError naming the value and the fix;
+named strategies get an OffloadPrecision with the Trainer's precision; LightningCLI YAML works."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import LossScaleConfig, OffloadPrecision, ZeroStrategy
+from lightning_zero.zero.optimizer import check_optimizer
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stage": 0}, "strategy='ddp'"),
+        ({"stage": 4}, "stage=4"),
+        ({"stage": 3}, "stage=3"),
+        ({"stage": "2"}, "stage='2'"),
+        ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
+        ({"reduce_bucket_size": -5}, "reduce_bucket_size=-5"),
+        ({"allgather_bucket_size": 0}, "allgather_bucket_size=0"),
+        ({"allgather_bucket_size": 2.5}, "allgather_bucket_size=2.5"),
+        ({"loss_scale": None, "stage": -1}, "stage=-1"),
+    ],
+)
+def test_invalid_strategy_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"initial_scale": 0}, "initial_scale=0"),
+        ({"growth_factor": 1.0}, "growth_factor=1.0"),
+        ({"backoff_factor": 1.5}, "backoff_factor=1.5"),
+        ({"growth_interval": 0}, "growth_interval=0"),
+        ({"min_scale": 10.0, "initial_scale": 2.0}, "min_scale=10.0"),
+    ],
+)
+def test_invalid_loss_scale(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaleConfig(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true", "transformer-engine", "8"])
+def test_unknown_precision(precision):
+    with pytest.raises(ValueError, match="is not supported by lightning_zero"):
+        OffloadPrecision(precision)
+
+
+def test_trainer_precision_unsupported():
+    with pytest.raises(ValueError, match="'16-true'"):
+        pl.Trainer(strategy="zero2", precision="16-true", accelerator="cpu", devices=2, logger=False)
+
+
+class Lamb(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
+
+
+class MyElementwise(torch.optim.SGD):
+    pass
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize(
+    "optimizer,match",
+    [
+        (lambda: Lamb(_params()), "Lamb computes its update from whole-tensor statistics"),
+        (lambda: torch.optim.LBFGS(_params()), "LBFGS computes"),
+        (lambda: torch.optim.Adafactor(_params()), "Adafactor computes"),
+        (lambda: MyElementwise(_params(), lr=0.1), "allow_untested_optimizer=True"),
+    ],
+)
+def test_rejected_optimizers(optimizer, match):
+    with pytest.raises(ValueError, match=match):
+        check_optimizer(optimizer(), allow_untested=False)
+
+
+def test_untested_optimizer_allowed_on_request():
+    check_optimizer(MyElementwise(_params(), lr=0.1), allow_untested=True)
+    for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop):
+        check_optimizer(cls(_params(), lr=0.1), allow_untested=False)
+
+
+@pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2)])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_named_strategy_gets_offload_precision(name, stage, precision):
+    trainer = pl.Trainer(strategy=name, precision=precision, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.zero_config.stage == stage
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, OffloadPrecision) and plugin.precision == precision
+
+
+def test_explicit_plugin_kept():
+    trainer = pl.Trainer(
+        strategy="zero2", plugins=[OffloadPrecision("16-mixed")], accelerator="cpu", devices=2, logger=False
+    )
+    assert trainer.strategy.precision_plugin.precision == "16-mixed"
+    strategy = ZeroStrategy(stage=1, precision_plugin=OffloadPrecision("bf16-mixed"))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 2\n"
+        "  precision: bf16-mixed\n"
+        "  logger: false\n"
+        "  strategy:\n"
+        "    class_path: lightning_zero.ZeroStrategy\n"
+        "    init_args: {stage: 1, reduce_bucket_size: 1000}\n"
+    )
+    cli = LightningCLI(BoringModel, BoringDataModule, run=False, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    assert strategy.zero_config.stage == 1 and strategy.zero_config.reduce_bucket_size == 1000
+    assert strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_public_names():
+    assert {"ZeroStrategy", "OffloadPrecision"} <= set(lightning_zero.__all__)
