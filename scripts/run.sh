@@ -24,6 +24,6 @@ fi
 job="${1:-test}"; shift || true
 case "$job" in
   test) exec "$VPY" -m pytest tests "$@" ;;
-  demo) exec "$VPY" -m lightning_zero.demo "$@" ;;
+  demo) exec "$VPY" recipes/gpt2/train.py fit --config recipes/gpt2/configs/cpu-tiny.yaml "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test} [args...]" >&2; exit 2 ;;
 esac
