@@ -1,0 +1,210 @@
+// CPU implementations of the lightning_zero optimizer ops: argument checks, per-step scalars,
+// ISA selection and threading. The element loops live in the per-ISA units behind kernels.h.
+//
+// Threads: at::parallel_for, which in the CPU wheels of torch is OpenMP on torch's own libgomp;
+// linking a second OpenMP runtime into this library would give two thread pools fighting for the
+// same cores, and torch.set_num_threads would not govern ours.
+// Tiles: the flat range is cut into TILE-element pieces. 16384 fp32 is 64 KiB per stream, so the
+// five to seven streams of one tile (~400 KiB) stay in L2 while a thread works on it; tiles are also
+// the unit of the LAMB norm reduction, which is summed tile by tile in a fixed order, so the norms
+// do not depend on the number of threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu_ops.h"
+#include "isa.h"
+
+namespace lightning_zero {
+namespace cpu {
+namespace {
+
+constexpr int64_t TILE = 16384;
+
+KernelTable select_table(const std::string& isa) {
+  KernelTable tables[4];
+  const int n = supported_tables(tables, 4);
+  if (isa == "auto" || isa.empty()) return tables[0];
+  std::string have;
+  for (int i = 0; i < n; ++i) {
+    if (isa == tables[i].name) return tables[i];
+    have += (i ? ", " : "") + std::string(tables[i].name);
+  }
+  TORCH_CHECK_VALUE(false, "lightning_zero: CPU kernel path '", isa,
+                    "' is not supported by this CPU or build; supported: ", have,
+                    " (or 'auto'). Unset LIGHTNING_ZERO_CPU_ISA or pick one of those.");
+}
+
+void check_flat(const at::Tensor& t, const char* name, int64_t numel, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "lightning_zero: ", name, " must be a CPU tensor, got ",
+                    t.device(), "; use FusedAdam/FusedLamb for device tensors");
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, "lightning_zero: ", name, " must be ", dtype,
+                    ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == numel, "lightning_zero: ", name, " has ", t.numel(),
+                    " elements but param has ", numel, "; pass tensors of the same size");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "lightning_zero: ", name,
+                    " must be contiguous; call .contiguous() on it (and write the result back)");
+}
+
+void check_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                 int64_t step) {
+  TORCH_CHECK_VALUE(lr >= 0.0, "lightning_zero: lr must be >= 0, got ", lr);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "lightning_zero: beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "lightning_zero: beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(eps >= 0.0, "lightning_zero: eps must be >= 0, got ", eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0, "lightning_zero: weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK_VALUE(step >= 1, "lightning_zero: step counts from 1 (the step being taken), got ", step);
+}
+
+// Bias corrections in double, as torch computes them in Python floats, then rounded once.
+Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                 int64_t step, bool adamw_mode, bool bias_correction, double grad_scale, bool lamb) {
+  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, double(step)) : 1.0;
+  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, double(step)) : 1.0;
+  Hyper h;
+  h.beta2 = float(beta2);
+  h.one_minus_beta1 = float(1.0 - beta1);
+  h.one_minus_beta2 = float(1.0 - beta2);
+  h.eps = float(eps);
+  h.weight_decay = float(weight_decay);
+  h.grad_scale = float(grad_scale);
+  h.update_scale = float((lamb ? 1.0 : lr) / bc1);
+  h.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));
+  h.decay = float(1.0 - lr * weight_decay);
+  h.adamw_mode = adamw_mode ? 1 : 0;
+  return h;
+}
+
+Buffers make_buffers(const at::Tensor& param, const at::Tensor* grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_copy) {
+  const int64_t n = param.numel();
+  check_flat(param, "param", n, at::kFloat);
+  if (grad) check_flat(*grad, "grad", n, at::kFloat);
+  const at::ScalarType sd = exp_avg.scalar_type();
+  TORCH_CHECK_VALUE(sd == at::kFloat || sd == at::kBFloat16,
+                    "lightning_zero: exp_avg must be float32 or bfloat16, got ", sd);
+  check_flat(exp_avg, "exp_avg", n, sd);
+  check_flat(exp_avg_sq, "exp_avg_sq (must match exp_avg's dtype)", n, sd);
+  Buffers b;
+  b.param = param.data_ptr<float>();
+  b.grad = grad ? grad->data_ptr<float>() : nullptr;
+  b.exp_avg = exp_avg.data_ptr();
+  b.exp_avg_sq = exp_avg_sq.data_ptr();
+  b.state_dtype = sd == at::kBFloat16 ? StateDtype::kBFloat16 : StateDtype::kFloat32;
+  b.param_copy = nullptr;
+  b.copy_dtype = CopyDtype::kNone;
+  if (param_copy.has_value()) {
+    const at::ScalarType cd = param_copy->scalar_type();
+    TORCH_CHECK_VALUE(cd == at::kBFloat16 || cd == at::kHalf,
+                      "lightning_zero: param_copy must be bfloat16 or float16, got ", cd);
+    check_flat(*param_copy, "param_copy", n, cd);
+    b.param_copy = static_cast<uint16_t*>(param_copy->data_ptr());
+    b.copy_dtype = cd == at::kBFloat16 ? CopyDtype::kBFloat16 : CopyDtype::kFloat16;
+  }
+  return b;
+}
+
+// Tiles of [0, n) that never cross a segment boundary, so each tile's norm belongs to one segment.
+struct Tile {
+  int64_t segment, begin, end;
+};
+
+std::vector<Tile> segment_tiles(const at::Tensor& offsets, int64_t n) {
+  TORCH_CHECK_VALUE(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong &&
+                        offsets.dim() == 1 && offsets.numel() >= 2,
+                    "lightning_zero: segment_offsets must be a 1-D int64 CPU tensor [0, ..., n] with "
+                    "at least 2 entries, got ", offsets.scalar_type(), " of shape ", offsets.sizes());
+  const at::Tensor off = offsets.contiguous();
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t s = off.numel() - 1;
+  TORCH_CHECK_VALUE(o[0] == 0 && o[s] == n, "lightning_zero: segment_offsets must start at 0 and end ",
+                    "at param.numel()=", n, ", got ", o[0], " and ", o[s]);
+  std::vector<Tile> tiles;
+  for (int64_t i = 0; i < s; ++i) {
+    TORCH_CHECK_VALUE(o[i] <= o[i + 1], "lightning_zero: segment_offsets must be non-decreasing, got ",
+                      o[i], " then ", o[i + 1], " at index ", i);
+    for (int64_t b = o[i]; b < o[i + 1]; b += TILE) tiles.push_back({i, b, std::min(b + TILE, o[i + 1])});
+  }
+  return tiles;
+}
+
+}  // namespace
+
+std::vector<std::string> cpu_supported_isas() {
+  KernelTable tables[4];
+  const int n = supported_tables(tables, 4);
+  std::vector<std::string> names;
+  for (int i = 0; i < n; ++i) names.emplace_back(tables[i].name);
+  return names;
+}
+
+void cpu_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_copy,
+                   double lr, double beta1, double beta2, double eps, double weight_decay,
+                   int64_t step, bool adamw_mode, bool bias_correction, double grad_scale,
+                   c10::string_view isa) {
+  check_hyper(lr, beta1, beta2, eps, weight_decay, step);
+  const KernelTable k = select_table(std::string(isa));
+  const Buffers b = make_buffers(param, &grad, exp_avg, exp_avg_sq, param_copy);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, adamw_mode,
+                             bias_correction, grad_scale, false);
+  const int64_t n = param.numel();
+  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) k.adam(b, t * TILE, std::min(n, (t + 1) * TILE), h);
+  });
+}
+
+at::Tensor cpu_lamb_moments(const at::Tensor& param, const at::Tensor& grad,
+                            const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                            const at::Tensor& segment_offsets, double beta1, double beta2,
+                            double eps, double weight_decay, int64_t step, bool bias_correction,
+                            double grad_scale, c10::string_view isa) {
+  check_hyper(0.0, beta1, beta2, eps, weight_decay, step);
+  const KernelTable k = select_table(std::string(isa));
+  const Buffers b = make_buffers(param, &grad, exp_avg, exp_avg_sq, c10::nullopt);
+  const Hyper h = make_hyper(0.0, beta1, beta2, eps, weight_decay, step, true, bias_correction,
+                             grad_scale, true);
+  const std::vector<Tile> tiles = segment_tiles(segment_offsets, param.numel());
+  std::vector<double> partial(2 * tiles.size(), 0.0);
+  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      k.lamb_moments(b, tiles[t].begin, tiles[t].end, h, &partial[2 * t]);
+  });
+  std::vector<double> sums(2 * (segment_offsets.numel() - 1), 0.0);
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    sums[2 * tiles[t].segment] += partial[2 * t];
+    sums[2 * tiles[t].segment + 1] += partial[2 * t + 1];
+  }
+  at::Tensor out = at::empty({segment_offsets.numel() - 1, 2}, param.options());
+  float* o = out.data_ptr<float>();
+  for (size_t i = 0; i < sums.size(); ++i) o[i] = float(sums[i]);
+  return out;
+}
+
+void cpu_lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg,
+                    const at::Tensor& exp_avg_sq, const at::Tensor& segment_offsets,
+                    const at::Tensor& trust_ratio, const c10::optional<at::Tensor>& param_copy,
+                    double lr, double beta1, double beta2, double eps, double weight_decay,
+                    int64_t step, bool bias_correction, c10::string_view isa) {
+  check_hyper(lr, beta1, beta2, eps, weight_decay, step);
+  const KernelTable k = select_table(std::string(isa));
+  const Buffers b = make_buffers(param, nullptr, exp_avg, exp_avg_sq, param_copy);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, true, bias_correction,
+                             1.0, true);
+  const std::vector<Tile> tiles = segment_tiles(segment_offsets, param.numel());
+  check_flat(trust_ratio, "trust_ratio", segment_offsets.numel() - 1, at::kFloat);
+  const float* trust = trust_ratio.data_ptr<float>();
+  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      k.lamb_apply(b, tiles[t].begin, tiles[t].end, h, float(lr) * trust[tiles[t].segment]);
+  });
+}
+
+}  // namespace cpu
+}  // namespace lightning_zero

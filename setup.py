@@ -1,0 +1,80 @@
+"""Build of the compiled part of lightning_zero (``lightning_zero._C``); all metadata is in pyproject.toml.
+
+* C++ always (csrc/ops.cpp, csrc/cpu/*.cpp): the AVX-512 and AVX2 kernels are compiled from their
+  own translation units with ``#pragma GCC target`` inside them, so the library runs on any x86-64
+  and picks the path at run time; no ``-march=native`` (the wheel must run on other machines).
+* CUDA (csrc/cuda/*.cu) when torch is a CUDA build and a CUDA toolkit (nvcc) is found; set
+  ``LIGHTNING_ZERO_NO_CUDA=1`` to skip it.
+* Never fatal: without torch, a compiler or ninja the build prints why and installs the pure-Python
+  package; lightning_zero.ops then uses its PyTorch reference implementations (with a warning).
+
+Build with ``pip install --no-build-isolation -e .`` so the extension is compiled against the torch
+already installed (an isolated build would download another torch).
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _warn(msg):
+    print(f"lightning_zero setup: {msg}", file=sys.stderr)
+
+
+def _sources(pattern):
+    # relative paths: setuptools rejects absolute source paths in editable installs
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+def _extensions():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as exc:  # metadata-only invocations (sdist) or a missing torch
+        _warn(f"torch not importable ({exc}); building without the compiled ops")
+        return [], {}
+    cxx = ["-O3", "-fvisibility=hidden", "-Wall"]
+    sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
+    use_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("LIGHTNING_ZERO_NO_CUDA", "0") != "1"
+    )
+    kwargs = dict(name="lightning_zero._C", sources=sources, extra_compile_args={"cxx": cxx},
+                  py_limited_api=False)
+    if use_cuda:
+        kwargs["sources"] = sources + _sources("csrc/cuda/*.cu")
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo"]
+        ext = cpp_extension.CUDAExtension(**kwargs)
+    else:
+        ext = cpp_extension.CppExtension(**kwargs)
+    _warn(f"building lightning_zero._C ({'C++ + CUDA' if use_cuda else 'C++ only'})")
+    return [ext], {"build_ext": _optional(cpp_extension.BuildExtension)}
+
+
+def _optional(base):
+    """Wrap torch's BuildExtension so that a failed compile leaves a working pure-Python package."""
+
+    class OptionalBuildExtension(base):
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - any compiler failure must not fail the install
+                _warn(f"compiling lightning_zero._C failed ({exc}); "
+                      "lightning_zero.ops will use the PyTorch reference implementations")
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                _warn(f"compiling {ext.name} failed ({exc}); continuing without it")
+
+    return OptionalBuildExtension.with_options(use_ninja=True) if hasattr(base, "with_options") else OptionalBuildExtension
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
