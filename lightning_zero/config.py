@@ -47,6 +47,7 @@ class ZeroConfig:
     stage: int = 2
     """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
 
+
     reduce_bucket_size: int = 25_000_000
     """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
     fewer, more efficient collectives and more transient memory; smaller ones overlap earlier."""
@@ -59,6 +60,17 @@ class ZeroConfig:
     """Launch a bucket's reduction as soon as it is full, during backward (asynchronously; on a GPU
     on a side stream). False reduces everything after backward: easier to debug, slower."""
 
+    prefetch_bucket_size: int = 50_000_000
+    """Stage 3: most elements of parameters all-gathered ahead of the module that needs them, along
+    the execution order recorded on the previous step."""
+
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with at most this many elements stay whole on every rank (sharded only in
+    their optimizer states and gradients, as in stage 2): gathering them costs more than they save."""
+
+    max_live_parameters: int = 1_000_000_000
+    """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
+
     allow_untested_optimizer: bool = False
     """Accept an optimizer class that is not known to be elementwise. ZeRO steps each rank's flat
     slice independently, which is only exact for optimizers whose update of an element depends on
@@ -69,17 +81,21 @@ class ZeroConfig:
             raise ValueError(
                 "stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead."
             )
-        if self.stage not in (1, 2):
-            if self.stage == 3:
-                raise ValueError("stage=3 (parameter sharding) is not available yet; use stage=1 or stage=2.")
-            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1 or 2.")
-        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1, 2 or 3.")
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(
                     f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000); "
                     "smaller buckets use less memory, larger ones fewer collectives."
                 )
+        threshold = self.param_persistence_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(
+                f"param_persistence_threshold={threshold!r} must be an integer >= 0 (elements); 0 shards "
+                "every parameter, DeepSpeed's default is 100_000."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

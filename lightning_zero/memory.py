@@ -43,7 +43,8 @@ def memory_breakdown(module: nn.Module, engine, device: torch.device) -> dict[st
     """
     counter = _Counter(device)
     if engine is not None:
-        counter.add("parameters", (b.flat_param for b in engine.buffers))
+        every = engine.buffers + engine.frozen
+        counter.add("parameters", (b.flat_param if b.persistent else b.param_shard for b in every))
         counter.add("master_weights", (b.master for b in engine.buffers if b.separate_master))
         persistent = engine.config.stage == 1
         counter.add("gradients", (b.grad_bucket for b in engine.buffers if persistent))

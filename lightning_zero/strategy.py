@@ -22,6 +22,7 @@ optimizer state, so plain (DDP) and ZeRO checkpoints load into each other.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional
@@ -32,9 +33,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_zero import comm
+from lightning_zero.checkpoint import load as ckpt_load
+from lightning_zero.checkpoint import pieces as ckpt_pieces
+from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.config import LossScaleConfig, ZeroConfig, normalize_precision
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.precision import OffloadPrecision
@@ -45,13 +49,16 @@ if TYPE_CHECKING:
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO stage 1 or 2 over the data-parallel ranks.
+    """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
     Args:
-        stage: 1 shards fp32 master weights and optimizer states; 2 also shards gradients.
+        stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
         reduce_bucket_size: elements per gradient bucket (one flat buffer, one reduce-scatter).
         allgather_bucket_size: most elements of parameter all-gathers in flight after a step.
         overlap_comm: reduce buckets during backward as they fill (False: after backward).
+        prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order.
+        param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
+        max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
             :func:`lightning_zero.zero.optimizer.check_optimizer`).
         loss_scale: dynamic loss-scaling options for "16-mixed".
@@ -66,6 +73,9 @@ class ZeroStrategy(DDPStrategy):
         reduce_bucket_size: int = 25_000_000,
         allgather_bucket_size: int = 50_000_000,
         overlap_comm: bool = True,
+        prefetch_bucket_size: int = 50_000_000,
+        param_persistence_threshold: int = 100_000,
+        max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         loss_scale: Optional[LossScaleConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -82,6 +92,9 @@ class ZeroStrategy(DDPStrategy):
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
             overlap_comm=overlap_comm,
+            prefetch_bucket_size=prefetch_bucket_size,
+            param_persistence_threshold=param_persistence_threshold,
+            max_live_parameters=max_live_parameters,
             allow_untested_optimizer=allow_untested_optimizer,
         )
         self._loss_scale = loss_scale
@@ -128,15 +141,26 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.model_to_device()
+        module = self.lightning_module
+        stage3 = self.zero_config.stage == 3
+        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+        if on_meta and not stage3:
+            raise ValueError(
+                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
+                f"this strategy runs stage {self.zero_config.stage}. Use stage=3 or build the model on a real device."
+            )
+        if not on_meta:
+            self.model_to_device()
         precision = self.precision_plugin
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._engine = None
         if fitting:
             self.setup_optimizers(trainer)
+        if fitting or stage3:
+            # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
             self._engine = ZeroEngine(
-                self.lightning_module,
-                self.optimizers,
+                module,
+                self.optimizers if fitting else [],
                 self.zero_config,
                 precision.compute_dtype,
                 precision.separate_master,
@@ -144,21 +168,74 @@ class ZeroStrategy(DDPStrategy):
                 self.root_device,
             )
         else:
-            module = self.lightning_module
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group)
+        if on_meta:
+            self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)
-        precision.attach(self._engine, self.root_device)
+        precision.attach(self._engine if fitting else None, self.root_device)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def teardown(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
-        # writes the unsharded optimizer state; the next setup replaces it.
+        # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
+        # whole again, so the model is usable after fit; not after a failure, because gathering is a
+        # collective that a crashed rank would never join.
         if self._engine is not None:
-            self._engine.close()
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
+            self._engine.close(unshard=finished)
         self.precision_plugin.attach(None, self.root_device)
         super().teardown()
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: ``configure_model`` builds on the meta device; setup materializes module by module."""
+        if self.zero_config.stage != 3:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: Optional[torch.nn.Module] = None, modifier_rank: Optional[int] = None
+    ) -> Generator[None, None, None]:
+        """Inside the block, ``module`` (default: the LightningModule) has its full parameters on every
+        rank, under stage 3 too. Edits made on rank ``modifier_rank`` (e.g. loading pretrained
+        weights there) are written back into every rank's shards and fp32 masters. Call on all ranks."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.gathered_parameters(module or self.lightning_module, modifier_rank):
+            yield
+
+    def _end_pass(self) -> None:
+        if self._engine is not None:
+            self._engine.end_forward_backward()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._end_pass()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            self._end_pass()
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._end_pass()
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            self._end_pass()
 
     # -- training hooks ---------------------------------------------------------------------------
 
@@ -183,33 +260,62 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         return memory_breakdown(self.lightning_module, self._engine, self.root_device)
 
-    # -- checkpoints ------------------------------------------------------------------------------
+    # -- checkpoints: sharded directories (lightning_zero.checkpoint) -----------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints load into the engine's slices, so after setup has built the engine (stage 3
+        # models may not even exist whole before that).
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Only the tensors ZeRO does not partition (frozen parameters, buffers): ``save_checkpoint``
+        writes the partitioned parameters from every rank's own slices."""
+        assert self.lightning_module is not None
+        return ckpt_pieces.non_partitioned_state_dict(
+            self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine, self.optimizers)
+        )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Unsharded optimizer state on rank 0 (``{}`` elsewhere). Called on all ranks."""
+        """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
         if self._engine is None or self._engine.find(optimizer) is None:
             return super().optimizer_state(optimizer)
-        return self._engine.optimizer_state_dict(optimizer)
+        assert self.lightning_module is not None
+        return ckpt_save.optimizer_groups(self.lightning_module, self._engine, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`)."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO.")
+        assert self.lightning_module is not None
+        ckpt_save.save_sharded(
+            checkpoint, filepath, self.lightning_module, self._engine, self.optimizers, self.precision_plugin.precision
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            ckpt_save.remove_sharded(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
+        plain = super().load_checkpoint
+        return ckpt_load.load_checkpoint(checkpoint_path, weights_only, self.global_rank, lambda p: plain(p, weights_only))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        ckpt_load.load_model(checkpoint, self.lightning_module, self._engine, self.optimizers, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"the checkpoint has {len(states)} optimizer states but configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            if self._engine is not None and self._engine.find(optimizer) is not None:
-                self._engine.load_optimizer_state_dict(optimizer, state)
-            else:
-                optimizer.load_state_dict(state)
+        assert self.lightning_module is not None
+        ckpt_load.load_optimizers(checkpoint, self.lightning_module, self._engine, self.optimizers)
+        for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
 
     # -- registration -------------------------------------------------------------------------------
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             strategy_registry.register(
                 f"zero{stage}",
                 cls,

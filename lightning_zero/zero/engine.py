@@ -1,5 +1,5 @@
 """The ZeRO engine: builds the flat buffers of every optimizer of a model and drives the data path
-(partition -> reduce -> step -> publish) for stages 1 and 2.
+(partition -> gather -> reduce -> step -> publish) for stages 1, 2 and 3.
 
 The strategy calls, per optimizer step::
 
@@ -13,20 +13,20 @@ The strategy calls, per optimizer step::
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.gather import publish
+from lightning_zero.zero.hooks import GatherCoordinator, scatter_back
 from lightning_zero.zero.optimizer import ShardedOptimizer, check_optimizer
-from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 from lightning_zero.zero.reduce import GradReducer
-
-_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -57,60 +57,41 @@ class ZeroEngine:
         group: comm.ProcessGroup,
         device: torch.device,
     ) -> None:
+        optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
-            check_optimizer(_unwrap(optimizer), config.allow_untested_optimizer)
+            check_optimizer(optimizer, config.allow_untested_optimizer)
         self.config = config
         self.group = group
         self.device = device
         self.world_size = comm.world_size(group)
         self.rank = comm.rank(group)
-        # Every rank starts from rank 0's weights, as DDP does when it wraps a module.
-        comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group)
-
+        owners = optimizer_owners(optimizers)
+        ctx = BuildContext(config, compute_dtype, separate_master, group, device)
+        self.frozen: list[FlatBuffer] = []
+        if config.stage == 3:
+            per_optimizer, self.frozen = build_sharded(module, optimizers, owners, ctx)
+        else:
+            # Every rank starts from rank 0's weights, as DDP does when it wraps a module.
+            comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group)
+            per_optimizer = build_bucketed(optimizers, ctx)
         self.sharded: dict[int, ShardedOptimizer] = {}
         self.buffers: list[FlatBuffer] = []
-        seen: set[int] = set()
-        for optimizer in map(_unwrap, optimizers):
-            buffers = self._build_buffers(optimizer, seen, compute_dtype, separate_master)
+        for optimizer, buffers in zip(optimizers, per_optimizer):
             self.buffers.extend(buffers)
             self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, buffers, group)
         self.reducer = GradReducer(self.buffers, config.stage, group, device, config.overlap_comm)
+        self.coordinator: Optional[GatherCoordinator] = None
+        if config.stage == 3:
+            self.coordinator = GatherCoordinator(module, self.buffers + self.frozen, config, group)
         self._norms: dict[int, torch.Tensor] = {}
 
-        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
-        if orphans:
+        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]
+        if orphans and optimizers:
             warnings.warn(
                 f"{len(orphans)} trainable parameters are in no optimizer (e.g. {orphans[:3]}); ZeRO neither "
                 "reduces nor updates them. Freeze them (requires_grad=False) or add them to an optimizer.",
                 stacklevel=2,
             )
-
-    def _build_buffers(
-        self, optimizer: torch.optim.Optimizer, seen: set[int], dtype: torch.dtype, separate_master: bool
-    ) -> list[FlatBuffer]:
-        buffers = []
-        for g_index, param_group in enumerate(optimizer.param_groups):
-            # Autograd produces gradients roughly in reverse registration order: bucket that way.
-            params = [p for p in reversed(param_group["params"]) if p.requires_grad]
-            for param in params:
-                if id(param) in seen:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} appears in two optimizers or parameter groups; "
-                        "give each parameter to exactly one."
-                    )
-                if param.dtype not in _SUPPORTED_PARAM_DTYPES:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} has dtype {param.dtype}; ZeRO supports "
-                        f"{[str(d) for d in _SUPPORTED_PARAM_DTYPES]}. Convert the model or freeze the parameter."
-                    )
-                seen.add(id(param))
-            for run in plan_buckets([p.numel() for p in params], self.config.reduce_bucket_size):
-                run_params = [params[i] for i in run]
-                layout = layout_flat_buffer([p.shape for p in run_params], self.world_size)
-                buffers.append(
-                    FlatBuffer(run_params, layout, self.rank, g_index, dtype, self.device, separate_master)
-                )
-        return buffers
 
     # -- per micro-step -----------------------------------------------------------------------
 
@@ -121,6 +102,31 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """Complete this backward's reductions. Call on all ranks after every backward."""
         self.reducer.finish()
+        self.end_forward_backward()
+
+    def end_forward_backward(self) -> None:
+        """Stage 3: release what is still gathered; this pass's module order plans the next one."""
+        if self.coordinator is not None:
+            self.coordinator.end_step()
+
+    @contextmanager
+    def gathered_parameters(self, module: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Full parameters of ``module`` inside the block (stage 3; a no-op otherwise). Edits made by
+        group rank ``modifier_rank`` are scattered back into every rank's shards and fp32 masters.
+        Call on all ranks."""
+        ids = {id(p) for p in module.parameters()}
+        # Whole parameters (stage 1/2, small ones under stage 3) are edited in place as well.
+        persistent = [b for b in self.buffers if b.persistent and any(id(p) in ids for p in b.params)]
+        sharded = self.coordinator.gathered_buffers(module) if self.coordinator is not None else []
+        if self.coordinator is not None:
+            self.coordinator.acquire(sharded)
+        try:
+            yield
+            if modifier_rank is not None:
+                scatter_back(sharded + persistent, modifier_rank, self.group)
+        finally:
+            if self.coordinator is not None:
+                self.coordinator.drop(sharded)
 
     # -- per optimizer step -------------------------------------------------------------------
 
@@ -180,6 +186,13 @@ class ZeroEngine:
     def find(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:
         return self.sharded.get(id(_unwrap(optimizer)))
 
-    def close(self) -> None:
-        """Remove the gradient hooks (the parameters stay views of the flat buffers)."""
+    def close(self, unshard: bool = True) -> None:
+        """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
+        whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
         self.reducer.remove_hooks()
+        if self.coordinator is not None:
+            self.coordinator.remove_hooks()
+            if unshard:
+                for buffer in self.buffers + self.frozen:
+                    buffer.unshard(self.group)
+            self.coordinator = None

@@ -1,12 +1,12 @@
-"""Steps 2 and 5 of the data path, **gather** and **publish**: slices back into whole parameters.
+"""Step 5 of the data path, **publish**: updated slices back into whole parameters.
 
-Stages 1 and 2 keep whole parameters on every rank. After the optimizer updated this rank's slice,
+Stages 1 and 2 (and small, persistent parameters under stage 3) keep whole parameters on every rank. After the optimizer updated this rank's slice,
 each flat buffer is all-gathered in place: the input is this rank's slice of ``flat_param`` and the
 output is ``flat_param`` itself, so the parameters (views into it) are current again without an
 extra copy. At most ``allgather_bucket_size`` elements are in flight at once.
 
-(Stage 3, which gathers parameters before each module's forward and backward, builds on the same
-in-place all-gather.)
+Under stage 3 the updated slice only replaces ``param_shard``; :mod:`~lightning_zero.zero.hooks`
+gathers it before the module's next forward.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def publish(buffers: list[FlatBuffer], group: comm.ProcessGroup, max_in_flight: 
     issued = 0
     for buffer in buffers:
         buffer.publish_master()
+        if not buffer.persistent:
+            continue  # stage 3: the updated shard is gathered when a module next needs it
         numel = buffer.layout.padded_numel
         while in_flight and issued + numel > max_in_flight:
             handle, done_numel = in_flight.popleft()

@@ -111,6 +111,8 @@ class GradReducer:
             self.side.keep_alive(grad)
         param.grad = None
         buffer.arrived.add(p_index)
+        if buffer.complete:
+            buffer.release()  # stage 3: its parameters are not needed again in this backward
         if self._reducing and self.overlap_comm:
             self._launch(only_complete=True)
 

@@ -1,8 +1,9 @@
 """A tiny LightningModule with every hazard the ZeRO parity tests need, and the run helpers.
 
 Odd shapes (7, 15) so that flat-buffer slices cut through parameters; a weight tied between the
-embedding and the output head; a frozen layer; a parameter never used in forward; two optimizer
-parameter groups with their own hyperparameters; an LR scheduler stepped every optimizer step.
+embedding and the output head; a frozen layer; a parameter never used in forward; modules called
+twice in one forward; two optimizer parameter groups with their own hyperparameters; an LR
+scheduler stepped every optimizer step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class ParityModel(pl.LightningModule):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.frozen(self.embed(tokens))
-        x = x + self.down(torch.tanh(self.up(x)))
+        for _ in range(2):  # the same modules called twice in one forward
+            x = x + self.down(torch.tanh(self.up(x)))
         return self.head(self.norm(x))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -15,6 +15,11 @@ from models import fit, state
 pytestmark = pytest.mark.distributed
 
 
+# Stage 3 with a persistence threshold of 10 elements: every weight matrix, the frozen layer and the
+# unused parameter are sharded, the biases and LayerNorm stay whole; a small prefetch window.
+ZERO3 = {"stage": 3, "param_persistence_threshold": 10, "prefetch_bucket_size": 200, "reduce_bucket_size": 40}
+
+
 def _parity_worker(rank: int, specs: list, precision: str, optimizer: str) -> dict:
     import lightning.pytorch as pl
 
@@ -34,11 +39,11 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fp32_matches_ddp(optimizer):
-    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2, "reduce_bucket_size": 40})]
+    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2, "reduce_bucket_size": 40}), ("zero3", ZERO3)]
     results = run_ranks(_parity_worker, specs, "32-true", optimizer)
     for rank, res in enumerate(results):
         ref = res["ddp"]
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             got = res[name]
             assert got["steps"] == ref["steps"] == 6
             # fp32: the only differences are summation order (reduce-scatter of flat buckets vs
@@ -56,11 +61,11 @@ def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_bf16_mixed_matches_ddp():
-    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2})]
+    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2}), ("zero3", ZERO3)]
     results = run_ranks(_parity_worker, specs, "bf16-mixed", "adamw")
     for rank, res in enumerate(results):
         ref = res["ddp"]
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             got = res[name]
             # Both runs compute in bf16 under autocast; ZeRO additionally stores parameters and
             # gradients in bf16 (DDP keeps them fp32), i.e. one extra rounding of 2**-9 relative on

@@ -17,7 +17,10 @@ from lightning_zero.zero.optimizer import check_optimizer
     [
         ({"stage": 0}, "strategy='ddp'"),
         ({"stage": 4}, "stage=4"),
-        ({"stage": 3}, "stage=3"),
+        ({"stage": True}, "stage=True"),
+        ({"param_persistence_threshold": -1}, "param_persistence_threshold=-1"),
+        ({"prefetch_bucket_size": 0}, "prefetch_bucket_size=0"),
+        ({"max_live_parameters": -2}, "max_live_parameters=-2"),
         ({"stage": "2"}, "stage='2'"),
         ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
         ({"reduce_bucket_size": -5}, "reduce_bucket_size=-5"),

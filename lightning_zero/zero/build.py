@@ -1,0 +1,146 @@
+"""Turning a model and its optimizers into flat buffers (the tensors behind step 1, partition).
+
+Stages 1 and 2 pack each optimizer parameter group, in reverse registration order (the order
+autograd produces gradients), into buckets of ``reduce_bucket_size`` elements; the parameters stay
+whole on every rank (persistent buffers).
+
+Stage 3 walks the modules in registration order and gives each module's own parameters a sharded
+buffer per optimizer parameter group (frozen parameters get one too, without master or gradients):
+the unit that is gathered before the module runs. Parameters of at most
+``param_persistence_threshold`` elements stay whole, in stage-2 buckets. A module whose parameters
+are on the meta device (built in ``LightningModule.configure_model`` under stage 3) is materialized
+here, one module at a time: its tensors are allocated on the device, its ``reset_parameters()``
+initializes them, rank 0's values are broadcast, the rank keeps its slice and the full tensors are
+freed before the next module, so no rank ever holds more than its shards plus one module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_zero import comm
+from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
+
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class BuildContext:
+    """What every buffer of one engine shares."""
+
+    def __init__(self, config: ZeroConfig, dtype: torch.dtype, separate_master: bool, group, device: torch.device) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.separate_master = separate_master
+        self.group = group
+        self.device = device
+        self.rank = comm.rank(group)
+        self.world_size = comm.world_size(group)
+
+    def buffer(self, params: list[nn.Parameter], group: Optional[int], persistent: bool) -> FlatBuffer:
+        layout = layout_flat_buffer([p.shape for p in params], self.world_size)
+        return FlatBuffer(params, layout, self.rank, group, self.dtype, self.device, self.separate_master, persistent)
+
+    def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:
+        runs = plan_buckets([p.numel() for p in params], self.config.reduce_bucket_size)
+        return [self.buffer([params[i] for i in run], group, persistent=True) for run in runs]
+
+
+def optimizer_owners(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple[int, int]]:
+    """``id(param) -> (optimizer index, group index)`` of every trainable parameter; rejects duplicates
+    and unsupported dtypes with a ValueError before anything is allocated."""
+    owners: dict[int, tuple[int, int]] = {}
+    for o_index, optimizer in enumerate(optimizers):
+        for g_index, param_group in enumerate(optimizer.param_groups):
+            for param in param_group["params"]:
+                if not param.requires_grad:
+                    continue
+                if id(param) in owners:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(param.shape)} appears in two optimizers or parameter groups; "
+                        "give each parameter to exactly one."
+                    )
+                if param.dtype not in _SUPPORTED_PARAM_DTYPES:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(param.shape)} has dtype {param.dtype}; ZeRO supports "
+                        f"{[str(d) for d in _SUPPORTED_PARAM_DTYPES]}. Convert the model or freeze the parameter."
+                    )
+                owners[id(param)] = (o_index, g_index)
+    return owners
+
+
+def build_bucketed(optimizers: list[torch.optim.Optimizer], ctx: BuildContext) -> list[list[FlatBuffer]]:
+    """Stages 1 and 2: per optimizer, its buffers."""
+    out = []
+    for optimizer in optimizers:
+        buffers = []
+        for g_index, param_group in enumerate(optimizer.param_groups):
+            params = [p for p in reversed(param_group["params"]) if p.requires_grad]
+            buffers.extend(ctx.buckets(params, g_index))
+        out.append(buffers)
+    return out
+
+
+def materialize(name: str, module: nn.Module, device: torch.device) -> None:
+    """Allocate a module's own meta tensors on ``device`` and initialize them with its
+    ``reset_parameters()``. Parameter objects keep their identity (optimizers and ties hold them)."""
+    metas = [p for p in module._parameters.values() if p is not None and p.is_meta]
+    meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+    if not metas and not meta_buffers:
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if metas and not callable(reset):
+        raise ValueError(
+            f"module {name or '<root>'} ({type(module).__name__}) was built on the meta device (configure_model "
+            "under stage 3) but has no reset_parameters() to initialize its parameters; give it one, or build "
+            "the model in __init__ instead."
+        )
+    for param in metas:
+        real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, real)
+    for buffer_name in meta_buffers:
+        meta = module._buffers[buffer_name]
+        module._buffers[buffer_name] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    if callable(reset):
+        with torch.no_grad():
+            reset()
+
+
+def build_sharded(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], owners: dict[int, tuple[int, int]], ctx: BuildContext
+) -> tuple[list[list[FlatBuffer]], list[FlatBuffer]]:
+    """Stage 3: per optimizer its buffers (sharded units in reverse module order, then persistent
+    buckets), and the sharded buffers of frozen parameters."""
+    sharded: list[list[FlatBuffer]] = [[] for _ in optimizers]
+    persistent: dict[tuple[int, int], list[nn.Parameter]] = {}
+    frozen: list[FlatBuffer] = []
+    claimed: set[int] = set()
+    threshold = ctx.config.param_persistence_threshold
+    for name, sub in module.named_modules():
+        materialize(name, sub, ctx.device)
+        own = [p for p in sub._parameters.values() if p is not None and id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        # Every rank must start from the same weights (rank 0's), as DDP does; module by module so
+        # that only one module is ever whole.
+        comm.broadcast_tensors([p.data for p in own] + [b for b in sub._buffers.values() if b is not None], ctx.group)
+        units: dict[Optional[tuple[int, int]], list[nn.Parameter]] = {}
+        for param in own:
+            key = owners.get(id(param))
+            if not param.is_floating_point():
+                continue
+            if param.numel() <= threshold:
+                if key is not None:
+                    persistent.setdefault(key, []).append(param)
+                continue  # small frozen parameters stay whole and untouched
+            units.setdefault(key, []).append(param)
+        for key, params in units.items():
+            buffer = ctx.buffer(params, None if key is None else key[1], persistent=False)
+            (frozen if key is None else sharded[key[0]]).append(buffer)
+    out = [list(reversed(buffers)) for buffers in sharded]
+    for (o_index, g_index), params in persistent.items():
+        out[o_index].extend(ctx.buckets(list(reversed(params)), g_index))
+    return out, frozen
