@@ -1,0 +1,1 @@
+"""BERT pretraining recipe: masked language modelling (and optional next-sentence prediction)."""

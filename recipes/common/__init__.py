@@ -1,0 +1,1 @@
+"""Code shared by the GPT-2 and BERT recipes: corpora, tokenizers, the token cache, optimizers, FLOPs."""

@@ -1,0 +1,55 @@
+"""The LightningCLI of the recipes, and the throughput callback the configs name.
+
+``train.py`` of each recipe is ``RecipeCLI(Module, DataModule)``. The CLI imports ``lightning_zero`` so
+that its strategy names (``zero1``, ``zero2``, ...) are registered before the trainer is built, and
+checks the model against the data (sequence length vs context) before any tokenizing or training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.cli import LightningCLI
+
+from recipes.common.data import batch_size, batch_tokens
+
+
+class TokenThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor for recipe batches: samples/s, tokens/s (``items_per_sec``), FLOP/s, MFU.
+
+    FLOPs come from the module's ``flops_per_batch``. Lightning knows the peak FLOP/s of common GPUs
+    (so MFU is logged there) but not of CPUs; ``peak_tflops`` gives the peak of one device (one
+    process) in dtype of the run, which turns on MFU anywhere.
+    """
+
+    def __init__(self, window_size: int = 20, peak_tflops: float | None = None) -> None:
+        super().__init__(batch_size_fn=batch_size, length_fn=batch_tokens, window_size=window_size)
+        self.peak_tflops = peak_tflops
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Build the throughput meters; override the device's peak FLOP/s when ``peak_tflops`` is given."""
+        super().setup(trainer, pl_module, stage)
+        if self.peak_tflops is not None:
+            self.available_flops = self.peak_tflops * 1e12
+            for meter in self._throughputs.values():
+                meter.available_flops = self.available_flops
+
+
+class RecipeCLI(LightningCLI):
+    """LightningCLI with the recipe defaults: config overwrite allowed, data checked before ``fit``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import lightning_zero  # noqa: F401  (registers the zero* strategy names)
+
+        # TF32 on Ampere+ for the fp32 parts of mixed precision; no effect on CPUs
+        torch.set_float32_matmul_precision("high")
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # the modules configure their own optimizer: no top-level optimizer/lr_scheduler options
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
+    def before_fit(self) -> None:
+        """Fail before tokenizing or training when the model cannot take the data's sequences."""
+        self.model.check_data(self.datamodule)

@@ -1,0 +1,94 @@
+"""The GPT-2 LightningModule: next-token loss, perplexity, FLOPs per batch, AdamW with cosine decay."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torchmetrics.text import Perplexity
+
+from recipes.common import optim
+from recipes.common.flops import transformer_training_flops
+from recipes.gpt2.model import GPT, GPTConfig
+
+
+class GPT2LM(LightningModule):
+    """Causal language modelling with ``recipes.gpt2.model.GPT``.
+
+    Logs ``train_loss`` every step, ``val_loss`` and ``val_ppl`` (torchmetrics Perplexity) per
+    validation. The model is built in ``configure_model`` so that sharding strategies can build it
+    where they want (Lightning calls that hook inside the strategy's context).
+
+    Args:
+        config: the model's sizes.
+        optimizer: optimizer and schedule (``name: adamw`` or ``lamb``).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig = GPTConfig(),  # noqa: B008 (frozen dataclass: a shared default is safe)
+        optimizer: optim.OptimizerConfig = optim.OptimizerConfig(),  # noqa: B008
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config, self.optimizer_config = config, optimizer
+        self.model: GPT | None = None
+        self.val_ppl = Perplexity(ignore_index=-100)
+        self.flops_per_batch = 0
+
+    def configure_model(self) -> None:
+        """Build the GPT (once; Lightning may call this again when restoring)."""
+        if self.model is None:
+            self.model = GPT(self.config)
+
+    def check_data(self, datamodule) -> None:
+        """ValueError when the data cannot feed this model: sequences too long or tokens outside the vocabulary."""
+        if datamodule.seq_len > self.config.block_size:
+            raise ValueError(
+                f"data.seq_len({datamodule.seq_len}) is above the model's context "
+                f"config.block_size({self.config.block_size}); lower data.seq_len or raise model.config.block_size"
+            )
+        vocab = datamodule.tokenizer.vocab_size
+        if vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} tokens but config.vocab_size is {self.config.vocab_size}; "
+                f"set model.config.vocab_size to at least {vocab} (50304 keeps matmuls aligned)"
+            )
+
+    def setup(self, stage: str) -> None:
+        """Check the data and compute the FLOPs of one micro-batch for the ThroughputMonitor."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is None:
+            return
+        self.check_data(datamodule)
+        c = self.config
+        self.flops_per_batch = transformer_training_flops(
+            batch=datamodule.batch_size,
+            seq=datamodule.seq_len,
+            n_layer=c.n_layer,
+            d_model=c.n_embd,
+            d_ff=4 * c.n_embd,
+            vocab=c.vocab_size,
+            head_positions=datamodule.batch_size * datamodule.seq_len,
+        )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) int64 -> logits (batch, seq, vocab_size)."""
+        return self.model(input_ids)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Mean next-token cross entropy of the micro-batch."""
+        loss = GPT.loss_fn(self.model(batch["input_ids"]), batch["labels"])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate validation loss and perplexity (reduced across ranks at the end of validation)."""
+        logits = self.model(batch["input_ids"])
+        self.log("val_loss", GPT.loss_fn(logits, batch["labels"]), prog_bar=True, sync_dist=True)
+        self.val_ppl.update(logits.float(), batch["labels"])
+        self.log("val_ppl", self.val_ppl)
+
+    def configure_optimizers(self) -> dict:
+        """The configured optimizer with a per-step warmup + decay schedule over ``trainer.max_steps``."""
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
+        return optim.configure(self.optimizer_config, self.model, int(total))
