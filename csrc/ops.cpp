@@ -40,8 +40,10 @@ void fused_adam_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   for (size_t i = 0; i < params.size(); ++i) {
     c10::optional<at::Tensor> copy;
     if (!param_copies.empty()) copy = param_copies[i];
-    cpu::cpu_adam_step(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], copy, lr, beta1, beta2,
-                       eps, weight_decay, step, adamw_mode, bias_correction, scale, "auto");
+    // 16-bit gradients (allowed by the CUDA kernel) are widened here: the CPU kernel reads fp32
+    cpu::cpu_adam_step(params[i], grads[i].to(at::kFloat).contiguous(), exp_avgs[i],
+                       exp_avg_sqs[i], copy, lr, beta1, beta2, eps, weight_decay, step,
+                       adamw_mode, bias_correction, scale, "auto");
   }
 }
 
@@ -58,9 +60,10 @@ at::Tensor fused_lamb_moments_cpu(at::TensorList params, at::TensorList grads,
   const double scale = read_scale(grad_scale);
   at::Tensor out = at::empty({int64_t(params.size()), 2}, at::kFloat);
   for (size_t i = 0; i < params.size(); ++i)
-    out[i].copy_(cpu::cpu_lamb_moments(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
-                                       whole(params[i]), beta1, beta2, eps, weight_decay, step,
-                                       bias_correction, scale, "auto")[0]);
+    out[i].copy_(cpu::cpu_lamb_moments(params[i], grads[i].to(at::kFloat).contiguous(),
+                                       exp_avgs[i], exp_avg_sqs[i], whole(params[i]), beta1,
+                                       beta2, eps, weight_decay, step, bias_correction, scale,
+                                       "auto")[0]);
   return out;
 }
 

@@ -1,0 +1,124 @@
+"""CPU Adam step throughput against torch, DeepSpeed (if installed) and the memory bandwidth.
+
+    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 2] [--repeats 5]
+
+An Adam step is memory bound: it reads param, grad, exp_avg, exp_avg_sq (4 x 4 bytes) and writes
+param, exp_avg, exp_avg_sq (3 x 4 bytes): 28 bytes per parameter. GB/s below is those bytes over
+the measured time, so a step that reaches the machine's bandwidth (measured in the same run with a
+STREAM-like in-place add, 12 bytes per element) cannot go faster without moving fewer bytes.
+
+The "fused pass" rows do the work of an offloaded mixed-precision step: unscale x clip the
+gradient, step, write a bf16 copy of the parameters for the device. Ours does it in one pass
+(28 + 2 bytes per parameter); torch needs grad.mul_, the fused AdamW step, and a copy (the bytes
+those passes move are counted as the same 30 so the times compare directly).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from lightning_zero.ops import functional as F
+from lightning_zero.ops._load import ISA_ENV, supported_isas
+
+ADAM_BYTES = 28
+FUSED_BYTES = 30
+
+
+def timed(fn, repeats: int) -> float:
+    """Best of ``repeats`` (after one warm-up): the least disturbed by the rest of the machine."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bandwidth(n: int, repeats: int) -> float:
+    a, b = torch.ones(n), torch.ones(n)
+    return 12 * n / timed(lambda: a.add_(b), repeats) / 1e9
+
+
+def ours(n, p, g, repeats, isa, fused_pass=False):
+    os.environ[ISA_ENV] = isa
+    m, v = torch.zeros(n), torch.zeros(n)
+    copy = torch.empty(n, dtype=torch.bfloat16) if fused_pass else None
+    state = {"step": 0}
+
+    def step():
+        state["step"] += 1
+        F.cpu_adam_step(p, g, m, v, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                        step=state["step"], grad_scale=0.5 if fused_pass else 1.0, param_copy=copy)
+
+    return timed(step, repeats)
+
+
+def torch_adamw(p, g, repeats, fused_pass=False, **kw):
+    param = torch.nn.Parameter(p)
+    opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **kw)
+    copy = torch.empty(p.numel(), dtype=torch.bfloat16) if fused_pass else None
+    param.grad = torch.empty_like(g) if fused_pass else g
+
+    def step():
+        if fused_pass:
+            torch.mul(g, 0.5, out=param.grad)  # the unscale pass, into a preallocated buffer
+        opt.step()
+        if fused_pass:
+            copy.copy_(param.detach())
+
+    return timed(step, repeats)
+
+
+def deepspeed_adam(p, g, repeats):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001 - optional, and its import can fail in many ways
+        return None
+    param = torch.nn.Parameter(p)
+    param.grad = g
+    opt = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01)
+    return timed(opt.step, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100M,500M", help="comma-separated, M = 1e6 parameters")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__}")
+    print(f"{'size':>6} {'what':<34} {'ms':>9} {'GB/s':>7} {'vs torch fused':>15} {'of bandwidth':>13}")
+    for size in args.sizes.split(","):
+        n = int(float(size.rstrip("M")) * 1e6)
+        bw = bandwidth(n, args.repeats)
+        p, g = torch.randn(n), torch.randn(n) * 1e-3
+        rows = [("memory bandwidth (a += b)", None, bw)]
+        base = torch_adamw(p.clone(), g, args.repeats, fused=True)
+        timings = [("torch AdamW fused=True", base, ADAM_BYTES),
+                   ("torch AdamW foreach=True", torch_adamw(p.clone(), g, args.repeats, foreach=True), ADAM_BYTES)]
+        ds = deepspeed_adam(p.clone(), g, args.repeats)
+        if ds is not None:
+            timings.append(("DeepSpeedCPUAdam", ds, ADAM_BYTES))
+        for isa in supported_isas():
+            timings.append((f"ours {isa}", ours(n, p.clone(), g, args.repeats, isa), ADAM_BYTES))
+        fused_base = torch_adamw(p.clone(), g, args.repeats, fused_pass=True, fused=True)
+        timings.append(("fused pass: torch (3 passes)", fused_base, FUSED_BYTES))
+        for isa in supported_isas():
+            t = ours(n, p.clone(), g, args.repeats, isa, fused_pass=True)
+            timings.append((f"fused pass: ours {isa} (1 pass)", t, FUSED_BYTES))
+        print(f"{size:>6} {rows[0][0]:<34} {'':>9} {bw:7.1f}")
+        for what, t, nbytes in timings:
+            ref = fused_base if what.startswith("fused pass") else base
+            gbs = nbytes * n / t / 1e9
+            print(f"{size:>6} {what:<34} {t * 1e3:9.1f} {gbs:7.1f} {ref / t:14.2f}x {gbs / bw:12.2f}")
+        del p, g
+    os.environ.pop(ISA_ENV, None)
+
+
+if __name__ == "__main__":
+    main()
