@@ -126,6 +126,8 @@ class ZeroEngine:
                 scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self.coordinator is not None:
+                if torch.is_grad_enabled():
+                    self.coordinator.pin(sharded)
                 self.coordinator.drop(sharded)
 
     # -- per optimizer step -------------------------------------------------------------------

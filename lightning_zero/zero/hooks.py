@@ -92,6 +92,7 @@ class GatherCoordinator:
             self._handles.append(sub.register_forward_pre_hook(self._make_pre_forward(index)))
             self._handles.append(sub.register_forward_hook(self._make_post_forward(index)))
         self._refs: dict[int, int] = {}
+        self._pinned: set[int] = set()
         self.trace: list[int] = []  # module indices in the order they ran this step
         self.previous: list[int] = []  # last step's trace: the prefetch plan
         self._on_plan = True
@@ -112,8 +113,15 @@ class GatherCoordinator:
         for b in buffers:
             count = self._refs.get(id(b), 0) - 1
             self._refs[id(b)] = max(count, 0)
-            if count <= 0 and not keep:
+            if count <= 0 and not keep and id(b) not in self._pinned:
                 b.release()
+
+    def pin(self, buffers: list[FlatBuffer]) -> None:
+        """Keep ``buffers`` gathered until the end of this forward/backward: tensors computed from
+        them outside their modules (inside ``gathered_parameters``) need them again in backward, and
+        no module hook would gather them then. Their gradient hooks still release them once all of
+        their gradients have arrived, which happens after every use in backward."""
+        self._pinned.update(id(b) for b in buffers)
 
     def _live_numel(self) -> int:
         return sum(b.numel for needed in self.needs for b in needed if b.state is not ParamState.RELEASED)
@@ -194,6 +202,7 @@ class GatherCoordinator:
             for b in needed:
                 b.release()
         self._refs.clear()
+        self._pinned.clear()
         if self.trace:
             self.previous = self.trace
         self.trace = []

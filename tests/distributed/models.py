@@ -111,12 +111,13 @@ def fit(
     trainer_kwargs: Optional[dict] = None,
     ckpt_path: Optional[str] = None,
     loader: Optional[DataLoader] = None,
+    model_cls: Optional[type] = None,
 ) -> tuple[pl.Trainer, ParityModel]:
     """Train a freshly seeded ParityModel; returns the trainer and the model."""
     import lightning_zero  # noqa: F401 - registers the strategy names
 
     pl.seed_everything(seed, workers=True, verbose=False)
-    model = ParityModel(**(model_kwargs or {}))
+    model = (model_cls or ParityModel)(**(model_kwargs or {}))
     options = dict(
         accelerator="cpu",
         devices=devices,
@@ -162,3 +163,89 @@ class ManualParityModel(ParityModel):
             self.manual_backward(loss)
         opt.step()
         self.lr_schedulers().step()
+
+
+class HazardModel(ParityModel):
+    """Stage 3 hazards on top of ParityModel.
+
+    ``branching``: odd micro-batches skip the second pass through up/down and truncate the sequence,
+    so the module order (and the set of modules run) changes between steps.
+    ``outside``: "raw" reads ``up.weight`` in training_step without gathering (must fail under
+    stage 3, naming the parameter); "gathered" reads it inside ``gathered_parameters`` and adds a
+    small regularizer, which must match DDP.
+    """
+
+    def __init__(self, branching: bool = False, outside: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.branching = branching
+        self.outside = outside
+        self.calls = 0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        short = self.branching and self.calls % 2 == 0
+        if short:
+            tokens = tokens[:, :5]
+        x = self.frozen(self.embed(tokens))
+        for _ in range(1 if short else 2):
+            x = x + self.down(torch.tanh(self.up(x)))
+        return self.head(self.norm(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens)
+        targets = tokens[:, 1 : logits.shape[1]]
+        loss = F.cross_entropy(logits[:, : targets.shape[1]].reshape(-1, VOCAB).float(), targets.reshape(-1))
+        self.losses.append(loss.item())
+        if self.outside == "raw":
+            loss = loss + 1e-3 * self.up.weight.float().pow(2).sum()
+        elif self.outside == "gathered":
+            strategy = self.trainer.strategy
+            gathered = getattr(strategy, "gathered_parameters", None)
+            if gathered is None:
+                loss = loss + 1e-3 * self.up.weight.float().pow(2).sum()
+            else:
+                with gathered(self.up):
+                    loss = loss + 1e-3 * self.up.weight.float().pow(2).sum()
+        return loss
+
+
+class BuiltInConfigureModel(pl.LightningModule):
+    """Layers created in configure_model (meta device under stage 3); every module has
+    reset_parameters and nothing is tied, so a sharded build can replay the same initialization."""
+
+    def __init__(self, record: Optional[list] = None) -> None:
+        super().__init__()
+        self.record = record
+        self.layers: Optional[nn.Sequential] = None
+
+    def configure_model(self) -> None:
+        if self.layers is not None:
+            return
+        record = self.record
+
+        class Recorded(nn.Linear):
+            def reset_parameters(self) -> None:
+                super().reset_parameters()
+                if record is not None and self.weight.device.type != "meta":
+                    # bytes of whole (non-empty, non-meta) parameter storages in the model right now
+                    record.append(sum(p.untyped_storage().nbytes() for p in owner.parameters() if not p.is_meta))
+
+        owner = self
+        self.layers = nn.Sequential(
+            nn.Embedding(VOCAB, 24), Recorded(24, 40), nn.GELU(), Recorded(40, 24), nn.LayerNorm(24), Recorded(24, VOCAB)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.layers(tokens)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self(tokens)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
