@@ -1,0 +1,224 @@
+"""Shared pieces of the benchmarks: spawning 2 CPU/gloo ranks, the GPT workload, strategies, tables.
+
+Each script is run as ``python benchmarks/<name>.py``; it spawns its own ranks. Every rank gets the
+torchelastic environment variables, so Lightning detects ``TorchElasticEnvironment`` and starts no
+processes of its own; several Trainers can then run one after the other in the same ranks over one
+process group (which is how the scripts interleave configurations).
+
+The workload is the GPT-2 of ``recipes/gpt2/model.py`` (tied LM head) at a size where both compute
+and communication are visible on 2 CPU cores, trained with AdamW on random tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+# ``recipes`` is a plain package at the repository root, not part of the installed wheel.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
+
+WORLD_SIZE = 2
+#: ~14M parameters: 6 blocks of 1.77M plus a 3.1M tied embedding. Big enough that the gradient
+#: reduction (56 MB in fp32) and the Adam step are visible next to forward/backward, small enough
+#: for a run of every configuration to fit in a few minutes on 2 cores.
+MODEL = GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=6, n_embd=384)
+SEQ = 128
+MICRO_BATCH = 4
+
+
+# -- ranks --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        NODE_RANK="0",
+        TORCHELASTIC_RUN_ID="lightning_zero_benchmarks",
+        OMP_NUM_THREADS="1",
+    )
+    # Two ranks share two cores: one intra-op thread each, or they oversubscribe and time noise.
+    torch.set_num_threads(1)
+    _quiet()
+    try:
+        buffer = io.BytesIO()
+        torch.save(fn(rank, *args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def _quiet() -> None:
+    """Keep the tables readable: Lightning's per-Trainer banners and tips are repeated per run."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "deepspeed", "DeepSpeed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` spawned CPU ranks; their results in rank order.
+
+    ``fn`` must be importable by the children (a module-level function of the script).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    for _ in range(world_size):
+        rank, status, payload = queue.get()
+        if status != "ok":
+            for proc in procs:
+                proc.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    for proc in procs:
+        proc.join()
+    return [results[r] for r in range(world_size)]
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+
+class GPTModule(pl.LightningModule):
+    """The recipe GPT with AdamW, as a LightningModule; ``batch`` is (input_ids, labels)."""
+
+    def __init__(self, config: GPTConfig = MODEL, lr: float = 3e-4) -> None:
+        super().__init__()
+        self.model = GPT(config)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, labels = batch
+        return GPT.loss_fn(self.model(input_ids), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def num_params(module: torch.nn.Module) -> int:
+    """Ψ: distinct trainable parameters (the tied head counted once)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def make_loader(steps: int, rank: int, seed: int = 1234) -> DataLoader:
+    """``steps`` micro-batches of random tokens for this rank (each rank its own, same every run)."""
+    generator = torch.Generator().manual_seed(seed + rank)
+    tokens = torch.randint(0, MODEL.vocab_size, (steps * MICRO_BATCH, SEQ + 1), generator=generator)
+    dataset = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
+
+
+def build_strategy(name: str, **options: Any) -> Any:
+    """"ddp" -> Lightning's ``DDPStrategy(**options)``; "zero1"/"zero2" -> ``ZeroStrategy(stage, **options)``."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroStrategy
+
+    if name == "ddp":
+        return DDPStrategy(**options)
+    if name in ("zero1", "zero2"):
+        return ZeroStrategy(stage=int(name[-1]), **options)
+    raise ValueError(f"unknown strategy {name!r}; use ddp, zero1 or zero2")
+
+
+def make_trainer(strategy: Any, precision: str, max_steps: int, callbacks: list) -> pl.Trainer:
+    """A bare Trainer on the spawned CPU ranks: no logging, checkpoints, validation or progress bar."""
+    # The process group survives Trainers; Lightning reuses the existing one.
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        precision=precision,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        # Each rank already reads its own loader: no DistributedSampler on top.
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on: CPU model, cores, torch/lightning versions, date, load."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown"
+    try:
+        git = ["git", "-C", str(ROOT)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "lightning_zero"], capture_output=True, text=True).stdout.strip()
+        revision = commit + (" + uncommitted changes to lightning_zero/" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        revision = "unknown (not a git checkout)"
+    return {
+        "lightning_zero": revision,
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "ranks": f"{WORLD_SIZE} gloo ranks, 1 thread each",
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table (it reads as plain text on a terminal and pastes into the README)."""
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    """Write ``payload`` (with the machine description) to ``path`` if one was given."""
+    if path:
+        Path(path).write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
