@@ -8,7 +8,10 @@ argument lists.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Union
 
 import torch
 
@@ -48,17 +51,19 @@ class ZeroConfig:
     """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
 
 
-    reduce_bucket_size: int = 25_000_000
+    reduce_bucket_size: int = 5_000_000
     """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
-    fewer, more efficient collectives and more transient memory; smaller ones overlap earlier."""
+    fewer, more efficient collectives and more transient memory; smaller ones start reducing earlier
+    in backward (with one bucket larger than the model nothing overlaps)."""
 
     allgather_bucket_size: int = 50_000_000
     """Most elements of updated-parameter all-gathers in flight at once after the step (stage 1/2).
     Bounds the communication issued back to back; it does not copy through extra buffers."""
 
     overlap_comm: bool = True
-    """Launch a bucket's reduction as soon as it is full, during backward (asynchronously; on a GPU
-    on a side stream). False reduces everything after backward: easier to debug, slower."""
+    """Stages 2/3: launch a bucket's reduction as soon as it is full, during backward (asynchronously;
+    on a GPU on a side stream). False reduces everything after backward: easier to debug, slower.
+    Stage 1 always reduces once, at the accumulation boundary."""
 
     prefetch_bucket_size: int = 50_000_000
     """Stage 3: most elements of parameters all-gathered ahead of the module that needs them, along
@@ -96,6 +101,9 @@ class ZeroConfig:
                 f"param_persistence_threshold={threshold!r} must be an integer >= 0 (elements); 0 shards "
                 "every parameter, DeepSpeed's default is 100_000."
             )
+        for name in ("overlap_comm", "allow_untested_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +126,12 @@ class LossScaleConfig:
     """The scale never drops below this; reaching it repeatedly means the model diverges."""
 
     def __post_init__(self) -> None:
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number (see the defaults: 2**16, 2.0, 0.5, 1.0).")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise ValueError(f"growth_interval={self.growth_interval!r} must be a whole number of steps (usually 1000).")
         if not self.initial_scale > 0:
             raise ValueError(f"initial_scale={self.initial_scale} must be > 0 (DeepSpeed's default is 2**16).")
         if not self.growth_factor > 1:
@@ -129,4 +143,52 @@ class LossScaleConfig:
         if not 0 < self.min_scale <= self.initial_scale:
             raise ValueError(
                 f"min_scale={self.min_scale} must be in (0, initial_scale={self.initial_scale}]."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    """How a run notices a lost or stuck rank (see :mod:`lightning_zero.failures`)."""
+
+    timeout: Union[timedelta, int, float] = timedelta(minutes=10)
+    """Longest wait in one collective before it fails (a ``timedelta``, or seconds). A rank that dies
+    closes its connections and gloo fails at once; the timeout bounds the silent cases (a host that
+    vanished, a rank stuck in a loop, NCCL). Lightning's default is 30 minutes; raise this if a step,
+    a validation loop or a checkpoint save on one rank can keep the others waiting longer."""
+
+    debug_collectives: bool = False
+    """Compare every collective across ranks before issuing it (:mod:`lightning_zero.debug`)."""
+
+    def __post_init__(self) -> None:
+        timeout = self.timeout
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+            object.__setattr__(self, "timeout", timedelta(seconds=timeout))  # frozen: normalize once here
+        elif not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or a number of seconds (e.g. 600).")
+        if self.timeout <= timedelta(0):
+            raise ValueError(f"timeout={timeout!r} must be positive; the default is 10 minutes (600 s).")
+        if not isinstance(self.debug_collectives, bool):
+            raise ValueError(f"debug_collectives={self.debug_collectives!r} must be True or False.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """What ZeRO-Offload moves from the device to host memory."""
+
+    offload_optimizer: bool = False
+    """fp32 master weights, gradient slices and optimizer states in host memory; the optimizer step
+    runs on the CPU (``lightning_zero.ops`` kernels) and writes the 16-bit parameters back."""
+
+    offload_parameters: bool = False
+    """Stage 3 only: parameter shards in host memory too, gathered to the device when a module
+    needs them. Requires ``offload_optimizer``."""
+
+    pin_memory: bool = True
+    """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
+
+    def __post_init__(self) -> None:
+        if self.offload_parameters and not self.offload_optimizer:
+            raise ValueError(
+                "offload_parameters=True needs offload_optimizer=True: parameter shards on the host are "
+                "updated there by the CPU optimizer step. Set both (as DeepSpeed's zero3_offload does)."
             )

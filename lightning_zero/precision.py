@@ -32,7 +32,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from lightning_zero.config import PRECISIONS, LossScaleConfig, normalize_precision
+from lightning_zero.config import PRECISIONS, LossScaleConfig, OffloadConfig, normalize_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -74,11 +74,30 @@ class OffloadPrecision(Precision):
 
     Args:
         precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true" (see the module docstring).
+        offload_optimizer: fp32 master weights, gradient slices and optimizer states in host memory,
+            the step on the CPU (ZeRO-Offload).
+        offload_parameters: stage 3: parameter shards in host memory too, gathered to the device on demand.
+        pin_memory: page-lock the host buffers when the device is a GPU.
         loss_scale: dynamic loss scaling options for "16-mixed" (ignored otherwise).
     """
 
-    def __init__(self, precision: Union[str, int] = "32-true", loss_scale: Optional[LossScaleConfig] = None) -> None:
+    def __init__(
+        self,
+        precision: Union[str, int] = "32-true",
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        pin_memory: bool = True,
+        loss_scale: Optional[LossScaleConfig] = None,
+    ) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.offload = OffloadConfig(
+            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+        )
+        if self.offload.offload_optimizer and self.precision == "bf16-true":
+            raise ValueError(
+                "precision='bf16-true' keeps no fp32 master, but offload_optimizer=True steps fp32 masters on the "
+                "CPU; use precision='bf16-mixed' (bf16 parameters, fp32 master and states in host memory)."
+            )
         self.compute_dtype, self.separate_master = PRECISIONS[self.precision]
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if self.precision == "16-mixed" else None
         self.device_type = "cpu"

@@ -16,8 +16,9 @@ or in a LightningCLI YAML::
 Processes are started the way Lightning starts DDP (its launcher, ``torchrun``, or SLURM). Under
 ZeRO, ``param.grad`` is not kept: gradients go straight into reduction buckets, so
 ``on_before_optimizer_step`` hooks see ``None`` gradients; use :meth:`ZeroStrategy.grad_norm`
-for the global gradient norm. Checkpoints written by Lightning hold the full model and an unsharded
-optimizer state, so plain (DDP) and ZeRO checkpoints load into each other.
+for the global gradient norm. Checkpoints are sharded directories that every rank writes in
+parallel and that load into any world size or stage (see :mod:`lightning_zero.checkpoint`); plain
+(DDP) checkpoint files load too.
 """
 
 from __future__ import annotations
@@ -25,21 +26,20 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm
+from lightning_zero import comm, debug, failures
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.config import LossScaleConfig, ZeroConfig, normalize_precision
+from lightning_zero.config import FailureConfig, LossScaleConfig, OffloadConfig, ZeroConfig, normalize_precision
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.engine import ZeroEngine
@@ -61,7 +61,15 @@ class ZeroStrategy(DDPStrategy):
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
             :func:`lightning_zero.zero.optimizer.check_optimizer`).
+        offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
+            memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
+        offload_parameters: stage 3: parameter shards in host memory too.
+        pin_memory: page-lock host buffers on GPU machines.
         loss_scale: dynamic loss-scaling options for "16-mixed".
+        timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
+            rank that dies is noticed at once on gloo; see :mod:`lightning_zero.failures`.
+        debug_collectives: compare every collective across ranks before issuing it and raise on a
+            mismatch (:mod:`lightning_zero.debug`); ``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -70,13 +78,16 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         stage: int = 2,
-        reduce_bucket_size: int = 25_000_000,
+        reduce_bucket_size: int = 5_000_000,
         allgather_bucket_size: int = 50_000_000,
         overlap_comm: bool = True,
         prefetch_bucket_size: int = 50_000_000,
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        pin_memory: bool = True,
         loss_scale: Optional[LossScaleConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -84,8 +95,9 @@ class ZeroStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        debug_collectives: Optional[bool] = None,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage,
@@ -97,7 +109,21 @@ class ZeroStrategy(DDPStrategy):
             max_live_parameters=max_live_parameters,
             allow_untested_optimizer=allow_untested_optimizer,
         )
+        self.failure_config = FailureConfig(
+            **({} if timeout is None else {"timeout": timeout}),
+            debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
+        )
+        self._checked_group: Optional[comm.CheckedGroup] = None
+        self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
+        self._offload = OffloadConfig(
+            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+        )
+        if offload_parameters and stage != 3:
+            raise ValueError(
+                f"offload_parameters=True shards parameters into host memory, which needs stage=3 (got stage={stage}); "
+                "use stage=3, or offload_optimizer=True alone."
+            )
         self._engine: Optional[ZeroEngine] = None
         super().__init__(
             accelerator=accelerator,
@@ -106,7 +132,7 @@ class ZeroStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.failure_config.timeout,
             start_method=start_method,
         )
 
@@ -115,7 +141,7 @@ class ZeroStrategy(DDPStrategy):
     @property
     def precision_plugin(self) -> OffloadPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = OffloadPrecision("32-true", self._loss_scale)
+            self._precision_plugin = self._new_precision("32-true")
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -129,14 +155,36 @@ class ZeroStrategy(DDPStrategy):
         # (A plugin given to the strategy itself reaches here unchanged: Lightning prefers it to the
         # Trainer's precision flag.)
         requested = normalize_precision(getattr(plugin, "precision", "32-true"))
-        return OffloadPrecision(requested, self._loss_scale)
+        return self._new_precision(requested)
+
+    def _new_precision(self, precision: str) -> OffloadPrecision:
+        return OffloadPrecision(
+            precision,
+            offload_optimizer=self._offload.offload_optimizer,
+            offload_parameters=self._offload.offload_parameters,
+            pin_memory=self._offload.pin_memory,
+            loss_scale=self._loss_scale,
+        )
 
     # -- setup and teardown ---------------------------------------------------------------------
 
     @property
     def data_parallel_group(self) -> comm.ProcessGroup:
-        """The group ZeRO shards over (the default group: data parallelism only)."""
-        return None
+        """The group ZeRO shards over (the default group: data parallelism only), wrapped in a
+        :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
+        return self._checked_group
+
+    def setup_distributed(self) -> None:
+        failures.set_nccl_defaults()
+        super().setup_distributed()
+        self.rank_processes = failures.register_rank(self.global_rank, self.world_size, self.failure_config.timeout)
+        if self.failure_config.debug_collectives and self._checked_group is None:
+            self._checked_group = debug.checked_group(None, self.failure_config.timeout)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""
+        super().on_exception(exception)
+        failures.explain(exception, self)
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -152,6 +200,11 @@ class ZeroStrategy(DDPStrategy):
         if not on_meta:
             self.model_to_device()
         precision = self.precision_plugin
+        if precision.offload.offload_parameters and not stage3:
+            raise ValueError(
+                f"OffloadPrecision(offload_parameters=True) needs stage=3 (this strategy runs stage "
+                f"{self.zero_config.stage}); use strategy='zero3_offload' or offload_optimizer=True alone."
+            )
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._engine = None
         if fitting:
@@ -166,6 +219,7 @@ class ZeroStrategy(DDPStrategy):
                 precision.separate_master,
                 self.data_parallel_group,
                 self.root_device,
+                precision.offload,
             )
         else:
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group)
@@ -238,15 +292,6 @@ class ZeroStrategy(DDPStrategy):
             self._end_pass()
 
     # -- training hooks ---------------------------------------------------------------------------
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this for micro-steps before the accumulation boundary."""
-        if self._engine is None:
-            yield
-            return
-        with self._engine.no_sync():
-            yield
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Global L2 norm of the reduced, unscaled gradients (valid from ``on_before_optimizer_step``
@@ -323,4 +368,21 @@ class ZeroStrategy(DDPStrategy):
                 override=True,
                 stage=stage,
             )
+        strategy_registry.register(
+            "zero2_offload",
+            cls,
+            description="lightning_zero ZeRO stage 2, optimizer offloaded to the CPU",
+            override=True,
+            stage=2,
+            offload_optimizer=True,
+        )
+        strategy_registry.register(
+            "zero3_offload",
+            cls,
+            description="lightning_zero ZeRO stage 3, optimizer and parameters offloaded to the CPU",
+            override=True,
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+        )
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import OffloadConfig, ZeroConfig
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 
@@ -32,8 +32,12 @@ _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class BuildContext:
     """What every buffer of one engine shares."""
 
-    def __init__(self, config: ZeroConfig, dtype: torch.dtype, separate_master: bool, group, device: torch.device) -> None:
+    def __init__(
+        self, config: ZeroConfig, dtype: torch.dtype, separate_master: bool, group, device: torch.device,
+        offload: Optional[OffloadConfig] = None,
+    ) -> None:
         self.config = config
+        self.offload = offload
         self.dtype = dtype
         self.separate_master = separate_master
         self.group = group
@@ -43,7 +47,9 @@ class BuildContext:
 
     def buffer(self, params: list[nn.Parameter], group: Optional[int], persistent: bool) -> FlatBuffer:
         layout = layout_flat_buffer([p.shape for p in params], self.world_size)
-        return FlatBuffer(params, layout, self.rank, group, self.dtype, self.device, self.separate_master, persistent)
+        return FlatBuffer(
+            params, layout, self.rank, group, self.dtype, self.device, self.separate_master, persistent, self.offload
+        )
 
     def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:
         runs = plan_buckets([p.numel() for p in params], self.config.reduce_bucket_size)

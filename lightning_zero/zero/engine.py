@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.config import ZeroConfig
+from lightning_zero.config import OffloadConfig, ZeroConfig
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.gather import publish
@@ -45,6 +45,7 @@ class ZeroEngine:
         separate_master: keep an fp32 master slice (mixed precision) instead of stepping the parameters.
         group: the data-parallel process group (``None``: the default group).
         device: where flat buffers live.
+        offload: what lives in host memory instead (ZeRO-Offload).
     """
 
     def __init__(
@@ -56,6 +57,7 @@ class ZeroEngine:
         separate_master: bool,
         group: comm.ProcessGroup,
         device: torch.device,
+        offload: Optional[OffloadConfig] = None,
     ) -> None:
         optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
@@ -66,7 +68,7 @@ class ZeroEngine:
         self.world_size = comm.world_size(group)
         self.rank = comm.rank(group)
         owners = optimizer_owners(optimizers)
-        ctx = BuildContext(config, compute_dtype, separate_master, group, device)
+        ctx = BuildContext(config, compute_dtype, separate_master, group, device, offload)
         self.frozen: list[FlatBuffer] = []
         if config.stage == 3:
             per_optimizer, self.frozen = build_sharded(module, optimizers, owners, ctx)
@@ -94,10 +96,6 @@ class ZeroEngine:
             )
 
     # -- per micro-step -----------------------------------------------------------------------
-
-    def no_sync(self):
-        """Context for micro-steps before the accumulation boundary."""
-        return self.reducer.no_sync()
 
     def finish_backward(self) -> None:
         """Complete this backward's reductions. Call on all ranks after every backward."""
@@ -138,7 +136,9 @@ class ZeroEngine:
     def prepare_step(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> None:
         """Expose the reduced gradient slices, unscaled, as ``master.grad``."""
         self._norms.pop(id(_unwrap(optimizer)), None)
-        self._get(optimizer).prepare(inv_scale)
+        sharded = self._get(optimizer)
+        self.reducer.reduce_for_step(sharded.buffers)
+        sharded.prepare(inv_scale)
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Global gradient L2 norm over all ranks. Call on all ranks."""

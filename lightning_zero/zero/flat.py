@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.config import OffloadConfig
+from lightning_zero.offload.host import host_copy
 from lightning_zero.zero.partition import FlatLayout
 
 
@@ -52,6 +54,8 @@ class FlatBuffer:
         device: where every role lives.
         separate_master: keep an fp32 master slice (mixed precision).
         persistent: keep the full parameters (stages 1/2); False shards them (stage 3).
+        offload: an :class:`~lightning_zero.config.OffloadConfig`; with ``offload_optimizer`` the
+            fp32 master (and so the optimizer states) lives in host memory, pinned on a GPU machine.
     """
 
     def __init__(
@@ -64,15 +68,19 @@ class FlatBuffer:
         device: torch.device,
         separate_master: bool,
         persistent: bool = True,
+        offload: Optional[OffloadConfig] = None,
     ) -> None:
         self.params = params
         self.layout = layout
         self.rank = rank
         self.optimizer_group = optimizer_group
         self.dtype = dtype
+        self.device = device
         self.persistent = persistent
         self.trainable = optimizer_group is not None
-        self.separate_master = separate_master and self.trainable
+        self.offloaded = bool(offload and offload.offload_optimizer and self.trainable)
+        # An offloaded master is always a separate (host) tensor, also for fp32.
+        self.separate_master = (separate_master or self.offloaded) and self.trainable
         self.shards = layout.shards(rank)
         start, end = layout.shard_range(rank)
 
@@ -94,8 +102,12 @@ class FlatBuffer:
             self.bind_params()
         else:
             self.param_shard = master.to(dtype)
+            if offload is not None and offload.offload_parameters and self.param_shard.device.type != "cpu":
+                self.param_shard = host_copy(self.param_shard, pin=offload.pin_memory)
             self.state = ParamState.GATHERED
             self.release()
+        if self.offloaded and master.device.type != "cpu":
+            master = host_copy(master, pin=offload.pin_memory)  # type: ignore[union-attr]
         self.master = master if self.separate_master else self.param_shard
         self.grad_shard: Optional[torch.Tensor] = (
             torch.zeros(layout.shard_numel, dtype=dtype, device=device) if self.trainable else None
@@ -119,12 +131,18 @@ class FlatBuffer:
 
     # -- stage 3: gather and release ------------------------------------------------------------
 
-    def gather_start(self, group: comm.ProcessGroup) -> None:
-        """Launch the all-gather of the full parameters (no-op unless released). Call on all ranks."""
+    def gather_start(self, group: comm.ProcessGroup, label: str = "") -> None:
+        """Launch the all-gather of the full parameters (no-op unless released). ``label`` names the
+        module it is for (in the collective checker's messages). Call on all ranks."""
         if self.state is not ParamState.RELEASED:
             return
-        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.param_shard.device)
-        self._gather_handle = comm.all_gather(self.flat_param, self.param_shard, group, async_op=True)
+        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        start, end = self.layout.shard_range(self.rank)
+        own = self.flat_param[start:end]
+        # With offloaded parameters the shard is in host memory: to the device first (non_blocking
+        # from pinned memory; the all-gather is queued after the copy on the same stream).
+        own.copy_(self.param_shard, non_blocking=True)
+        self._gather_handle = comm.all_gather(self.flat_param, own, group, async_op=True, label=label)
         self.state = ParamState.GATHERING
 
     def gather_wait(self) -> None:
@@ -141,7 +159,7 @@ class FlatBuffer:
         if self.persistent or self.state is ParamState.RELEASED:
             return
         self.gather_wait()
-        empty = torch.empty(0, dtype=self.dtype, device=self.param_shard.device)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for param in self.params:
             param.data = empty
         self.flat_param = None
@@ -160,7 +178,7 @@ class FlatBuffer:
     def bucket(self) -> torch.Tensor:
         """The gradient bucket, allocated zeroed on first use."""
         if self.grad_bucket is None:
-            self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.param_shard.device)
+            self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         return self.grad_bucket
 
     @property
@@ -169,6 +187,7 @@ class FlatBuffer:
         return len(self.arrived) == len(self.params)
 
     def publish_master(self) -> None:
-        """Write the updated fp32 master slice into this rank's slice of the parameters (cast)."""
-        if self.separate_master:
+        """Write the updated fp32 master slice into this rank's slice of the parameters (cast).
+        (An offloaded step writes the parameters itself, from the host, in the same pass.)"""
+        if self.separate_master and not self.offloaded:
             self.param_shard.copy_(self.master)

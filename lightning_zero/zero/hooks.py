@@ -73,9 +73,10 @@ class GatherCoordinator:
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner}
         self._guarded: list[tuple[nn.Module, type]] = []
         self.modules: list[nn.Module] = []
+        self.names: list[str] = []  # qualified module names, for the collective checker's messages
         self.needs: list[list[FlatBuffer]] = []
         self._handles = []
-        for sub in module.modules():
+        for qualname, sub in module.named_modules():
             needed: list[FlatBuffer] = []
             for param in sub._parameters.values():
                 b = owner.get(id(param)) if param is not None else None
@@ -85,6 +86,7 @@ class GatherCoordinator:
                 continue
             index = len(self.modules)
             self.modules.append(sub)
+            self.names.append(repr(qualname) if qualname else "the root module")
             self._guarded.append((sub, type(sub)))
             sub.__class__ = _guarded_class(type(sub))
             sub._lightning_zero_sharded = names
@@ -100,10 +102,10 @@ class GatherCoordinator:
 
     # -- reference-counted gather/release ----------------------------------------------------
 
-    def acquire(self, buffers: list[FlatBuffer]) -> None:
+    def acquire(self, buffers: list[FlatBuffer], label: str = "") -> None:
         """Gather ``buffers`` (waiting for any in flight) and hold them. Call on all ranks."""
         for b in buffers:
-            b.gather_start(self.group)
+            b.gather_start(self.group, label)
         for b in buffers:
             b.gather_wait()
             self._refs[id(b)] = self._refs.get(id(b), 0) + 1
@@ -137,7 +139,7 @@ class GatherCoordinator:
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
                     return
                 seen.add(id(b))
-                b.gather_start(self.group)
+                b.gather_start(self.group, f"{self.names[index]} (prefetch)")
                 budget -= b.numel
                 live += b.numel
 
@@ -149,7 +151,7 @@ class GatherCoordinator:
             self.trace.append(index)
             if self._on_plan and (position >= len(self.previous) or self.previous[position] != index):
                 self._on_plan = False  # the order changed: no prefetch until the next step
-            self.acquire(self.needs[index])
+            self.acquire(self.needs[index], f"{self.names[index]} (forward)")
             if self._on_plan:
                 self._prefetch(self.previous[position + 1 :])
 
@@ -185,7 +187,7 @@ class GatherCoordinator:
     def pre_backward(self, index: int) -> None:
         """Gather a module's parameters before its backward; prefetch the modules that ran before it."""
         for b in self.needs[index]:
-            b.gather_start(self.group)
+            b.gather_start(self.group, f"{self.names[index]} (backward)")
         for b in self.needs[index]:
             b.gather_wait()
         cursor = self._bwd_cursor if self._bwd_cursor >= 0 else len(self.trace)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_zero import comm
+from lightning_zero.offload.cpu_step import KernelStep
 from lightning_zero.zero.flat import FlatBuffer
 
 ELEMENTWISE_OPTIMIZERS = (
@@ -42,16 +43,20 @@ _WHOLE_TENSOR_HINTS = ("lamb", "lars", "adafactor", "lbfgs", "shampoo", "muon", 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
     """Raise ``ValueError`` unless ``optimizer`` can step flat slices exactly."""
+    from lightning_zero import ops
+
     cls = type(optimizer)
-    if cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, "_lightning_zero_elementwise", False):
+    if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam):
         return
+    if cls in (ops.CPULamb, ops.FusedLamb):
+        return  # stepped by the shard-aware LAMB kernels (lightning_zero.offload.cpu_step)
     name = cls.__name__
     if any(hint in name.lower() for hint in _WHOLE_TENSOR_HINTS):
         raise ValueError(
             f"{name} computes its update from whole-tensor statistics (norms or factored moments), but ZeRO "
             "steps contiguous slices of flat buffers that cut through parameters, so its updates would be wrong. "
-            "Use an elementwise optimizer (SGD, Adam, AdamW, ...) until a shard-aware version of "
-            f"{name} is available."
+            "Use an elementwise optimizer (SGD, Adam, AdamW, ...), or for LAMB the shard-aware "
+            "lightning_zero.ops.CPULamb / FusedLamb."
         )
     if not allow_untested:
         raise ValueError(
@@ -79,13 +84,17 @@ class ShardedOptimizer:
         for g_index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [b.master for b in buffers if b.optimizer_group == g_index]
         optimizer.state.clear()
+        self.kernel = KernelStep.for_optimizer(optimizer, buffers, group)
 
     # -- gradients ----------------------------------------------------------------------------
 
     def prepare(self, inv_scale: float) -> None:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
         for b in self.buffers:
-            grad = b.grad_shard.float() if b.separate_master else b.grad_shard
+            if b.offloaded:
+                grad = b.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
+            else:
+                grad = b.grad_shard.float() if b.separate_master else b.grad_shard
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)
             b.master.grad = grad
@@ -118,7 +127,10 @@ class ShardedOptimizer:
                 b.master.grad.clamp_(-clip_value, clip_value)
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.kernel is not None:
+            self.kernel.step()
+        else:
+            self.optimizer.step()
 
     def release_grads(self) -> None:
         for b in self.buffers:

@@ -68,6 +68,10 @@ class ParityModel(pl.LightningModule):
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": self.lr / 2}]
         if self.optimizer_name == "sgd":
             opt = torch.optim.SGD(groups, lr=self.lr * 10, momentum=0.9)
+        elif self.optimizer_name == "lamb":
+            from lightning_zero.ops import CPULamb
+
+            opt = CPULamb(groups, lr=self.lr, betas=(0.9, 0.99))
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr)
         else:

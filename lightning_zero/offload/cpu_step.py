@@ -1,0 +1,203 @@
+"""The optimizer step with the compiled kernels of :mod:`lightning_zero.ops`, on flat fp32 slices.
+
+Two cases use it instead of the user's ``optimizer.step()``:
+
+* **Offload** (``offload_optimizer``): the masters live in host memory and the user's Adam/AdamW
+  (torch's, or ``ops.CPUAdam``/``ops.FusedAdam``) is mapped to ``ops.functional.cpu_adam_step`` with
+  the same hyperparameters, read from each parameter group at every step (LR schedulers keep
+  working). One pass per slice updates master and moments and writes the 16-bit copy of the
+  parameters; that copy goes to the device without blocking the host.
+* **LAMB on shards** (``ops.CPULamb``/``ops.FusedLamb``, offloaded or not): the trust ratio needs the
+  norms of whole parameters, whose pieces are spread over ranks. Phase 1 returns squared norms per
+  piece; pieces are summed per parameter within the rank and then across ranks (one all-reduce per
+  step); phase 2 applies each parameter's ratio.
+
+States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
+``exp_avg_sq``), so checkpoints look the same with and without offload and load into each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lightning_zero import comm
+from lightning_zero.offload.host import host_empty
+from lightning_zero.zero.flat import FlatBuffer
+
+
+def _adam_family() -> tuple[type, ...]:
+    from lightning_zero import ops
+
+    return (torch.optim.Adam, torch.optim.AdamW, ops.CPUAdam, ops.FusedAdam)
+
+
+def _lamb_family() -> tuple[type, ...]:
+    from lightning_zero import ops
+
+    return (ops.CPULamb, ops.FusedLamb)
+
+
+def _hyper(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """Kernel hyperparameters of one parameter group (read live: schedulers change ``lr``)."""
+    beta1, beta2 = group["betas"]
+    if group.get("amsgrad") or group.get("maximize"):
+        raise ValueError(
+            f"{type(optimizer).__name__}(amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}) has no "
+            "offloaded CPU kernel; use amsgrad=False and maximize=False, or offload_optimizer=False."
+        )
+    adamw = group.get("adamw_mode", isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False))
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+        "adamw_mode": bool(adamw),
+        "bias_correction": bool(group.get("bias_correction", True)),
+    }
+
+
+class KernelStep:
+    """Steps one rewired optimizer's master slices with the ops kernels (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup, lamb: bool) -> None:
+        self.optimizer = optimizer
+        self.buffers = buffers
+        self.group = group
+        self.lamb = lamb
+        self._copy_out: dict[int, torch.Tensor] = {}
+        if lamb:
+            self._plan_lamb()
+
+    @staticmethod
+    def for_optimizer(optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> Optional["KernelStep"]:
+        """The kernel step ``optimizer`` needs under ZeRO, or None when its own ``step()`` is right."""
+        if isinstance(optimizer, _lamb_family()):
+            if any(b.master.device.type != "cpu" for b in buffers):
+                raise ValueError(
+                    f"{type(optimizer).__name__} under ZeRO runs the shard-aware LAMB kernels of lightning_zero.ops on "
+                    "host memory: on a GPU set offload_optimizer=True (zero2_offload / zero3_offload), or use "
+                    "Adam/AdamW without offload."
+                )
+            return KernelStep(optimizer, buffers, group, lamb=True)
+        if not any(b.offloaded for b in buffers):
+            return None
+        if not isinstance(optimizer, _adam_family()):
+            raise ValueError(
+                f"offload_optimizer=True runs the step with CPU kernels for Adam, AdamW (torch.optim or "
+                f"lightning_zero.ops) and lightning_zero.ops.CPULamb/FusedLamb; {type(optimizer).__name__} has "
+                "none. Return one of those from configure_optimizers, or set offload_optimizer=False."
+            )
+        for param_group in optimizer.param_groups:
+            _hyper(optimizer, param_group)  # reject amsgrad/maximize before training starts
+        return KernelStep(optimizer, buffers, group, lamb=False)
+
+    # -- per step ----------------------------------------------------------------------------------
+
+    def _state(self, master: torch.Tensor) -> dict[str, Any]:
+        state = self.optimizer.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        return state
+
+    def _param_copy(self, b: FlatBuffer) -> Optional[torch.Tensor]:
+        """Where the kernel writes the updated 16-bit parameters: the device slice itself when it is
+        in host memory, else a (pinned) host staging buffer copied to the device afterwards."""
+        if b.param_shard.dtype == torch.float32 or b.master.device.type != "cpu":
+            return None
+        if b.param_shard.device.type == "cpu":
+            return b.param_shard
+        if id(b) not in self._copy_out:
+            self._copy_out[id(b)] = host_empty(b.layout.shard_numel, b.param_shard.dtype)
+        return self._copy_out[id(b)]
+
+    def _write_back(self, b: FlatBuffer, copy: Optional[torch.Tensor]) -> None:
+        if not b.offloaded:
+            b.publish_master()
+            return
+        source = b.master if copy is None else copy
+        if source.data_ptr() != b.param_shard.data_ptr():
+            # non_blocking: from pinned memory the host does not wait for the transfer
+            b.param_shard.copy_(source, non_blocking=True)
+
+    def step(self) -> None:
+        from lightning_zero.ops import functional as F
+
+        if self.lamb:
+            return self._lamb_step()
+        for g_index, param_group in enumerate(self.optimizer.param_groups):
+            hyper = _hyper(self.optimizer, param_group)
+            for b in self.buffers:
+                if b.optimizer_group != g_index or b.master.grad is None:
+                    continue
+                state = self._state(b.master)
+                state["step"] += 1
+                copy = self._param_copy(b)
+                F.cpu_adam_step(
+                    b.master, b.master.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                    step=int(state["step"]), param_copy=copy, **hyper,
+                )
+                self._write_back(b, copy)
+        # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    # -- LAMB on shards ---------------------------------------------------------------------------
+
+    def _plan_lamb(self) -> None:
+        """Segments of every master slice (one per parameter piece, plus the padding) and the index
+        of the parameter each belongs to, numbered over the whole optimizer."""
+        ids: dict[int, int] = {}
+        for b in self.buffers:
+            for p in b.params:
+                ids.setdefault(id(p), len(ids))
+        self.num_params = len(ids)
+        self.segments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for b in self.buffers:
+            offsets, owners = [0], []
+            for piece in b.shards:
+                offsets.append(piece.shard_offset + piece.numel)
+                owners.append(ids[id(b.params[piece.param_index])])
+            if offsets[-1] < b.layout.shard_numel:  # padding: zero, never updated meaningfully
+                offsets.append(b.layout.shard_numel)
+                owners.append(self.num_params)
+            self.segments[id(b)] = (torch.tensor(offsets, dtype=torch.long), torch.tensor(owners, dtype=torch.long))
+
+    def _lamb_step(self) -> None:
+        from lightning_zero.ops import functional as F
+
+        live = [b for b in self.buffers if b.master.grad is not None]
+        sums = torch.zeros(self.num_params + 1, 2, dtype=torch.float32)
+        hypers, steps = {}, {}
+        for b in live:
+            hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
+            hyper.pop("adamw_mode")
+            state = self._state(b.master)
+            state["step"] += 1
+            hypers[id(b)], steps[id(b)] = hyper, int(state["step"])
+            offsets, owners = self.segments[id(b)]
+            phase1 = {k: v for k, v in hyper.items() if k != "lr"}
+            sq = F.cpu_lamb_moments(
+                b.master, b.master.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], offsets,
+                step=steps[id(b)], **phase1,
+            )
+            sums.index_add_(0, owners, sq.cpu())
+        # Whole-parameter norms: pieces from every rank (on the device of the collectives: NCCL
+        # reduces device tensors only).
+        on_device = sums.to(self.buffers[0].device) if self.buffers else sums
+        comm.all_reduce(on_device, self.group)
+        sums = on_device.cpu()
+        ratio = F.lamb_trust_ratio(sums)
+        for b in live:
+            offsets, owners = self.segments[id(b)]
+            state = self.optimizer.state[b.master]
+            copy = self._param_copy(b)
+            F.cpu_lamb_apply(
+                b.master, state["exp_avg"], state["exp_avg_sq"], offsets, ratio[owners].contiguous(),
+                step=steps[id(b)], param_copy=copy, **hypers[id(b)],
+            )
+            self._write_back(b, copy)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
