@@ -76,17 +76,23 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000
     """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
 
+    on_nonfinite: str = "error"
+    """Non-finite (inf/NaN) gradients under "32-true", "bf16-mixed" or "bf16-true": "error" raises
+    before the weights are touched, naming the step; "skip" skips the step with a warning and a
+    counter; "ignore" does not check (saves a scalar all-reduce and a host sync per step). "16-mixed"
+    always skips and lowers the loss scale instead."""
+
     allow_untested_optimizer: bool = False
     """Accept an optimizer class that is not known to be elementwise. ZeRO steps each rank's flat
     slice independently, which is only exact for optimizers whose update of an element depends on
     that element alone (SGD, Adam, AdamW, ...)."""
 
     def __post_init__(self) -> None:
-        if self.stage == 0:
+        if self.stage == 0 and type(self.stage) is int:
             raise ValueError(
                 "stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead."
             )
-        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+        if type(self.stage) is not int or self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1, 2 or 3.")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             value = getattr(self, name)
@@ -95,6 +101,11 @@ class ZeroConfig:
                     f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000); "
                     "smaller buckets use less memory, larger ones fewer collectives."
                 )
+        if self.on_nonfinite not in ("error", "skip", "ignore"):
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} must be 'error' (stop before the weights are touched), "
+                "'skip' (skip the step with a warning) or 'ignore' (no check)."
+            )
         threshold = self.param_persistence_threshold
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError(

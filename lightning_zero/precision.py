@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
@@ -101,6 +102,8 @@ class OffloadPrecision(Precision):
         self.compute_dtype, self.separate_master = PRECISIONS[self.precision]
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if self.precision == "16-mixed" else None
         self.device_type = "cpu"
+        #: optimizer steps skipped for non-finite gradients ("16-mixed" counts in ``scaler.skipped_steps``)
+        self.nonfinite_steps = 0
         self._engine: Optional["ZeroEngine"] = None
 
     def attach(self, engine: Optional["ZeroEngine"], device: torch.device) -> None:
@@ -168,10 +171,28 @@ class OffloadPrecision(Precision):
         if skipped_backward:
             self._engine.skip_step(optimizer)
             return closure_result
-        overflow = self._engine.step(optimizer, check_overflow=self.scaler is not None)
+        policy = self._engine.config.on_nonfinite
+        overflow = self._engine.step(optimizer, check_overflow=self.scaler is not None or policy != "ignore")
         if self.scaler is not None:
             self.scaler.update(overflow)
+        elif overflow:
+            self._nonfinite(model, policy)
         return closure_result
+
+    def _nonfinite(self, model: "pl.LightningModule", policy: str) -> None:
+        """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""
+        step = model.trainer.global_step
+        self.nonfinite_steps += 1
+        if policy == "error":
+            raise FloatingPointError(
+                f"non-finite gradients (inf or NaN) at optimizer step {step}: the step was not applied and the "
+                "weights are unchanged. Look for a bad batch or a diverging loss; to skip such steps with a "
+                "warning instead, pass ZeroStrategy(on_nonfinite='skip')."
+            )
+        rank_zero_warn(
+            f"non-finite gradients at optimizer step {step}: step skipped, weights unchanged "
+            f"({self.nonfinite_steps} skipped so far)."
+        )
 
     def clip_gradients(
         self,

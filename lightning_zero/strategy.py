@@ -61,6 +61,8 @@ class ZeroStrategy(DDPStrategy):
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
             :func:`lightning_zero.zero.optimizer.check_optimizer`).
+        on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
+            outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -85,6 +87,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
+        on_nonfinite: str = "error",
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         pin_memory: bool = True,
@@ -108,6 +111,7 @@ class ZeroStrategy(DDPStrategy):
             param_persistence_threshold=param_persistence_threshold,
             max_live_parameters=max_live_parameters,
             allow_untested_optimizer=allow_untested_optimizer,
+            on_nonfinite=on_nonfinite,
         )
         self.failure_config = FailureConfig(
             **({} if timeout is None else {"timeout": timeout}),

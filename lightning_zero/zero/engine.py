@@ -160,7 +160,8 @@ class ZeroEngine:
 
     def step(self, optimizer: torch.optim.Optimizer, check_overflow: bool = False) -> bool:
         """Step this rank's slices and publish them; returns True when skipped for non-finite
-        gradients (only checked with ``check_overflow``, for loss-scaled fp16). Call on all ranks."""
+        gradients (checked with ``check_overflow``: one scalar all-reduce and one host sync, before
+        anything is written, so a bad batch never reaches the weights). Call on all ranks."""
         sharded = self._get(optimizer)
         overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
         if not overflow:
