@@ -68,6 +68,9 @@ class KernelStep:
         self.group = group
         self.lamb = lamb
         self._copy_out: dict[int, torch.Tensor] = {}
+        #: LAMB with masters on a GPU: the multi-tensor kernels over one view per segment (the CPU
+        #: kernels take segment offsets instead). Either computes the same numbers.
+        self.fused = any(b.master.device.type != "cpu" for b in buffers)
         if lamb:
             self._plan_lamb()
 
@@ -75,12 +78,6 @@ class KernelStep:
     def for_optimizer(optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> Optional["KernelStep"]:
         """The kernel step ``optimizer`` needs under ZeRO, or None when its own ``step()`` is right."""
         if isinstance(optimizer, _lamb_family()):
-            if any(b.master.device.type != "cpu" for b in buffers):
-                raise ValueError(
-                    f"{type(optimizer).__name__} under ZeRO runs the shard-aware LAMB kernels of lightning_zero.ops on "
-                    "host memory: on a GPU set offload_optimizer=True (zero2_offload / zero3_offload), or use "
-                    "Adam/AdamW without offload."
-                )
             return KernelStep(optimizer, buffers, group, lamb=True)
         if not any(b.offloaded for b in buffers):
             return None
@@ -166,11 +163,46 @@ class KernelStep:
                 owners.append(self.num_params)
             self.segments[id(b)] = (torch.tensor(offsets, dtype=torch.long), torch.tensor(owners, dtype=torch.long))
 
+    def _segments(self, b: FlatBuffer, tensor: torch.Tensor) -> list[torch.Tensor]:
+        offsets = self.segments[id(b)][0].tolist()
+        return [tensor[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+
+    def _lamb_moments(self, b: FlatBuffer, state: dict[str, Any], step: int, hyper: dict[str, Any]) -> torch.Tensor:
+        from lightning_zero.ops import functional as F
+
+        phase1 = {k: v for k, v in hyper.items() if k != "lr"}
+        grad = b.master.grad.contiguous()
+        if self.fused:
+            views = [self._segments(b, t) for t in (b.master, grad, state["exp_avg"], state["exp_avg_sq"])]
+            return F.fused_lamb_moments(*views, step=step, **phase1)
+        offsets = self.segments[id(b)][0]
+        return F.cpu_lamb_moments(b.master, grad, state["exp_avg"], state["exp_avg_sq"], offsets, step=step, **phase1)
+
+    def _lamb_apply(self, b: FlatBuffer, state: dict[str, Any], ratio: torch.Tensor, step: int, hyper: dict[str, Any]) -> None:
+        from lightning_zero.ops import functional as F
+
+        offsets, owners = self.segments[id(b)]
+        if self.fused:
+            views = [self._segments(b, t) for t in (b.master, state["exp_avg"], state["exp_avg_sq"])]
+            direct = b.separate_master and not b.offloaded and b.param_shard.device == b.master.device
+            copies = self._segments(b, b.param_shard) if direct else []
+            F.fused_lamb_apply(*views, ratio[owners.to(ratio.device)].contiguous(), step=step, param_copies=copies, **hyper)
+            if not direct:
+                self._write_back(b, None)
+            return
+        copy = self._param_copy(b)
+        F.cpu_lamb_apply(
+            b.master, state["exp_avg"], state["exp_avg_sq"], offsets, ratio[owners].contiguous(),
+            step=step, param_copy=copy, **hyper,
+        )
+        self._write_back(b, copy)
+
     def _lamb_step(self) -> None:
         from lightning_zero.ops import functional as F
 
         live = [b for b in self.buffers if b.master.grad is not None]
-        sums = torch.zeros(self.num_params + 1, 2, dtype=torch.float32)
+        device = live[0].master.device if live else torch.device("cpu")
+        sums = torch.zeros(self.num_params + 1, 2, dtype=torch.float32, device=device)
         hypers, steps = {}, {}
         for b in live:
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
@@ -178,26 +210,13 @@ class KernelStep:
             state = self._state(b.master)
             state["step"] += 1
             hypers[id(b)], steps[id(b)] = hyper, int(state["step"])
-            offsets, owners = self.segments[id(b)]
-            phase1 = {k: v for k, v in hyper.items() if k != "lr"}
-            sq = F.cpu_lamb_moments(
-                b.master, b.master.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], offsets,
-                step=steps[id(b)], **phase1,
-            )
-            sums.index_add_(0, owners, sq.cpu())
-        # Whole-parameter norms: pieces from every rank (on the device of the collectives: NCCL
+            owners = self.segments[id(b)][1].to(device)
+            sums.index_add_(0, owners, self._lamb_moments(b, state, steps[id(b)], hyper).to(device))
+        # Whole-parameter norms: pieces from every rank, reduced where the collectives run (NCCL
         # reduces device tensors only).
-        on_device = sums.to(self.buffers[0].device) if self.buffers else sums
-        comm.all_reduce(on_device, self.group)
-        sums = on_device.cpu()
-        ratio = F.lamb_trust_ratio(sums)
+        on_comm = sums.to(self.buffers[0].device) if self.buffers else sums
+        comm.all_reduce(on_comm, self.group)
+        ratio = F.lamb_trust_ratio(on_comm).to(device)
         for b in live:
-            offsets, owners = self.segments[id(b)]
-            state = self.optimizer.state[b.master]
-            copy = self._param_copy(b)
-            F.cpu_lamb_apply(
-                b.master, state["exp_avg"], state["exp_avg_sq"], offsets, ratio[owners].contiguous(),
-                step=steps[id(b)], param_copy=copy, **hypers[id(b)],
-            )
-            self._write_back(b, copy)
+            self._lamb_apply(b, self.optimizer.state[b.master], ratio, steps[id(b)], hypers[id(b)])
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

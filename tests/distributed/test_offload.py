@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from harness import run_ranks
 from models import fit, state
 
@@ -23,10 +24,22 @@ OFFLOAD_SPECS = [
 ]
 
 
+class _ForceMultiTensorLamb(Callback):
+    """Run LAMB through the multi-tensor kernels used for GPU masters (they also run on CPU
+    tensors), so that path is checked here too."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for sharded in trainer.strategy._engine.sharded.values():
+            sharded.kernel.fused = True
+
+
 def _worker(rank: int, optimizer: str, specs: list, precision: str) -> dict:
     out = {}
     for name, spec in [("ddp", "ddp"), *specs]:
-        _, model = fit(spec, precision=precision, model_kwargs={"optimizer": optimizer})
+        callbacks = []
+        if isinstance(spec, dict) and spec.pop("multi_tensor", False):
+            callbacks.append(_ForceMultiTensorLamb())
+        _, model = fit(spec, precision=precision, model_kwargs={"optimizer": optimizer}, trainer_kwargs={"callbacks": callbacks})
         out[name] = {"losses": model.losses, "state": state(model)}
     return out
 
@@ -51,9 +64,13 @@ def test_adamw_offload_matches_ddp():
 
 
 def test_lamb_on_shards_matches_ddp():
-    specs = [("zero2", {"stage": 2, "reduce_bucket_size": 40}), ("zero3_offload", OFFLOAD_SPECS[2][1])]
+    specs = [
+        ("zero2", {"stage": 2, "reduce_bucket_size": 40}),
+        ("zero2_multi_tensor", {"stage": 2, "reduce_bucket_size": 40, "multi_tensor": True}),
+        ("zero3_offload", OFFLOAD_SPECS[2][1]),
+    ]
     results = run_ranks(_worker, "lamb", specs, "32-true")
     # LAMB's trust ratio uses whole-parameter norms: summed from pieces on both ranks (and from
     # several pieces of a parameter cut by buffer boundaries) in another order than DDP's single
     # sum: ~1e-7 relative on the ratio; same 1e-5 bound as AdamW.
-    _check(results, ["zero2", "zero3_offload"], rtol=1e-5)
+    _check(results, ["zero2", "zero2_multi_tensor", "zero3_offload"], rtol=1e-5)
