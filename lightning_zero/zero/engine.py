@@ -138,6 +138,7 @@ class ZeroEngine:
         self._norms.pop(id(_unwrap(optimizer)), None)
         sharded = self._get(optimizer)
         self.reducer.reduce_for_step(sharded.buffers)
+        self.reducer.wait_host_copies()
         sharded.prepare(inv_scale)
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

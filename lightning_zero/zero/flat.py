@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig
-from lightning_zero.offload.host import host_copy
+from lightning_zero.offload.host import host_copy, host_empty
 from lightning_zero.zero.partition import FlatLayout
 
 
@@ -113,6 +113,12 @@ class FlatBuffer:
             torch.zeros(layout.shard_numel, dtype=dtype, device=device) if self.trainable else None
         )
         self.grad_bucket: Optional[torch.Tensor] = None
+        # Offload: the reduced slice's copy in (pinned) host memory, refreshed as each reduction of
+        # stages 2/3 completes so the device-to-host copy overlaps the rest of backward.
+        self.host_grad: Optional[torch.Tensor] = None
+        if self.offloaded and self.grad_shard is not None and self.grad_shard.device.type != "cpu":
+            self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)  # type: ignore[union-attr]
+        self.host_grad_current = False
         # True while grad_shard holds nothing since the last step (the first reduction can then be
         # received straight into it instead of added).
         self.grad_shard_fresh = True

@@ -80,6 +80,9 @@ class ShardedOptimizer:
         self.buffers = buffers
         self.group = group
         self.rank = comm.rank(group)
+        # Set by a tensor-parallel strategy: parameters marked ``tensor_parallel`` hold different
+        # shards on its ranks; the others are replicas, counted on tensor-parallel rank 0 only.
+        self.tensor_parallel_group: comm.ProcessGroup = None
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
         for g_index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [b.master for b in buffers if b.optimizer_group == g_index]
@@ -91,7 +94,9 @@ class ShardedOptimizer:
     def prepare(self, inv_scale: float) -> None:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
         for b in self.buffers:
-            if b.offloaded:
+            if b.host_grad is not None and b.host_grad_current:
+                grad = b.host_grad.float()  # copied during backward (the engine waited for it)
+            elif b.offloaded:
                 grad = b.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
             else:
                 grad = b.grad_shard.float() if b.separate_master else b.grad_shard
@@ -100,13 +105,25 @@ class ShardedOptimizer:
             b.master.grad = grad
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero). Call on all ranks."""
-        grads = [b.master.grad for b in self.buffers if b.master.grad is not None]
+        """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
+        tensor-parallel group counted once. Call on all ranks."""
         device = self.buffers[0].master.device if self.buffers else torch.device("cpu")
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for grad in grads:
-            local += grad.float().pow(2).sum()
+        tp = self.tensor_parallel_group
+        replicas_counted = tp is None or comm.rank(tp) == 0  # (None is not "the default group" here)
+        for b in self.buffers:
+            grad = b.master.grad
+            if grad is None:
+                continue
+            if replicas_counted:
+                local += grad.float().pow(2).sum()
+                continue
+            for piece in b.shards:  # tensor-parallel shards only
+                if getattr(b.params[piece.param_index], "tensor_parallel", False):
+                    local += grad[piece.shard_offset : piece.shard_offset + piece.numel].float().pow(2).sum()
         comm.all_reduce(local, self.group)
+        if tp is not None:
+            comm.all_reduce(local, tp)
         return local.sqrt()
 
     def clip_grad_norm(self, max_norm: float, norm: Optional[torch.Tensor] = None) -> torch.Tensor:

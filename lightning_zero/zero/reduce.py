@@ -65,6 +65,15 @@ class SideStream:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
+    def record(self) -> Optional["torch.cuda.Event"]:
+        """An event after everything queued on the side stream (None off CUDA): the host waits on it
+        only when it needs the device-to-host gradient copies (the offloaded step)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
 
 class BucketPool:
     """Reuses freed gradient buckets of stages 2 and 3, up to ``max_numel`` elements kept.
@@ -107,6 +116,7 @@ class GradReducer:
         self.side = SideStream(device)
         largest = max((b.layout.padded_numel for b in buffers), default=0)
         self.pool = BucketPool(2 * largest)
+        self.host_copies_done: Optional["torch.cuda.Event"] = None
         self._next_launch = 0
         self._pending: list[tuple[FlatBuffer, comm.Handle, Optional[torch.Tensor]]] = []
         self._handles = []
@@ -182,6 +192,10 @@ class GradReducer:
                 else:
                     buffer.grad_shard.add_(extra.div_(self.world_size))
                 buffer.grad_shard_fresh = False
+                if buffer.host_grad is not None:
+                    # ZeRO-Offload: start moving the slice to the host now (pinned: asynchronous)
+                    buffer.host_grad.copy_(buffer.grad_shard, non_blocking=True)
+                    buffer.host_grad_current = True
                 assert buffer.grad_bucket is not None
                 self.pool.give(buffer.grad_bucket)
                 buffer.grad_bucket = None
@@ -192,6 +206,7 @@ class GradReducer:
             self._launch(only_complete=False)
             self._drain(block=True)
             self.side.join()
+            self.host_copies_done = self.side.record()
         self._next_launch = 0
         for buffer in self.buffers:
             buffer.arrived.clear()
@@ -220,6 +235,12 @@ class GradReducer:
             else:
                 buffer.grad_shard.zero_()
             buffer.grad_shard_fresh = True
+            buffer.host_grad_current = False
+
+    def wait_host_copies(self) -> None:
+        """Block the host until the offloaded gradient slices have reached host memory."""
+        if self.host_copies_done is not None:
+            self.host_copies_done.synchronize()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
