@@ -8,7 +8,7 @@ from torchmetrics.text import Perplexity
 
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
-from recipes.gpt2.model import GPT, GPTConfig
+from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN, GPTConfig
 
 
 class GPT2LM(LightningModule):
@@ -87,6 +87,11 @@ class GPT2LM(LightningModule):
         self.log("val_loss", GPT.loss_fn(logits, batch["labels"]), prog_bar=True, sync_dist=True)
         self.val_ppl.update(logits.float(), batch["labels"])
         self.log("val_ppl", self.val_ppl)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The GPT's Megatron plan (``TENSOR_PARALLEL_PLAN``) under this module's ``model.`` prefix, read by
+        ``ZeroStrategy(tensor_parallel_size=T)``."""
+        return {f"model.{pattern}": style for pattern, style in TENSOR_PARALLEL_PLAN.items()}
 
     def configure_optimizers(self) -> dict:
         """The configured optimizer with a per-step warmup + decay schedule over ``trainer.max_steps``."""
