@@ -31,10 +31,17 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Build the throughput meters; override the device's peak FLOP/s when ``peak_tflops`` is given."""
         super().setup(trainer, pl_module, stage)
+        compute_dtype = getattr(trainer.precision_plugin, "compute_dtype", None)
         if self.peak_tflops is not None:
             self.available_flops = self.peak_tflops * 1e12
-            for meter in self._throughputs.values():
-                meter.available_flops = self.available_flops
+        elif compute_dtype is not None:
+            # Lightning maps only its own plugins to a dtype (others count as fp32, whose peak is far
+            # lower on GPUs): lightning_zero's OffloadPrecision says its compute dtype itself.
+            from lightning.fabric.utilities.throughput import get_available_flops
+
+            self.available_flops = get_available_flops(trainer.strategy.root_device, compute_dtype)
+        for meter in self._throughputs.values():
+            meter.available_flops = self.available_flops
 
 
 class RecipeCLI(LightningCLI):
