@@ -1,5 +1,6 @@
-"""Lightning features under ZeRO on spawned CPU/gloo ranks: loss scaling, checkpoints (ZeRO and
-plain DDP checkpoints loading into each other), validate/predict, world size 1, memory accounting."""
+"""Lightning features under ZeRO on spawned CPU/gloo ranks: loss scaling, checkpoints (plain DDP
+checkpoints into ZeRO, sharded ZeRO checkpoints into DDP after conversion), validate/predict, world
+size 1, memory accounting. Sharded checkpoints in depth: test_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
     with_ckpt = {"callbacks": [every_epoch], "enable_checkpointing": True, **no_sampler}
     _, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
     path = f"{tmp}/epoch=0-step=4.ckpt"
+    if second == "ddp" and first != "ddp":
+        from lightning_zero.checkpoint import to_lightning_checkpoint
+
+        # DDP reads one file: the sharded directory is converted first (what
+        # `lightning-zero consolidate --lightning` does); one copy per rank, so no barrier is needed.
+        to_lightning_checkpoint(path, f"{tmp}/plain-{rank}.ckpt")
+        path = f"{tmp}/plain-{rank}.ckpt"
     _, resumed = fit(second, max_steps=8, ckpt_path=path, trainer_kwargs=no_sampler, **common)
     return {"full": full.losses, "resumed": resumed.losses, "full_state": state(full), "resumed_state": state(resumed)}
 

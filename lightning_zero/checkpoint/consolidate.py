@@ -1,0 +1,175 @@
+"""Sharded checkpoint -> one plain state dict, with no process group and no GPU, one parameter at a time.
+
+:func:`consolidate` writes the LightningModule's state dict (``model.load_state_dict(torch.load(OUT,
+weights_only=True), strict=True)`` works) without ever holding more than one whole parameter:
+the output is a ``torch.save`` zip archive written record by record. Its pickle (keys, shapes,
+dtypes) is known from ``metadata.json`` before any value is read, so it is written first, as
+``torch.save`` does, and each parameter is then assembled from the memory-mapped rank files, cast,
+written and freed. Tied parameters share one storage in the output, as they do in ``torch.save``.
+(This uses torch's zip writer ``torch.serialization._open_zipfile_writer``, private but the one
+``torch.save`` itself uses.)
+
+:func:`to_lightning_checkpoint` writes a whole Lightning checkpoint (model, consolidated optimizer
+states, loops, schedulers...) that a DDP or single-device Trainer resumes from; it is built in memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint.load import ShardedReader
+from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _open(path: fmt.PathLike) -> ShardedReader:
+    directory = fmt.resolve(path)
+    if directory is None:
+        raise ValueError(f"{path} is not a lightning_zero sharded checkpoint directory (a plain file, or missing).")
+    state = fmt.load_file(directory / fmt.LIGHTNING_FILE)
+    return ShardedReader(directory, state.get("state_dict", {}))
+
+
+def _cast(value: Any, dtype: Optional[torch.dtype]) -> Any:
+    if dtype is not None and torch.is_tensor(value) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+class _StorageRef:
+    """A storage that will be written later as record ``data/{key}``."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int, produce: Callable[[], torch.Tensor]) -> None:
+        self.key, self.dtype, self.numel, self.produce = key, dtype, numel, produce
+
+
+class _TensorRef:
+    """Pickles as the tensor ``torch.save`` would write for a contiguous tensor over ``storage``."""
+
+    def __init__(self, storage: _StorageRef, shape: torch.Size) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        stride = torch.empty(self.shape, device="meta").stride()
+        args = (self.storage, 0, tuple(self.shape), stride, False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler, for storages that do not exist yet (and real ones in non-tensor values)."""
+
+    def __init__(self, file: io.BytesIO, storages: dict[str, _StorageRef]) -> None:
+        super().__init__(file, protocol=2)
+        self.storages = storages
+
+    def persistent_id(self, obj: Any) -> Optional[tuple]:
+        if isinstance(obj, torch.storage.TypedStorage):  # a tensor inside a non-tensor entry (extra state)
+            numel = obj._size()
+            tensor = torch.empty(0, dtype=obj.dtype).set_(obj._untyped_storage, 0, (numel,), (1,))
+            obj = _StorageRef(f"extra{len(self.storages)}", obj.dtype, numel, lambda t=tensor: t)
+        if not isinstance(obj, _StorageRef):
+            return None
+        self.storages[obj.key] = obj
+        storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+        return ("storage", storage_type, obj.key, "cpu", obj.numel)
+
+
+def stream_save(entries: dict[str, Any], out: fmt.PathLike) -> None:
+    """``torch.save(entries, out)`` where values may be :class:`_TensorRef` placeholders, whose data is
+    produced, written and freed one storage at a time. Written to a temporary name, then renamed."""
+    storages: dict[str, _StorageRef] = {}
+    data = io.BytesIO()
+    _Pickler(data, storages).dump(entries)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with torch.serialization._open_zipfile_writer(str(tmp)) as writer:
+        writer.write_record("data.pkl", data.getvalue(), len(data.getvalue()))
+        writer.write_record(".format_version", "1", 1)
+        alignment = str(torch.serialization._get_storage_alignment())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for ref in storages.values():
+            tensor = ref.produce().to(ref.dtype).contiguous()
+            assert tensor.numel() == ref.numel, (ref.key, tensor.numel(), ref.numel)
+            # By data pointer, not storage: a tensor may be a view into a larger storage.
+            writer.write_record(f"data/{ref.key}", tensor.data_ptr(), tensor.nbytes)
+            del tensor
+    os.replace(tmp, out)
+
+
+def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: Optional[torch.dtype] = torch.float32) -> None:
+    """Write the LightningModule's whole state dict from a sharded checkpoint to ``out`` (``torch.save``
+    format), one parameter in memory at a time. Floating tensors are cast to ``dtype`` (``None``: as
+    saved, i.e. the fp32 masters under mixed precision). No process group or GPU needed."""
+    reader = _open(checkpoint_dir)
+    keys = reader.meta.get("state_dict_keys") or reader.keys()
+    entries: dict[str, Any] = {}
+    by_name: dict[str, _TensorRef] = {}
+    counter = iter(range(len(keys)))
+    for key in keys:
+        if key in reader.state_dict:
+            value = reader.state_dict[key]
+            if torch.is_tensor(value):
+                target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+                ref = _StorageRef(str(next(counter)), target, value.numel(), lambda v=value: v)
+                entries[key] = _TensorRef(ref, value.shape)
+            else:
+                entries[key] = value
+            continue
+        name = reader.name_of(key)
+        if name not in by_name:
+            saved = fmt.dtype_from_name(reader.params[name]["saved_dtype"])
+            shape = reader.shape(name)
+            ref = _StorageRef(str(next(counter)), dtype or saved, shape.numel(), lambda n=name: reader.full(n))
+            by_name[name] = _TensorRef(ref, shape)
+        entries[key] = by_name[name]
+    stream_save(entries, out)
+
+
+def to_lightning_checkpoint(
+    checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: Optional[torch.dtype] = None
+) -> None:
+    """Write a plain Lightning checkpoint (one file) from a sharded one: the whole model, consolidated
+    optimizer states (per original parameter, full shapes, as the optimizer without ZeRO writes them),
+    and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory."""
+    reader = _open(checkpoint_dir)
+    checkpoint = fmt.load_file(reader.path / fmt.LIGHTNING_FILE)
+    keys = reader.meta.get("state_dict_keys") or reader.keys()
+    checkpoint["state_dict"] = {k: _cast(reader.full(k), dtype) for k in keys}
+    states = []
+    for saved in checkpoint.get("optimizer_states", []):
+        if saved.get("format") != SHARDED_OPTIMIZER_MARKER:
+            states.append(saved)
+            continue
+        per_param: dict[int, dict[str, Any]] = {}
+        groups, index = [], 0
+        for group in saved["param_groups"]:
+            entry = {k: v for k, v in group.items() if k != "param_names"}
+            entry["params"] = list(range(index, index + len(group["param_names"])))
+            for name in group["param_names"]:
+                found = name in reader.params and reader.optimizer_entry(name)
+                if found:
+                    shape = reader.shape(name)
+                    state = {k: reader.read(name, 0, shape.numel(), k).view(shape) for k in found["slices"]}
+                    # Cloned: pieces of one flat buffer share one "step" tensor, which Adam
+                    # increments in place, once per parameter.
+                    scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in found["scalars"].items()}
+                    per_param[index] = {**state, **scalars}
+                index += 1
+            groups.append(entry)
+        states.append({"state": per_param, "param_groups": groups})
+    checkpoint["optimizer_states"] = states
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, out)

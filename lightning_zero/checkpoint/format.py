@@ -1,0 +1,175 @@
+"""The on-disk format of a sharded checkpoint, and how a path is recognised as one.
+
+A checkpoint is a directory (its name is the path Lightning asked for, e.g. ``epoch=3-step=400.ckpt``)::
+
+    rank-00000.pt ... rank-0000{N-1}.pt   one per rank, written by that rank, in parallel
+    lightning.pt                          rank 0: Lightning's state (loops, callbacks, LR schedulers,
+                                          hyperparameters, precision-plugin state = loss scaler),
+                                          the tensors ZeRO does not partition (frozen parameters,
+                                          buffers) and the optimizers' parameter-group hyperparameters
+    metadata.json                         written last: its presence marks the directory complete
+
+The format is **per parameter**, not per flat buffer, so a checkpoint loads into another world
+size, bucket size or stage. Rank r's file holds, for every parameter with elements in r's slices,
+one contiguous piece of the flattened parameter::
+
+    {"params": {name: 1-D tensor},                  the master (fp32 under mixed precision) values
+     "optim":  [{name: {"slices": {state_key: 1-D tensor}, "scalars": {state_key: value}}} per optimizer],
+     "rng":    this rank's torch / numpy / Python random states}
+
+and ``metadata.json`` says where each piece starts::
+
+    "params": {name: {"shape": [..], "dtype": "bfloat16", "saved_dtype": "float32",
+                      "aliases": [tied names], "optimizer": 0, "pieces": [[rank, offset, numel], ...]}}
+
+Every file is read with ``torch.load(..., weights_only=True, mmap=True)``: nothing is unpickled but
+tensors and plain containers, and a piece is paged in only when read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+FORMAT_NAME = "lightning_zero.sharded_checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+LIGHTNING_FILE = "lightning.pt"
+
+PathLike = Union[str, os.PathLike]
+
+
+def rank_file(rank: int) -> str:
+    """Name of rank ``rank``'s shard file inside the checkpoint directory."""
+    return f"rank-{rank:05d}.pt"
+
+
+def _hidden(path: Path, kind: str) -> Path:
+    # A hash, not the name itself: ModelCheckpoint finds "last" checkpoints by the substring "last"
+    # in a name, and must not pick a temporary directory of "last.ckpt".
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:16]
+    return path.parent / f".zero-{kind}-{digest}"
+
+
+def temporary_path(path: Path) -> Path:
+    """Where a save into ``path`` is written before it is complete (hidden, so never listed as a checkpoint)."""
+    return _hidden(path, "tmp")
+
+
+def previous_path(path: Path) -> Path:
+    """Where the checkpoint being overwritten waits while the new one is renamed into place."""
+    return _hidden(path, "old")
+
+
+def trash_path(path: Path) -> Path:
+    """Where a checkpoint is renamed before it is deleted, so a half-deleted one is never loaded."""
+    return _hidden(path, "trash")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    """True when ``path`` is a complete sharded checkpoint directory."""
+    return _read_format(Path(path)) is not None
+
+
+def _read_format(path: Path) -> Optional[dict[str, Any]]:
+    marker = path / METADATA_FILE
+    if not (path.is_dir() and marker.is_file()):
+        return None
+    with open(marker) as f:
+        meta = json.load(f)
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME else None
+
+
+def read_metadata(path: PathLike) -> dict[str, Any]:
+    """The metadata of the sharded checkpoint at ``path`` (resolved by :func:`resolve`)."""
+    meta = _read_format(Path(path))
+    if meta is None:
+        raise ValueError(f"{path} is not a complete lightning_zero sharded checkpoint (no {METADATA_FILE}).")
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path} was written in format version {meta['version']}, newer than this lightning_zero "
+            f"(reads up to {FORMAT_VERSION}); upgrade lightning_zero."
+        )
+    return meta
+
+
+def write_metadata(path: Path, meta: dict[str, Any]) -> None:
+    """Write ``metadata.json`` durably (it is the completeness marker, so it goes last)."""
+    with open(path / METADATA_FILE, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def resolve(path: PathLike) -> Optional[Path]:
+    """The sharded checkpoint directory that ``path`` names, or ``None`` when ``path`` is a plain file.
+
+    Raises ``ValueError`` for a file inside a checkpoint directory and for a directory that is not a
+    complete checkpoint (a save that did not finish). When a save overwriting ``path`` was killed
+    between its two renames, the previous checkpoint is found under its temporary name and returned.
+    """
+    path = Path(path)
+    if path.is_file():
+        parent = path.parent
+        if _read_format(parent) is not None or (parent / LIGHTNING_FILE).is_file():
+            raise ValueError(
+                f"{path} is a file inside the sharded checkpoint directory {parent}; pass the directory "
+                f"itself: ckpt_path={str(parent)!r}."
+            )
+        return None
+    if path.is_dir():
+        if _read_format(path) is None:
+            raise ValueError(
+                f"{path} is a directory but not a complete lightning_zero checkpoint: it has no {METADATA_FILE}, "
+                "which is written last, so a save into it did not finish (or it is not a checkpoint). Load the "
+                "previous checkpoint instead."
+            )
+        return path
+    old = previous_path(path)
+    if _read_format(old) is not None:
+        warnings.warn(
+            f"{path} does not exist, but {old} does: a save overwriting {path} was interrupted after moving "
+            f"the previous checkpoint aside. Loading that previous checkpoint; rename it to {path} to keep it.",
+            stacklevel=2,
+        )
+        return old
+    return None
+
+
+def check_rank_files(path: Path, meta: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming every rank whose shard file is missing or truncated."""
+    problems = []
+    for rank, (name, size) in enumerate(zip(meta["rank_files"], meta["rank_file_bytes"])):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} (rank {rank}) is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{name} (rank {rank}) has {file.stat().st_size} bytes, expected {size}")
+    if problems:
+        raise ValueError(
+            f"the sharded checkpoint {path} written by {meta['world_size']} ranks is incomplete: "
+            + "; ".join(problems)
+            + ". Copy the whole checkpoint directory (every rank's file) from where it was written."
+        )
+
+
+def load_file(file: Path) -> Any:
+    """``torch.load`` of one checkpoint file: weights only, memory-mapped, onto the CPU."""
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=True)

@@ -1,0 +1,203 @@
+"""Writing a sharded checkpoint: every rank its own file, in parallel; atomic on all ranks together.
+
+A save into ``PATH`` goes through three agreements (an ``all_gather_object`` of "ok / what failed",
+so a failure on one rank raises on every rank instead of leaving the others waiting)::
+
+    rank 0     empties the hidden temporary directory .zero-tmp-HASH (left by a killed save) and creates it
+    all ranks  write rank-RRRRR.pt (rank 0 also lightning.pt) there and fsync them
+    rank 0     writes metadata.json last (the completeness marker) and renames the directory into place;
+               an existing PATH is first renamed aside to .zero-old-HASH, then deleted
+
+So a kill at any moment leaves either the previous checkpoint at PATH (or, between the two renames,
+at .zero-old-HASH, which :func:`~lightning_zero.checkpoint.format.resolve` finds), or the new one;
+a directory without ``metadata.json`` is never loaded. Ranks must share one filesystem.
+
+Nothing is gathered: rank r's file holds only the pieces in r's slices (see
+:mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
+``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import lightning
+import torch
+from torch import nn
+
+from lightning_zero import comm
+from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint import rng
+from lightning_zero.checkpoint.pieces import local_shards, partitioned_params, state_dict_keys
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.engine import ZeroEngine
+
+SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
+
+
+def optimizer_groups(module: nn.Module, engine: "ZeroEngine", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
+    parameter names (the states themselves are in the rank files). Local, no communication."""
+    names = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    sharded = engine.find(optimizer)
+    assert sharded is not None
+    groups = []
+    for group, original in zip(sharded.optimizer.param_groups, sharded.original_params):
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["param_names"] = [names[id(p)] for p in original]
+        groups.append(entry)
+    return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(sharded.optimizer).__name__, "param_groups": groups}
+
+
+def _agree(error: Optional[str], group: comm.ProcessGroup, what: str) -> list:
+    """Exchange every rank's outcome; raise on every rank if any rank failed. Call on all ranks."""
+    outcomes = comm.all_gather_object(error, group)
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None and not isinstance(e, int)]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"{what} failed on rank {rank} (of {len(outcomes)}):\n{message}")
+    return outcomes
+
+
+def _guarded(fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:
+    try:
+        return fn(), None
+    except Exception:  # noqa: BLE001 - reported to every rank by _agree
+        return None, traceback.format_exc()
+
+
+def _write(obj: Any, file: Path) -> int:
+    """``torch.save`` and fsync (the rename that publishes the checkpoint must not overtake the data)."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return file.stat().st_size
+
+
+def _clear(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` to ``path``, moving an existing ``path`` aside first."""
+    old = fmt.previous_path(path)
+    _clear(old)
+    if path.exists() or path.is_symlink():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    _clear(old)
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    filepath: fmt.PathLike,
+    module: nn.Module,
+    engine: Optional["ZeroEngine"],
+    optimizers: list[torch.optim.Optimizer],
+    precision: str,
+) -> None:
+    """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``.
+
+    ``checkpoint["state_dict"]`` should hold only the tensors ZeRO does not partition (what the
+    strategy's ``lightning_module_state_dict`` returns); partitioned entries are dropped from it and
+    written from the shards instead. Call on all ranks (of the engine's group, or of the world
+    without an engine), with the same ``filepath``.
+    """
+    group = engine.group if engine is not None else None
+    rank, world_size = comm.rank(group), comm.world_size(group)
+    path = Path(filepath).absolute()
+    tmp = fmt.temporary_path(path)
+    params = partitioned_params(module, engine, optimizers)
+
+    def prepare() -> None:
+        _clear(tmp)
+        tmp.mkdir(parents=True)
+
+    _agree(_guarded(prepare)[1] if rank == 0 else None, group, f"creating {tmp}")
+
+    has_optimizer_states = "optimizer_states" in checkpoint
+
+    def write_own() -> int:
+        values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [])
+        payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
+        size = _write(payload, tmp / fmt.rank_file(rank))
+        if rank == 0:
+            skip = state_dict_keys(params)
+            lightning_state = dict(checkpoint)
+            lightning_state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
+            _write(lightning_state, tmp / fmt.LIGHTNING_FILE)
+        return size
+
+    size, error = _guarded(write_own)
+    sizes = _agree(error if error is not None else size, group, f"writing the sharded checkpoint {path}")
+
+    def finish() -> None:
+        meta = {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "stage": engine.config.stage if engine is not None else None,
+            "world_size": world_size,
+            "precision": precision,
+            "has_optimizer_states": has_optimizer_states,
+            "rank_files": [fmt.rank_file(r) for r in range(world_size)],
+            "rank_file_bytes": sizes,
+            "state_dict_keys": list(module.state_dict(keep_vars=True).keys()),
+            "params": {
+                p.name: {
+                    "shape": list(p.shape),
+                    "dtype": fmt.dtype_name(p.dtype),
+                    "saved_dtype": fmt.dtype_name(p.buffer.master.dtype),
+                    "aliases": list(p.aliases),
+                    "optimizer": p.optimizer,
+                    "pieces": [list(piece) for piece in p.pieces()],
+                }
+                for p in params.values()
+            },
+            "torch_version": torch.__version__,
+            "lightning_version": lightning.__version__,
+        }
+        fmt.write_metadata(tmp, meta)
+        _publish(tmp, path)
+
+    _agree(_guarded(finish)[1] if rank == 0 else None, group, f"publishing the sharded checkpoint {path}")
+
+
+def remove_sharded(filepath: fmt.PathLike) -> None:
+    """Delete a checkpoint (directory, link or plain file). Call on one rank.
+
+    A directory is renamed to a hidden name before it is deleted, so a kill during the deletion never
+    leaves a partial directory under a checkpoint's name. A directory that is not a lightning_zero
+    checkpoint is refused.
+    """
+    path = Path(filepath)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+        return
+    if not path.exists():
+        return
+    if not fmt.is_sharded_checkpoint(path):
+        raise ValueError(f"refusing to delete {path}: it is a directory but not a lightning_zero sharded checkpoint.")
+    trash = fmt.trash_path(path)
+    _clear(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash)

@@ -1,0 +1,91 @@
+"""Sharded-checkpoint pieces that need no process group: path resolution, removal, the streaming
+``torch.save`` writer, and the ``lightning-zero consolidate`` command's errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint.consolidate import _StorageRef, _TensorRef, stream_save
+from lightning_zero.checkpoint.save import remove_sharded
+from lightning_zero.cli import main
+
+
+def _fake_checkpoint(path):
+    path.mkdir()
+    (path / fmt.LIGHTNING_FILE).write_bytes(b"")
+    (path / fmt.METADATA_FILE).write_text(json.dumps({"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION}))
+    return path
+
+
+def test_resolve(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "a.ckpt")
+    assert fmt.resolve(ckpt) == ckpt
+    plain = tmp_path / "plain.ckpt"
+    plain.write_bytes(b"x")
+    assert fmt.resolve(plain) is None
+    assert fmt.resolve(tmp_path / "nothing.ckpt") is None
+    with pytest.raises(ValueError, match="file inside the sharded checkpoint directory"):
+        fmt.resolve(ckpt / fmt.LIGHTNING_FILE)
+    (ckpt / fmt.METADATA_FILE).rename(tmp_path / "moved.json")
+    with pytest.raises(ValueError, match="not a complete lightning_zero checkpoint"):
+        fmt.resolve(ckpt)
+
+
+def test_resolve_finds_checkpoint_moved_aside_by_interrupted_save(tmp_path):
+    target = tmp_path / "last.ckpt"
+    aside = _fake_checkpoint(fmt.previous_path(target))
+    assert "last" not in aside.name  # ModelCheckpoint looks for "last" in names
+    with pytest.warns(UserWarning, match="interrupted"):
+        assert fmt.resolve(target) == aside
+
+
+def test_remove_sharded(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "a.ckpt")
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(ckpt)
+    remove_sharded(link)  # only the link goes
+    assert ckpt.is_dir() and not link.exists()
+    remove_sharded(ckpt)
+    assert list(tmp_path.iterdir()) == []
+    other = tmp_path / "data"
+    other.mkdir()
+    with pytest.raises(ValueError, match="refusing to delete"):
+        remove_sharded(other)
+
+
+def test_stream_save_matches_torch_save(tmp_path):
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False), nn.BatchNorm1d(5))
+    model[1].weight = model[0].weight  # tied, as an LM head
+    reference = model.state_dict()
+    big = torch.arange(20.0)
+    entries, refs = {}, {}
+    for key, value in reference.items():
+        ptr = value.data_ptr()
+        if ptr not in refs:  # tied entries share one storage, as in torch.save
+            refs[ptr] = _StorageRef(str(len(refs)), value.dtype, value.numel(), lambda v=value: v)
+        entries[key] = _TensorRef(refs[ptr], value.shape)
+    # A view into a larger storage, cast on the way (bf16), and a non-tensor entry with a tensor.
+    entries["view"] = _TensorRef(_StorageRef("view", torch.bfloat16, 4, lambda: big[10:14]), torch.Size([2, 2]))
+    entries["extra"] = {"note": "kept", "t": torch.ones(2)}
+    stream_save(entries, tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    for key, value in reference.items():
+        assert torch.equal(loaded[key], value) and loaded[key].dtype == value.dtype, key
+    assert loaded["0.weight"].data_ptr() == loaded["1.weight"].data_ptr()
+    assert torch.equal(loaded["view"], big[10:14].to(torch.bfloat16).view(2, 2))
+    assert loaded["extra"]["note"] == "kept" and torch.equal(loaded["extra"]["t"], torch.ones(2))
+    assert not list(tmp_path.glob(".*"))  # written to a temporary name, then renamed
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    plain = tmp_path / "plain.ckpt"
+    plain.write_bytes(b"x")
+    assert main(["consolidate", str(plain), str(tmp_path / "out.pt")]) == 2
+    assert "not a lightning_zero sharded checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["consolidate", str(plain), str(tmp_path / "out.pt"), "--dtype", "int8"])
