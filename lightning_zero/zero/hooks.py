@@ -22,7 +22,9 @@ just before they are used and let them go right after.
   silently computing on an empty tensor. ``ZeroStrategy.gathered_parameters`` makes such reads legal.
 
 All ranks must run the same modules in the same order (the all-gathers are collectives); a
-data-dependent branch that differs between ranks hangs, as it does in every ZeRO-3 implementation.
+data-dependent branch that differs between ranks hangs, as it does in every ZeRO-3 implementation;
+``ZeroStrategy(debug_collectives=True)`` turns that hang into an error naming each rank's module
+(the gathers are labelled with the module's qualified name for it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""The collective-order checker: the tool for "ZeRO-3 hangs".
+
+Every collective in :mod:`lightning_zero.comm` must be called by all ranks in the same order with
+the same shapes. When one rank takes a data-dependent branch the others skip (under stage 3 the
+skipped submodule's forward is an all-gather), the ranks wait in different collectives and the job
+hangs until the collective timeout, or gloo pairs up unrelated calls and fails with a size error.
+
+With ``ZeroStrategy(debug_collectives=True)`` or ``LIGHTNING_ZERO_DEBUG_COLLECTIVES=1`` the strategy
+hands the engine a :class:`~lightning_zero.comm.CheckedGroup` instead of its plain process group.
+Before each collective on it, every rank describes the call it is about to make (operation, module
+being gathered, shapes, dtypes) and the descriptions are exchanged over a separate gloo group made
+once for the purpose. If they differ, every rank raises a ``RuntimeError`` listing each rank's call,
+so the branch is found at its first collective instead of as a hang::
+
+    collective #41 differs between ranks:
+      rank 0: all_gather for 'head' (forward) [(96,) float32 <- (48,) float32]
+      rank 1: all_gather for 'extra' (forward) [(120,) float32 <- (60,) float32]
+
+Costs one small object exchange per collective: for debugging, not for training runs. A rank that
+waits in a collective outside lightning_zero (Lightning's own ``all_reduce`` of a logged metric,
+say) while another waits in the checker still hangs until the collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+from torch.autograd.profiler import record_function
+
+from lightning_zero import comm
+
+#: Environment variable that turns the checker on for every ZeroStrategy that does not say otherwise.
+ENV_VAR = "LIGHTNING_ZERO_DEBUG_COLLECTIVES"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def debug_from_env() -> bool:
+    """The value of :data:`ENV_VAR` ("1"/"true"/"yes"/"on" or "0"/"false"/"no"/"off"/unset).
+
+    Raises:
+        ValueError: for any other value (a typo should not silently leave the checker off).
+    """
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not a switch; set it to 1 (check collectives) or 0.")
+    return value in _TRUE
+
+
+def describe(op: str, tensors: tuple[torch.Tensor, ...], label: str = "") -> str:
+    """One line naming a collective call: ``op``, what it is for, and its tensors' shapes and dtypes
+    (outputs first, ``<-`` before the inputs of an all-gather or reduce-scatter)."""
+    shapes = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors]
+    arrow = " <- ".join(shapes) if op in ("all_gather", "reduce_scatter") else ", ".join(shapes)
+    where = f" for {label}" if label else ""
+    return f"{op}{where} [{arrow}]"
+
+
+class CollectiveChecker:
+    """Compares, across ranks, each collective before it is issued.
+
+    Args:
+        group: a gloo group over the same ranks as the checked group, used only for the exchange
+            (a gloo group because descriptions are Python objects, and so that NCCL streams are
+            not involved).
+    """
+
+    def __init__(self, group: comm.ProcessGroup) -> None:
+        self.group = group
+        self.count = 0  # collectives checked so far: the same on every rank until a mismatch
+
+    def check(self, op: str, tensors: tuple[torch.Tensor, ...], label: str = "") -> None:
+        """Raise on every rank if the ranks are not all about to make the same call. Call on all ranks."""
+        self.count += 1
+        call = describe(op, tensors, label)
+        with record_function("lightning_zero::check_collective"):
+            calls = comm.all_gather_object(call, self.group)
+        if any(other != calls[0] for other in calls):
+            listing = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(calls))
+            raise RuntimeError(
+                f"collective #{self.count} differs between ranks:\n{listing}\n"
+                "Without debug_collectives this would hang or fail with an unrelated size error. Every rank "
+                "must run the same modules in the same order: under stage 3 a branch that depends on a rank's "
+                "data (an `if` on a batch value, an early exit, a module skipped on some ranks) must be taken "
+                "by all ranks, e.g. decide it from values all-reduced across ranks, or run the module anyway "
+                "and discard its output."
+            )
+
+
+def checked_group(group: comm.ProcessGroup, timeout: Optional[timedelta]) -> comm.CheckedGroup:
+    """``group`` with a :class:`CollectiveChecker` attached; makes the checker's gloo group. Call on
+    all ranks, once per strategy (making a group is itself a collective)."""
+    return comm.CheckedGroup(group, CollectiveChecker(comm.new_gloo_group(group, timeout)))

@@ -1,0 +1,60 @@
+"""The pieces of lightning_zero.failures that need no process group: which errors count as a lost
+peer or as out of memory, how a lost rank is found from its host and pid, and the OOM advice."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from lightning_zero import failures
+from lightning_zero.config import ZeroConfig
+
+GLOO_RESET = RuntimeError(
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:7843: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid no longer exists
+    return proc.pid
+
+
+def test_error_kinds():
+    assert failures.is_communication_error(GLOO_RESET)
+    assert not failures.is_communication_error(RuntimeError("Connection reset by peer"))  # not from a backend
+    assert not failures.is_communication_error(ValueError("gloo Read error"))
+    assert failures.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    assert failures.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert not failures.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_local_rank_gone_is_named():
+    here = socket.gethostname()
+    processes = {0: (here, os.getpid()), 1: (here, _dead_pid()), 2: (here, os.getpid())}
+    message = failures.lost_rank_message(GLOO_RESET, 0, 3, processes)
+    assert message is not None and message.startswith(f"rank 1 of 3 is gone (pid {processes[1][1]} on {here} exited)")
+    assert "rank 2" not in message
+    assert failures.lost_rank_message(RuntimeError("a bug"), 0, 3, processes) is None
+
+
+def test_store_host_gone_is_named():
+    # Rank 0 on another host and no store to ask (as when rank 0, which hosted it, died).
+    processes = {0: ("another-host", 1234), 1: (socket.gethostname(), os.getpid())}
+    lost = failures.find_lost_ranks(1, processes)
+    assert list(lost) == [0] and "that rank 0 hosted does not answer" in lost[0]
+
+
+def test_oom_advice_follows_the_settings():
+    stage2 = failures.oom_message(RuntimeError("x"), {"device": {"parameters": 3 * 2**20, "gradients": 0}}, ZeroConfig(stage=2), [])
+    assert "This rank holds on device: parameters 3.0 MiB (total 3.0 MiB)." in stage2
+    assert "stage=3 (now 2)" in stage2 and "prefetch_bucket_size" not in stage2 and "offload" not in stage2
+    config = ZeroConfig(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=400)
+    stage3 = failures.oom_message(RuntimeError("x"), None, config, ["zero3", "zero3_offload"])
+    assert "reduce_bucket_size=250 (now 1_000)" in stage3 and "prefetch_bucket_size=100 (now 400)" in stage3
+    assert "strategy='zero3_offload'" in stage3 and "stage=" not in stage3
