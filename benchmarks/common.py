@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from recipes.bert.model import Bert, BertConfig  # noqa: E402
 from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
 
 WORLD_SIZE = 2
@@ -42,6 +43,19 @@ WORLD_SIZE = 2
 MODEL = GPTConfig(vocab_size=8192, block_size=128, n_layer=6, n_head=6, n_embd=384)
 SEQ = 128
 MICRO_BATCH = 4
+#: The BERT of recipes/bert/model.py at the GPT's width and depth (~13M parameters, no dropout so
+#: every system computes the same thing); masked-LM loss on 15% of the positions.
+BERT_MODEL = BertConfig(vocab_size=8192, max_position=SEQ, n_layer=6, n_head=6, hidden=384,
+                        intermediate=1536, dropout=0.0)
+MASK_FRACTION = 0.15
+
+
+def use_tiny_models() -> None:
+    """Shrink both workloads to a few thousand parameters: for checking the scripts, not for numbers."""
+    global MODEL, BERT_MODEL
+    MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
+    BERT_MODEL = BertConfig(vocab_size=256, max_position=SEQ, n_layer=2, n_head=2, hidden=32, intermediate=64,
+                            dropout=0.0)
 
 
 # -- ranks --------------------------------------------------------------------------------------
@@ -119,9 +133,9 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE) 
 class GPTModule(pl.LightningModule):
     """The recipe GPT with AdamW, as a LightningModule; ``batch`` is (input_ids, labels)."""
 
-    def __init__(self, config: GPTConfig = MODEL, lr: float = 3e-4) -> None:
+    def __init__(self, config: GPTConfig | None = None, lr: float = 3e-4) -> None:
         super().__init__()
-        self.model = GPT(config)
+        self.model = GPT(config or MODEL)
         self.lr = lr
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -132,30 +146,93 @@ class GPTModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+class BertModule(GPTModule):
+    """The recipe BERT (masked LM) with the same AdamW; ``batch`` is (input_ids, labels), -100 = not masked."""
+
+    def __init__(self, config: BertConfig | None = None, lr: float = 3e-4) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = Bert(config or BERT_MODEL)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return bert_loss(self.model, *batch)
+
+
+def bert_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy (fp32) over the masked positions of a (batch, seq) micro-batch."""
+    logits, _ = model(input_ids, labels)
+    return torch.nn.functional.cross_entropy(logits.float(), labels[labels != -100])
+
+
+class LossModel(torch.nn.Module):
+    """``model(input_ids, labels) -> loss`` for the systems driven by a plain loop (FSDP2, DeepSpeed)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.model = module.model
+        self.is_bert = isinstance(module, BertModule)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.is_bert:
+            return bert_loss(self.model, input_ids, labels)
+        return GPT.loss_fn(self.model(input_ids), labels)
+
+
+#: workload name -> its LightningModule class
+WORKLOADS = {"gpt": GPTModule, "bert": BertModule}
+
+
 def num_params(module: torch.nn.Module) -> int:
     """Ψ: distinct trainable parameters (the tied head counted once)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def make_loader(steps: int, rank: int, seed: int = 1234) -> DataLoader:
-    """``steps`` micro-batches of random tokens for this rank (each rank its own, same every run)."""
+def make_loader(steps: int, rank: int, seed: int = 1234, workload: str = "gpt") -> DataLoader:
+    """``steps`` micro-batches of random tokens for this rank (each rank its own, same every run).
+
+    gpt: (input_ids, next tokens); bert: (input_ids, labels) with ``MASK_FRACTION`` of the
+    positions labelled (the rest -100), the labelled inputs replaced by token 0 ([MASK]).
+    """
     generator = torch.Generator().manual_seed(seed + rank)
     tokens = torch.randint(0, MODEL.vocab_size, (steps * MICRO_BATCH, SEQ + 1), generator=generator)
-    dataset = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    if workload == "bert":
+        inputs = tokens[:, :-1].clone()
+        masked = torch.rand(inputs.shape, generator=generator) < MASK_FRACTION
+        labels = torch.where(masked, inputs, torch.full_like(inputs, -100))
+        dataset = TensorDataset(inputs.masked_fill(masked, 0), labels)
+    else:
+        dataset = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     return DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
 
 
+def ensure_process_group() -> None:
+    """Initialize the gloo group from the torchelastic variables unless a Trainer already did.
+
+    The plain-loop systems (FSDP2, DeepSpeed, ZeroRedundancyOptimizer) need one; Lightning reuses it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+#: ZeroStrategy arguments of the offload names, as lightning_zero registers them
+OFFLOAD = {"zero2_offload": {"offload_optimizer": True},
+           "zero3_offload": {"offload_optimizer": True, "offload_parameters": True}}
+
+
 def build_strategy(name: str, **options: Any) -> Any:
-    """"ddp" -> Lightning's ``DDPStrategy(**options)``; "zero1"/"zero2" -> ``ZeroStrategy(stage, **options)``."""
+    """"ddp" -> Lightning's ``DDPStrategy(**options)``; "zero1"/"zero2"/"zero3"/"zero2_offload"/
+    "zero3_offload" -> ``ZeroStrategy(stage, **offload arguments, **options)``."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_zero import ZeroStrategy
 
     if name == "ddp":
         return DDPStrategy(**options)
-    if name in ("zero1", "zero2"):
-        return ZeroStrategy(stage=int(name[-1]), **options)
-    raise ValueError(f"unknown strategy {name!r}; use ddp, zero1 or zero2")
+    if name in ("zero1", "zero2", "zero3", *OFFLOAD):
+        return ZeroStrategy(stage=int(name[4]), **OFFLOAD.get(name, {}), **options)
+    raise ValueError(f"unknown strategy {name!r}; use ddp, zero1, zero2, zero3, zero2_offload or zero3_offload")
 
 
 def make_trainer(strategy: Any, precision: str, max_steps: int, callbacks: list) -> pl.Trainer:

@@ -84,6 +84,38 @@ def deepspeed_adam(p, g, repeats):
     return timed(opt.step, repeats)
 
 
+def measure(sizes: str, repeats: int) -> list[dict]:
+    """Every row of the table as ``{"size", "what", "ms", "gbs", "vs_torch", "of_bandwidth"}``."""
+    records = []
+    for size in sizes.split(","):
+        n = int(float(size.rstrip("M")) * 1e6)
+        bw = bandwidth(n, repeats)
+        p, g = torch.randn(n), torch.randn(n) * 1e-3
+        records.append({"size": size, "what": "memory bandwidth (a += b)", "ms": None, "gbs": bw,
+                        "vs_torch": None, "of_bandwidth": 1.0})
+        base = torch_adamw(p.clone(), g, repeats, fused=True)
+        timings = [("torch AdamW fused=True", base, ADAM_BYTES),
+                   ("torch AdamW foreach=True", torch_adamw(p.clone(), g, repeats, foreach=True), ADAM_BYTES)]
+        ds = deepspeed_adam(p.clone(), g, repeats)
+        if ds is not None:
+            timings.append(("DeepSpeedCPUAdam", ds, ADAM_BYTES))
+        for isa in supported_isas():
+            timings.append((f"ours {isa}", ours(n, p.clone(), g, repeats, isa), ADAM_BYTES))
+        fused_base = torch_adamw(p.clone(), g, repeats, fused_pass=True, fused=True)
+        timings.append(("fused pass: torch (3 passes)", fused_base, FUSED_BYTES))
+        for isa in supported_isas():
+            t = ours(n, p.clone(), g, repeats, isa, fused_pass=True)
+            timings.append((f"fused pass: ours {isa} (1 pass)", t, FUSED_BYTES))
+        for what, t, nbytes in timings:
+            ref = fused_base if what.startswith("fused pass") else base
+            gbs = nbytes * n / t / 1e9
+            records.append({"size": size, "what": what, "ms": t * 1e3, "gbs": gbs, "vs_torch": ref / t,
+                            "of_bandwidth": gbs / bw})
+        del p, g
+    os.environ.pop(ISA_ENV, None)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100M,500M", help="comma-separated, M = 1e6 parameters")
@@ -93,31 +125,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__}")
     print(f"{'size':>6} {'what':<34} {'ms':>9} {'GB/s':>7} {'vs torch fused':>15} {'of bandwidth':>13}")
-    for size in args.sizes.split(","):
-        n = int(float(size.rstrip("M")) * 1e6)
-        bw = bandwidth(n, args.repeats)
-        p, g = torch.randn(n), torch.randn(n) * 1e-3
-        rows = [("memory bandwidth (a += b)", None, bw)]
-        base = torch_adamw(p.clone(), g, args.repeats, fused=True)
-        timings = [("torch AdamW fused=True", base, ADAM_BYTES),
-                   ("torch AdamW foreach=True", torch_adamw(p.clone(), g, args.repeats, foreach=True), ADAM_BYTES)]
-        ds = deepspeed_adam(p.clone(), g, args.repeats)
-        if ds is not None:
-            timings.append(("DeepSpeedCPUAdam", ds, ADAM_BYTES))
-        for isa in supported_isas():
-            timings.append((f"ours {isa}", ours(n, p.clone(), g, args.repeats, isa), ADAM_BYTES))
-        fused_base = torch_adamw(p.clone(), g, args.repeats, fused_pass=True, fused=True)
-        timings.append(("fused pass: torch (3 passes)", fused_base, FUSED_BYTES))
-        for isa in supported_isas():
-            t = ours(n, p.clone(), g, args.repeats, isa, fused_pass=True)
-            timings.append((f"fused pass: ours {isa} (1 pass)", t, FUSED_BYTES))
-        print(f"{size:>6} {rows[0][0]:<34} {'':>9} {bw:7.1f}")
-        for what, t, nbytes in timings:
-            ref = fused_base if what.startswith("fused pass") else base
-            gbs = nbytes * n / t / 1e9
-            print(f"{size:>6} {what:<34} {t * 1e3:9.1f} {gbs:7.1f} {ref / t:14.2f}x {gbs / bw:12.2f}")
-        del p, g
-    os.environ.pop(ISA_ENV, None)
+    for r in measure(args.sizes, args.repeats):
+        if r["ms"] is None:
+            print(f"{r['size']:>6} {r['what']:<34} {'':>9} {r['gbs']:7.1f}")
+        else:
+            print(f"{r['size']:>6} {r['what']:<34} {r['ms']:9.1f} {r['gbs']:7.1f} {r['vs_torch']:14.2f}x "
+                  f"{r['of_bandwidth']:12.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""One command: the same small GPT (and BERT) under DDP, FSDP2, ZeroRedundancyOptimizer, lightning_zero
+and DeepSpeed on 2 CPU/gloo ranks; one table of step time and bytes per rank; JSON and PNG plots.
+
+    python benchmarks/run.py [--quick] [--out DIR]
+
+Full run: GPT and BERT, "bf16-mixed" and "32-true", 6 timed steps after 2 warm-up steps per run,
+2 interleaved rounds, CPU Adam at 100M parameters. ``--quick`` (under 15 minutes on 2 busy cores):
+GPT only, "bf16-mixed" only, 4 timed steps after 2 warm-up steps, 2 rounds, CPU Adam at 20M.
+
+Configurations run interleaved in the same two processes (a busy moment of the machine hits all of
+them alike); the table reports the median of all kept steps of rank 0. DeepSpeed runs when
+``deepspeed`` imports with ``DS_ACCELERATOR=cpu`` (its C++ ops are built on first use, into
+``.cache/torch_extensions``). A configuration that fails is reported in the table with its error
+and the others go on. See benchmarks/README.md for what each system is and how bytes are counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+# DeepSpeed picks its accelerator at import; the ranks inherit these. Its JIT-built ops go to a
+# gitignored cache inside the checkout, so a second run does not rebuild them.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+
+import common  # noqa: E402
+import report  # noqa: E402
+import systems  # noqa: E402
+
+OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+TORCH = ("ddp", "fsdp2", "fsdp2_no_reshard", "zero_redundancy")
+
+
+def deepspeed_available() -> bool:
+    """True when ``deepspeed`` imports (it is optional; nothing here requires it)."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smoke: bool) -> dict:
+    import lightning_zero  # noqa: F401 - registers the strategy names
+
+    from measure import Clock
+
+    if smoke:
+        common.use_tiny_models()
+    out: dict = {"psi": {w: common.num_params(common.WORKLOADS[w]()) for w, _, _ in configs}}
+    for _ in range(rounds):
+        for workload, precision, system in configs:
+            key = f"{workload} {precision} {system}"
+            began = time.perf_counter()
+            try:
+                result = systems.run(rank, system, precision, workload, warmup + steps)
+                clock = Clock()
+                clock.stamps = result.pop("stamps")
+                result["steps"] = clock.steps(warmup)
+            except Exception:  # noqa: BLE001 - one failing system must not hide the others' numbers
+                result = {"error": traceback.format_exc()}
+                if rank == 0:
+                    print(f"[run.py] {key} failed:\n{result['error']}", file=sys.stderr, flush=True)
+            if rank == 0 and "steps" in result:
+                median = sorted(result["steps"])[len(result["steps"]) // 2] if result["steps"] else float("nan")
+                print(f"[run.py] {key}: {time.perf_counter() - began:.0f} s, median step {median * 1e3:.0f} ms, "
+                      f"{result['bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+            out.setdefault(key, []).append(result)
+    return out
+
+
+def _profile_worker(rank: int, system: str, precision: str, workload: str, warmup: int, steps: int) -> dict:
+    """rank 0's torch.profiler table (self CPU time) over the steps after the warm-up."""
+    import torch
+
+    import lightning_zero  # noqa: F401
+
+    systems.run(rank, system, precision, workload, warmup)  # warm caches and allocator
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = systems.run(rank, system, precision, workload, steps)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    labelled = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    return {"self": table, "total": labelled, "stamps": result["stamps"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="GPT, bf16-mixed, fewer steps: < 15 min on 2 cores")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="directory for results.json and *.png")
+    parser.add_argument("--systems", help="comma-separated subset (default: all)")
+    parser.add_argument("--workloads", help="gpt,bert (default: both; --quick: gpt)")
+    parser.add_argument("--precisions", help="bf16-mixed,32-true (default: both; --quick: bf16-mixed)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when installed")
+    parser.add_argument("--no-cpu-adam", action="store_true", help="skip the CPU Adam throughput measurement")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, 1 step: checks that every system runs")
+    parser.add_argument("--profile", metavar="SYSTEM", help="instead: torch.profiler of one system on rank 0")
+    args = parser.parse_args()
+
+    workloads = (args.workloads or ("gpt" if args.quick else "gpt,bert")).split(",")
+    precisions = (args.precisions or ("bf16-mixed" if args.quick else "bf16-mixed,32-true")).split(",")
+    steps = args.steps or (4 if args.quick else 6)
+    with_deepspeed = not args.no_deepspeed and deepspeed_available()
+    names = list(TORCH + OURS) + (list(systems.DEEPSPEED) if with_deepspeed else [])
+    if args.systems:
+        names = [s for s in args.systems.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    if args.profile:
+        prof = common.run_ranks(_profile_worker, args.profile, precisions[0], workloads[0], args.warmup, steps)[0]
+        print(prof["self"], "\n", prof["total"])
+        return
+
+    start = time.perf_counter()
+    configs = [(w, p, s) for w in workloads for p in precisions for s in names]
+    per_rank = common.run_ranks(_worker, configs, args.warmup, steps, args.rounds, args.smoke)
+    records = report.summarize(configs, per_rank, args.warmup, common.WORLD_SIZE)
+    train_s = time.perf_counter() - start
+
+    cpu_adam = None
+    if not args.no_cpu_adam:
+        import torch
+
+        import cpu_adam as cpu_adam_bench
+
+        torch.set_num_threads(common.WORLD_SIZE)
+        cpu_adam = cpu_adam_bench.measure("20M" if args.quick else "100M", repeats=3 if args.quick else 5)
+
+    psi = ", ".join(f"{w} {per_rank[0]['psi'][w]:,}" for w in workloads)
+    print(f"\nΨ = {psi} parameters; "
+          f"{common.WORLD_SIZE} CPU/gloo ranks, 1 thread each; seq {common.SEQ}, micro-batch {common.MICRO_BATCH} "
+          f"per rank, AdamW; median of {steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per run.")
+    if not with_deepspeed:
+        print("DeepSpeed: not run (not importable with DS_ACCELERATOR=cpu, or --no-deepspeed).")
+    print("\n" + report.table(records))
+    if cpu_adam:
+        bw = next(r["gbs"] for r in cpu_adam if r["ms"] is None)
+        best = max((r for r in cpu_adam if r["what"].startswith("ours") and "fused" not in r["what"]), key=lambda r: r["gbs"])
+        print(f"\nCPU Adam ({cpu_adam[0]['size']} parameters, {common.WORLD_SIZE} threads): {best['what']} "
+              f"{best['gbs']:.1f} GB/s = {best['of_bandwidth']:.2f} of the measured bandwidth {bw:.1f} GB/s, "
+              f"{best['vs_torch']:.2f}x torch fused AdamW")
+    total_s = time.perf_counter() - start
+    print("\n" + "; ".join(f"{k}: {v}" for k, v in common.machine().items()) + f"; wall time {total_s / 60:.1f} min")
+    payload = {"quick": args.quick, "steps": steps, "warmup": args.warmup, "rounds": args.rounds,
+               "world_size": common.WORLD_SIZE, "train_wall_s": train_s, "wall_s": total_s,
+               "results": records, "cpu_adam": cpu_adam, "table": report.table(records)}
+    paths = [report.write(out, payload), *report.plots(out, records, cpu_adam)]
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()
