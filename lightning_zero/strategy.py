@@ -41,6 +41,7 @@ from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.config import FailureConfig, LossScaleConfig, OffloadConfig, ZeroConfig, normalize_precision
 from lightning_zero.memory import memory_breakdown
+from lightning_zero.parallel.setup import TensorParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.engine import ZeroEngine
 
@@ -72,6 +73,12 @@ class ZeroStrategy(DDPStrategy):
             rank that dies is noticed at once on gloo; see :mod:`lightning_zero.failures`.
         debug_collectives: compare every collective across ranks before issuing it and raise on a
             mismatch (:mod:`lightning_zero.debug`); ``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.
+        tensor_parallel_size: T, ranks that split each layer Megatron-style (stages 1 and 2); ZeRO then
+            shards over the world / T data-parallel ranks (:mod:`lightning_zero.layout`).
+        pipeline_parallel_size: only 1 for now.
+        tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
+            to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
+            takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -101,6 +108,9 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         debug_collectives: Optional[bool] = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        tensor_parallel_plan: Optional[dict[str, str]] = None,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage,
@@ -129,6 +139,7 @@ class ZeroStrategy(DDPStrategy):
                 "use stage=3, or offload_optimizer=True alone."
             )
         self._engine: Optional[ZeroEngine] = None
+        self._tensor_parallel = TensorParallelSetup(tensor_parallel_size, pipeline_parallel_size, tensor_parallel_plan, stage)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -174,16 +185,27 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def data_parallel_group(self) -> comm.ProcessGroup:
-        """The group ZeRO shards over (the default group: data parallelism only), wrapped in a
+        """The group ZeRO shards over (the default group without tensor parallelism), wrapped in a
         :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
-        return self._checked_group
+        return self._checked_group if self._checked_group is not None else self._tensor_parallel.dp_group
+
+    @property
+    def tensor_parallel_group(self) -> comm.ProcessGroup:
+        """This rank's tensor-parallel group (``None`` without tensor parallelism)."""
+        return self._tensor_parallel.tp_group
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard data over the data-parallel ranks: the ranks of one tensor-parallel group see the same batch."""
+        return self._tensor_parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     def setup_distributed(self) -> None:
         failures.set_nccl_defaults()
         super().setup_distributed()
         self.rank_processes = failures.register_rank(self.global_rank, self.world_size, self.failure_config.timeout)
+        self._tensor_parallel.build_groups(self.world_size, self.root_device.type)
         if self.failure_config.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(None, self.failure_config.timeout)
+            self._checked_group = debug.checked_group(self._tensor_parallel.dp_group, self.failure_config.timeout)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""
@@ -203,6 +225,7 @@ class ZeroStrategy(DDPStrategy):
             )
         if not on_meta:
             self.model_to_device()
+            self._tensor_parallel.apply(module)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin
         if precision.offload.offload_parameters and not stage3:
             raise ValueError(
@@ -225,6 +248,7 @@ class ZeroStrategy(DDPStrategy):
                 self.root_device,
                 precision.offload,
             )
+            self._tensor_parallel.attach(self._engine)
         else:
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group)
         if on_meta:
@@ -337,6 +361,13 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO.")
         assert self.lightning_module is not None
+        if self.tensor_parallel_group is not None:
+            # Every tensor-parallel rank holds different pieces under the same parameter names; the
+            # per-parameter format has no place for them yet. Raised on all ranks alike (no hang).
+            raise NotImplementedError(
+                "checkpoints under tensor_parallel_size > 1 are not available yet; train with "
+                "enable_checkpointing=False (and no ModelCheckpoint callback), or tensor_parallel_size=1"
+            )
         ckpt_save.save_sharded(
             checkpoint, filepath, self.lightning_module, self._engine, self.optimizers, self.precision_plugin.precision
         )

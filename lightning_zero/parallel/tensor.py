@@ -1,0 +1,233 @@
+"""Megatron-style tensor parallelism over plain tensors, applied to an existing model by a plan.
+
+A column-parallel Linear keeps rows ``[r*out/T, (r+1)*out/T)`` of the weight (output features) and
+yields a sharded activation; the row-parallel Linear that follows keeps the matching columns (input
+features) and sums its partial products with one all-reduce. Forward costs one all-reduce per
+column/row pair and backward one (the :mod:`~lightning_zero.parallel.mappings` pairs). The
+vocabulary-parallel embedding keeps a contiguous range of rows and all-reduces the looked-up vectors;
+the vocabulary-parallel cross-entropy takes logits sharded over the vocabulary and never gathers them.
+
+Why not ``torch.distributed.tensor.parallel.parallelize_module``: it runs on CPU/gloo in torch 2.13
+(checked: ``ColwiseParallel``/``RowwiseParallel`` forward and backward on 2 gloo ranks), but it
+turns parameters into ``DTensor``s, and our ZeRO engine flattens plain parameters into flat buffers
+whose slices become ``param.data``, reduce-scatters ``.grad`` tensors and steps fp32 slices. A DTensor
+parameter defeats each of those steps: ``torch.cat`` of DTensors redistributes them,
+assigning a plain tensor to a DTensor's ``.data`` keeps the DTensor wrapper with its global shape,
+and its gradients are DTensors again. Here parameters stay plain tensors holding their local shard,
+so the engine flattens and shards them over the data-parallel group unchanged.
+
+Sharded parameters carry ``param.tensor_parallel = True`` and ``param.partition_dim`` (see
+:func:`is_tensor_parallel`): global gradient norms count them on every tensor-parallel rank and
+replicated parameters on tensor-parallel rank 0 only, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero import comm
+from lightning_zero.parallel.mappings import copy_to_tensor_parallel, gather_last_dim, reduce_from_tensor_parallel
+
+STYLES = ("column", "row", "vocab", "replicate")
+"""What a plan may ask of a module: split a Linear by output or input features, split an Embedding
+by rows (vocabulary), or keep it whole on every tensor-parallel rank."""
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    """Mark ``param`` as this rank's shard along ``partition_dim`` of a tensor-parallel parameter."""
+    param.tensor_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]
+    return param
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a parameter split over the tensor-parallel group (each rank holds a different shard)."""
+    return bool(getattr(param, "tensor_parallel", False))
+
+
+def _split(size: int, group: comm.ProcessGroup, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's contiguous share of ``size``."""
+    world = comm.world_size(group)
+    if size % world:
+        raise ValueError(f"{what} is {size}, not divisible by the tensor-parallel size {world}")
+    length = size // world
+    return comm.rank(group) * length, length
+
+
+def _shard(full: torch.Tensor, dim: int, start: int, length: int) -> nn.Parameter:
+    return mark_tensor_parallel(nn.Parameter(full.detach().narrow(dim, start, length).clone(), full.requires_grad), dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` (out, in) split by rows: weight (out/T, in), bias (out/T).
+
+    Input (..., in) replicated; output (..., out/T) sharded, or (..., out) with ``gather_output``.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup, gather_output: bool = False) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group, self.gather_output = weight, bias, group, gather_output
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup, gather_output: bool = False) -> "ColumnParallelLinear":
+        """This rank's rows of ``linear`` (whose weights must be equal on every rank of ``group``)."""
+        start, length = _split(linear.out_features, group, f"out_features of {linear}")
+        bias = None if linear.bias is None else _shard(linear.bias, 0, start, length)
+        return cls(_shard(linear.weight, 0, start, length), bias, group, gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out/T), or (..., out) when gathering."""
+        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return gather_last_dim(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` (out, in) split by columns: weight (out, in/T); bias (out) whole.
+
+    Input (..., in/T) sharded (the output of a :class:`ColumnParallelLinear`); output (..., out)
+    replicated after one all-reduce; the bias is added after it, once.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup) -> "RowParallelLinear":
+        """This rank's columns of ``linear``; the bias Parameter is kept (replicated)."""
+        start, length = _split(linear.in_features, group, f"in_features of {linear}")
+        return cls(_shard(linear.weight, 1, start, length), linear.bias, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in/T) -> (..., out)."""
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (vocabulary) are split: weight (num/T, dim) holds rows [start, start + num/T).
+
+    ``(…) int64 -> (…, dim)`` replicated: each rank looks up the ids it owns, zeros the others, and
+    one all-reduce sums the lookups.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group: comm.ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.vocab_start, self.group = weight, vocab_start, group
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: comm.ProcessGroup) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding`` (plain lookups only: no padding_idx, max_norm or sparse)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError(f"{embedding}: vocabulary-parallel embeddings support plain lookups only")
+        start, length = _split(embedding.num_embeddings, group, f"num_embeddings of {embedding}")
+        return cls(_shard(embedding.weight, 0, start, length), start, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(…) int64 -> (…, dim)."""
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: comm.ProcessGroup, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross entropy from logits sharded over the vocabulary, without gathering them.
+
+    Args:
+        logits: (N, V/T) this rank's vocabulary columns [r*V/T, (r+1)*V/T); computed in fp32.
+        target: (N,) int64 global vocabulary ids; ``ignore_index`` entries do not count.
+        group: the tensor-parallel group.
+
+    Returns the same fp32 scalar on every rank. Three all-reduces of (N,): max, target logit, sum of
+    exponentials. Call on all ranks.
+    """
+    logits = logits.float()
+    shard = logits.shape[-1]
+    start = comm.rank(group) * shard
+    # The max only stabilizes exp(); the loss does not depend on it, so no gradient flows through it.
+    row_max = logits.detach().amax(dim=-1)
+    comm.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX, label="tensor_parallel")
+    shifted = logits - row_max.unsqueeze(-1)
+    valid = target != ignore_index
+    local = target - start
+    mine = valid & (local >= 0) & (local < shard)
+    picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * mine
+    picked = reduce_from_tensor_parallel(picked, group)
+    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), group)
+    losses = (sum_exp.log() - picked) * valid
+    return losses.sum() / valid.sum().clamp_min(1)
+
+
+def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, child = name.rpartition(".")
+    return (root.get_submodule(parent_name) if parent_name else root), child
+
+
+def _check_untied(root: nn.Module, name: str, module: nn.Module) -> None:
+    own = {id(p) for p in module.parameters(recurse=False)}
+    for other_name, other in root.named_modules(remove_duplicate=False):
+        if other is not module and any(id(p) in own for p in other.parameters(recurse=False)):
+            raise ValueError(
+                f"{name}'s parameters are shared with {other_name} (tied weights); splitting one would untie "
+                f"them. Plan both as 'replicate', or untie them before applying tensor parallelism."
+            )
+
+
+def _check_fits(module: nn.Module, style: str, name: str) -> None:
+    expected = nn.Embedding if style == "vocab" else nn.Linear
+    if type(module) is not expected:
+        raise ValueError(f"plan asks {style!r} for {name}, a {type(module).__name__}; {style!r} applies to nn.{expected.__name__}")
+
+
+def _convert(module: nn.Module, style: str, group: comm.ProcessGroup) -> nn.Module:
+    if style == "column":
+        return ColumnParallelLinear.from_linear(module, group)
+    if style == "row":
+        return RowParallelLinear.from_linear(module, group)
+    return VocabParallelEmbedding.from_embedding(module, group)
+
+
+def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: comm.ProcessGroup) -> list[str]:
+    """Split the modules of an existing ``module`` in place as ``plan`` says; returns the converted names.
+
+    Args:
+        module: the model, built whole and equal on every rank of ``group`` (same seed, or broadcast).
+        plan: module-name pattern (``fnmatch``, e.g. ``"h.*.attn.c_attn"``) -> one of :data:`STYLES`;
+            the first matching pattern decides. Every pattern must match at least one module.
+        group: the tensor-parallel group.
+
+    Converted modules are replaced (new Parameters holding this rank's shard), so build the
+    optimizer afterwards. With a one-rank group nothing changes. Raises ``ValueError`` for an unknown
+    style, a pattern that matches nothing, a style that does not fit the module, sizes not divisible
+    by the group size, or a split of tied weights.
+    """
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"tensor-parallel plan: {pattern!r} -> {style!r}; styles are {STYLES}")
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(
+                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__} "
+                f"(names look like {names[:4]}); patterns are relative to the module the plan is applied to"
+            )
+    chosen = {name: next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate") for name in names}
+    chosen = {name: style for name, style in chosen.items() if style != "replicate"}
+    for name, style in chosen.items():  # every check before the first split, also with one rank
+        _check_fits(module.get_submodule(name), style, name)
+        _check_untied(module, name, module.get_submodule(name))
+    if comm.world_size(group) == 1:
+        return []
+    for name, style in chosen.items():
+        parent, child = _parent(module, name)
+        setattr(parent, child, _convert(module.get_submodule(name), style, group))
+    return list(chosen)
