@@ -12,9 +12,9 @@ being gathered, shapes, dtypes) and the descriptions are exchanged over a separa
 once for the purpose. If they differ, every rank raises a ``RuntimeError`` listing each rank's call,
 so the branch is found at its first collective instead of as a hang::
 
-    collective #41 differs between ranks:
-      rank 0: all_gather for 'head' (forward) [(96,) float32 <- (48,) float32]
-      rank 1: all_gather for 'extra' (forward) [(120,) float32 <- (60,) float32]
+    collective #66 differs between ranks:
+      rank 0: all_gather for 'head' (backward) [(166,) float32 <- (83,) float32]
+      rank 1: all_gather for 'extra' (forward) [(226,) float32 <- (113,) float32]
 
 Costs one small object exchange per collective: for debugging, not for training runs. A rank that
 waits in a collective outside lightning_zero (Lightning's own ``all_reduce`` of a logged metric,
