@@ -196,8 +196,10 @@ def test_tp2_gpt2_matches_whole_model_and_trains_like_one_process():
         fit = res["fit"]
         assert fit["sampler"] == {"num_replicas": 1, "rank": 0}  # both ranks read the same batches
         _assert_close(torch.tensor(fit["losses"]), torch.tensor(reference["losses"][0]), "losses")
-        # The clipping threshold is below every norm, so a replica counted twice would change both
-        # the logged norm and every later loss.
+        # The clipping threshold is below every norm, so the norm is used every step. The norm is
+        # checked directly: AdamW nearly cancels a uniform gradient scale, so a wrong norm moves the
+        # losses by only ~2e-6 (measured with the tensor-parallel group left out of the norm, which
+        # gives norms 3% off).
         assert min(reference["norms"]) > CLIP
         _assert_close(torch.tensor(fit["norms"]), torch.tensor(reference["norms"]), "grad norms")
 
