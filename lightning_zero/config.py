@@ -198,6 +198,9 @@ class OffloadConfig:
     """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
 
     def __post_init__(self) -> None:
+        for name in ("offload_optimizer", "offload_parameters", "pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
         if self.offload_parameters and not self.offload_optimizer:
             raise ValueError(
                 "offload_parameters=True needs offload_optimizer=True: parameter shards on the host are "

@@ -91,6 +91,11 @@ class OffloadPrecision(Precision):
         loss_scale: Optional[LossScaleConfig] = None,
     ) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
+            raise ValueError(
+                f"loss_scale={loss_scale!r} must be a lightning_zero.LossScaleConfig (e.g. "
+                "LossScaleConfig(initial_scale=2**16)) or None."
+            )
         self.offload = OffloadConfig(
             offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
         )
