@@ -193,7 +193,11 @@ def _publish(engine: "ZeroEngine") -> None:
     """Loaded master slices -> parameters (stages 1/2: all-gathered, as after a step). Call on all ranks."""
     from lightning_zero.zero.gather import publish
 
-    publish(all_buffers(engine), engine.group, engine.config.allgather_bucket_size)
+    buffers = all_buffers(engine)
+    for buffer in buffers:
+        # publish() leaves offloaded buffers alone (their step writes the parameters itself)
+        buffer.params_from_master()
+    publish(buffers, engine.group, engine.config.allgather_bucket_size)
 
 
 def load_model(
@@ -244,7 +248,10 @@ def _load_sharded_optimizer(
             "configure_optimizers that wrote it."
         )
     state: dict[int, dict[str, Any]] = {}
-    by_buffer = {id(b): k for k, b in enumerate(sharded.buffers)}
+    # Keys of Optimizer.load_state_dict are positions in the optimizer's own parameter order (group
+    # by group), which under stage 3 is not the order of sharded.buffers.
+    position = {id(m): k for k, m in enumerate(m for g in optimizer.param_groups for m in g["params"])}
+    by_buffer = {id(b): position[id(b.master)] for b in sharded.buffers}
     keys = set(reader.keys())
     for p, param_offset, shard_offset, numel in iter_local_pieces(params):
         key = _match(p, keys)

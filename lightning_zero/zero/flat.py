@@ -192,6 +192,11 @@ class FlatBuffer:
         """Every parameter's gradient of this backward has arrived in the bucket."""
         return len(self.arrived) == len(self.params)
 
+    def params_from_master(self) -> None:
+        """Overwrite this rank's parameter slice with the master slice (cast), offloaded or not."""
+        if self.separate_master:
+            self.param_shard.copy_(self.master)
+
     def publish_master(self) -> None:
         """Write the updated fp32 master slice into this rank's slice of the parameters (cast).
         (An offloaded step writes the parameters itself, from the host, in the same pass.)"""

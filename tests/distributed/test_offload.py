@@ -74,3 +74,23 @@ def test_lamb_on_shards_matches_ddp():
     # several pieces of a parameter cut by buffer boundaries) in another order than DDP's single
     # sum: ~1e-7 relative on the ratio; same 1e-5 bound as AdamW.
     _check(results, ["zero2", "zero2_multi_tensor", "zero3_offload"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "first,second,precision",
+    [
+        (OFFLOAD_SPECS[1][1], OFFLOAD_SPECS[1][1], "bf16-mixed"),
+        (OFFLOAD_SPECS[3][1], {"stage": 2, "reduce_bucket_size": 40}, "32-true"),
+    ],
+    ids=["zero2_offload-zero2_offload-bf16", "zero3_offload_params-zero2-fp32"],
+)
+def test_offloaded_run_resumes(tmp_path, first, second, precision):
+    from test_training_features import _resume_worker
+
+    for res in run_ranks(_resume_worker, str(tmp_path), first, second, precision):
+        # Same arithmetic as the uninterrupted run once masters and moments are restored (the
+        # offloaded kernels keep torch's Adam state keys, so the checkpoint also resumes without
+        # offload); summation order differs only between stages: ~1e-7.
+        torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["full"][4:]), rtol=1e-5, atol=0)
+        for key, value in res["full_state"].items():
+            torch.testing.assert_close(res["resumed_state"][key], value, rtol=1e-5, atol=1e-7)
