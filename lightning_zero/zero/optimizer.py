@@ -207,14 +207,17 @@ class ShardedOptimizer:
         position = self._original_index()
         full_state = state_dict["state"]
         new_state: dict[int, dict[str, Any]] = {}
-        for k, b in enumerate(self.buffers):
+        # load_state_dict keys are positions in the optimizer's parameter order (group by group),
+        # which under stage 3 is not the order of self.buffers.
+        slot = {id(m): i for i, m in enumerate(m for g in self.optimizer.param_groups for m in g["params"])}
+        for b in self.buffers:
             entries = [full_state.get(by_position[position[id(p)]], {}) for p in b.params]
             shard_state = self._slice_state(b, entries)
             master = shard_state.pop("master", None)
             if master is not None and b.separate_master:
                 b.master.copy_(master)
             if shard_state:
-                new_state[k] = shard_state
+                new_state[slot[id(b.master)]] = shard_state
         groups, k = [], 0
         for g_index, saved in enumerate(saved_groups):
             group = {key: v for key, v in saved.items() if key != "params"}

@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent
+# Every parameter sharded (none kept whole by the persistence threshold), buckets cutting through them.
+ZERO3 = {"stage": 3, "reduce_bucket_size": 30, "param_persistence_threshold": 0}
 
 
 class DropoutModel(ParityModel):
@@ -93,10 +95,12 @@ def _two_rank_worker(rank: int, tmp: str) -> dict:
     path = f"{tmp}/epochs/epoch=0-step=4.ckpt"
     _, same = _fit(zero2, 2, rank, 8, ckpt_path=path)
     _, stage1 = _fit({"stage": 1}, 2, rank, 8, ckpt_path=path)
+    _, stage3 = _fit(ZERO3, 2, rank, 8, ckpt_path=path)
     return {
         "full": full.losses,
         "same": same.losses,
         "stage1": stage1.losses,
+        "stage3": stage3.losses,
         "final_state": state(full),
         "topk": sorted(os.listdir(f"{tmp}/topk")),
     }
@@ -117,8 +121,8 @@ def _one_rank_worker(rank: int, tmp: str, source: str, out: str) -> dict:
 
 
 def _from_one_rank_worker(rank: int, tmp: str, source: str, out: str) -> dict:
-    """1 rank -> 2 ranks: reshard and save again; and train on from the 1-rank checkpoint."""
-    resharded = _reshard_worker(rank, tmp, source, {"stage": 2, "reduce_bucket_size": 30}, 2, out)
+    """1 rank -> 2 ranks under zero3: reshard and save again; and train on from the 1-rank checkpoint."""
+    resharded = _reshard_worker(rank, tmp, source, ZERO3, 2, out)
     _, continued = _fit({"stage": 2}, 2, rank, 8, ckpt_path=source, model_kwargs={"dropout": 0.0})
     return {**resharded, "continued": continued.losses}
 
@@ -171,10 +175,10 @@ def test_sharded_checkpoints_resume_reshard_consolidate(tmp_path):
     tmp = str(tmp_path)
     results = run_ranks(_two_rank_worker, tmp)
     for res in results:
-        # Same layout, or zero2 -> zero1: the resumed run replays steps 5..8 of the uninterrupted one
-        # with the same dropout masks (restored random states); same arithmetic (with 2 ranks a
-        # reduce-scatter and an all-reduce add the same two numbers), so 1e-6 relative.
-        for resumed in ("same", "stage1"):
+        # Same layout, zero2 -> zero1, zero2 -> zero3: the resumed run replays steps 5..8 of the
+        # uninterrupted one with the same dropout masks (restored random states); same arithmetic
+        # (with 2 ranks a reduce-scatter and an all-reduce add the same two numbers), so 1e-6 relative.
+        for resumed in ("same", "stage1", "stage3"):
             torch.testing.assert_close(torch.tensor(res[resumed]), torch.tensor(res["full"][4:]), rtol=1e-6, atol=0)
     # top-k 2 by step, plus last: older step directories were deleted; no temporary ones remain.
     assert results[0]["topk"] == ["epoch=1-step=7.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
@@ -194,8 +198,8 @@ def test_sharded_checkpoints_resume_reshard_consolidate(tmp_path):
     bf16 = torch.load(tmp_path / "bf16.pt", weights_only=True)
     assert all(torch.equal(bf16[k], v.to(torch.bfloat16)) for k, v in loaded.items())
 
-    # 2 ranks (zero2) -> 1 rank (zero1) -> 2 ranks (zero2, other buckets): same weights, fp32
-    # masters, optimizer states, loops and schedulers, bit for bit.
+    # 2 ranks (zero2) -> 1 rank (zero1) -> 2 ranks (zero3, other buckets), saved again each time:
+    # same weights, fp32 masters, optimizer states, step and schedulers, bit for bit.
     source = tmp_path / "epochs" / "epoch=0-step=4.ckpt"
     one, two = tmp_path / "one.ckpt", tmp_path / "two.ckpt"
     (single,) = run_ranks(_one_rank_worker, tmp, str(source), str(one), world_size=1)
