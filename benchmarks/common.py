@@ -101,6 +101,8 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # torch.distributed deprecations, repeated at every collective of DeepSpeed and FSDP2
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE) -> list[Any]:

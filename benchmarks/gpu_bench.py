@@ -161,7 +161,7 @@ def table(out: Path) -> str:
     for name in CONFIGS:
         path = out / f"{name}.json"
         if not path.exists():
-            rows.append(f"| {name} | not run or failed (see {name}.log) | | | | |")
+            rows.append(f"| {name} | not run or failed (see train_{name}.log) | | | | |")
             continue
         r = json.loads(path.read_text())
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8, help="sequences of 1024 tokens per step")
+    parser.add_argument("--batch", type=int, default=16, help="sequences of 1024 tokens per step")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny GPT on the CPU: checks the script only")
     args = parser.parse_args()
     out = Path(args.out)

@@ -88,13 +88,18 @@ class Baseline:
 
 
 class Clock:
-    """Wall-clock stamps at step ends."""
+    """Wall-clock stamps at step ends; ``listeners`` are called with the number of stamps so far
+    (``run.py --profile`` starts and stops torch.profiler from there, around the timed steps only)."""
+
+    listeners: list = []
 
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
     def tick(self) -> None:
         self.stamps.append(time.perf_counter())
+        for listener in Clock.listeners:
+            listener(len(self.stamps))
 
     def steps(self, warmup: int) -> list[float]:
         """Step durations after ``warmup`` steps (the first stamp only opens the first interval)."""

@@ -4,8 +4,9 @@ and DeepSpeed on 2 CPU/gloo ranks; one table of step time and bytes per rank; JS
     python benchmarks/run.py [--quick] [--out DIR]
 
 Full run: GPT and BERT, "bf16-mixed" and "32-true", 6 timed steps after 2 warm-up steps per run,
-2 interleaved rounds, CPU Adam at 100M parameters. ``--quick`` (under 15 minutes on 2 busy cores):
-GPT only, "bf16-mixed" only, 4 timed steps after 2 warm-up steps, 2 rounds, CPU Adam at 20M.
+3 interleaved rounds, CPU Adam at 100M parameters (about 45 minutes on 2 busy cores). ``--quick``
+(10-11 minutes there): GPT only, "bf16-mixed" only, 5 timed steps, 3 rounds, CPU Adam at 50M;
+every system is still run.
 
 Configurations run interleaved in the same two processes (a busy moment of the machine hits all of
 them alike); the table reports the median of all kept steps of rank 0. DeepSpeed runs when
@@ -77,17 +78,26 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
 
 
 def _profile_worker(rank: int, system: str, precision: str, workload: str, warmup: int, steps: int) -> dict:
-    """rank 0's torch.profiler table (self CPU time) over the steps after the warm-up."""
+    """rank 0's torch.profiler tables over the steps after the warm-up (setup and teardown excluded)."""
     import torch
 
     import lightning_zero  # noqa: F401
+    from measure import Clock
 
-    systems.run(rank, system, precision, workload, warmup)  # warm caches and allocator
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        result = systems.run(rank, system, precision, workload, steps)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    labelled = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
-    return {"self": table, "total": labelled, "stamps": result["stamps"]}
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def listener(ticks: int) -> None:
+        if ticks == warmup:
+            prof.__enter__()
+        elif ticks == warmup + steps:
+            prof.__exit__(None, None, None)
+
+    Clock.listeners.append(listener)
+    result = systems.run(rank, system, precision, workload, warmup + steps)
+    averages = prof.key_averages()
+    # self time finds the hot ops; total time shows the labelled regions (lightning_zero::*) with what they wait on
+    return {"self": averages.table(sort_by="self_cpu_time_total", row_limit=25),
+            "total": averages.table(sort_by="cpu_time_total", row_limit=25), "stamps": result["stamps"]}
 
 
 def main() -> None:
@@ -97,9 +107,9 @@ def main() -> None:
     parser.add_argument("--systems", help="comma-separated subset (default: all)")
     parser.add_argument("--workloads", help="gpt,bert (default: both; --quick: gpt)")
     parser.add_argument("--precisions", help="bf16-mixed,32-true (default: both; --quick: bf16-mixed)")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 4)")
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 5)")
     parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when installed")
     parser.add_argument("--no-cpu-adam", action="store_true", help="skip the CPU Adam throughput measurement")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 1 step: checks that every system runs")
@@ -108,7 +118,7 @@ def main() -> None:
 
     workloads = (args.workloads or ("gpt" if args.quick else "gpt,bert")).split(",")
     precisions = (args.precisions or ("bf16-mixed" if args.quick else "bf16-mixed,32-true")).split(",")
-    steps = args.steps or (4 if args.quick else 6)
+    steps = args.steps or (5 if args.quick else 6)
     with_deepspeed = not args.no_deepspeed and deepspeed_available()
     names = list(TORCH + OURS) + (list(systems.DEEPSPEED) if with_deepspeed else [])
     if args.systems:
@@ -118,6 +128,9 @@ def main() -> None:
 
     if args.profile:
         prof = common.run_ranks(_profile_worker, args.profile, precisions[0], workloads[0], args.warmup, steps)[0]
+        durations = [b - a for a, b in zip(prof["stamps"][args.warmup - 1:], prof["stamps"][args.warmup:])]
+        print(f"{args.profile} {precisions[0]} {workloads[0]}: {steps} profiled steps, "
+              f"{', '.join(f'{d * 1e3:.0f}' for d in durations)} ms\n")
         print(prof["self"], "\n", prof["total"])
         return
 
@@ -134,7 +147,7 @@ def main() -> None:
         import cpu_adam as cpu_adam_bench
 
         torch.set_num_threads(common.WORLD_SIZE)
-        cpu_adam = cpu_adam_bench.measure("20M" if args.quick else "100M", repeats=3 if args.quick else 5)
+        cpu_adam = cpu_adam_bench.measure("50M" if args.quick else "100M", repeats=3 if args.quick else 5)
 
     psi = ", ".join(f"{w} {per_rank[0]['psi'][w]:,}" for w in workloads)
     print(f"\nΨ = {psi} parameters; "
