@@ -1,12 +1,16 @@
 """The ``lightning-zero`` command.
 
     lightning-zero consolidate CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16|saved] [--lightning]
+    lightning-zero report --params 1.5B --dp 8 --stage 3 [--precision bf16-mixed] [--offload-optimizer] [--offload-parameters]
 
 ``consolidate`` turns a sharded checkpoint directory into one file, on any machine (no GPU, no
 process group), one parameter in memory at a time: by default the LightningModule's state dict,
 which loads with ``model.load_state_dict(torch.load(OUT, weights_only=True), strict=True)``; with
 ``--lightning`` a whole Lightning checkpoint (optimizer states, loops, schedulers) that a DDP or
 single-device Trainer resumes from (built in memory).
+
+``report`` prints the per-rank model-state memory of a parameter count and layout from the ZeRO
+formulas (:mod:`lightning_zero.report`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,35 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument(
         "--lightning", action="store_true", help="write a whole Lightning checkpoint that DDP resumes from"
     )
+    rep = commands.add_parser("report", help="per-rank model-state memory estimate (ZeRO formulas)")
+    rep.add_argument("--params", required=True, help="parameter count, e.g. 124M, 1.5B")
+    rep.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    rep.add_argument("--stage", type=int, default=2, help="0 (DDP), 1, 2 or 3 (default 2)")
+    rep.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed, 16-mixed or bf16-true")
+    rep.add_argument("--offload-optimizer", action="store_true")
+    rep.add_argument("--offload-parameters", action="store_true")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lightning_zero.report import estimate, format_estimate, parse_count
+
+    try:
+        result = estimate(
+            parse_count(args.params), args.dp, args.stage, args.precision, args.offload_optimizer, args.offload_parameters
+        )
+    except ValueError as error:
+        print(f"lightning-zero report: error: {error}", file=sys.stderr)
+        return 2
+    print(format_estimate(result))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``lightning-zero`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    if args.command == "report":
+        return _report(args)
     dtype = None if args.dtype == "saved" else DTYPES[args.dtype]
     try:
         if args.lightning:
