@@ -4,9 +4,9 @@ and DeepSpeed on 2 CPU/gloo ranks; one table of step time and bytes per rank; JS
     python benchmarks/run.py [--quick] [--out DIR]
 
 Full run: GPT and BERT, "bf16-mixed" and "32-true", 6 timed steps after 2 warm-up steps per run,
-3 interleaved rounds, CPU Adam at 100M parameters (about 45 minutes on 2 busy cores). ``--quick``
-(10-11 minutes there): GPT only, "bf16-mixed" only, 5 timed steps, 3 rounds, CPU Adam at 50M;
-every system is still run.
+3 interleaved rounds, CPU Adam at 100M parameters (estimated 40-50 minutes on 2 busy cores, not
+yet timed). ``--quick`` (measured 8.5 minutes there): GPT only, "bf16-mixed" only, 5 timed steps,
+3 rounds, CPU Adam at 50M; every system is still run.
 
 Configurations run interleaved in the same two processes (a busy moment of the machine hits all of
 them alike); the table reports the median of all kept steps of rank 0. DeepSpeed runs when
