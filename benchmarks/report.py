@@ -32,7 +32,8 @@ def summarize(configs: list[tuple[str, str, str]], per_rank: list[dict], warmup:
         record: dict[str, Any] = {"workload": workload, "precision": precision, "system": system,
                                   "psi": per_rank[0]["psi"][workload], "errors": errors}
         if steps:
-            ok = [[r for r in rank[key] if "error" not in r][-1] for rank in per_rank]
+            # the last successful run of each rank (a rank may have failed where rank 0 did not)
+            ok = [good[-1] for rank in per_rank if (good := [r for r in rank[key] if "error" not in r])]
             largest = max(ok, key=lambda r: r["bytes"])
             record.update(median_s=statistics.median(steps), min_s=min(steps), max_s=max(steps), steps_s=steps,
                           bytes=largest["bytes"], split=_split(largest["split"]))
