@@ -38,8 +38,8 @@ def memory_breakdown(module: nn.Module, engine, device: torch.device) -> dict[st
     """``{"device": {category: bytes}, "host": {category: bytes}}`` for this rank.
 
     Categories: parameters, gradients, master_weights, optimizer_states, buffers, communication_buckets
-    (gradient buckets that exist only while being reduced; stage 1's persistent buckets are its
-    gradients).
+    (gradient buckets of stages 2/3, in use or pooled for reuse, at most two of the largest kept
+    between steps; stage 1's persistent buckets are its gradients).
     """
     counter = _Counter(device)
     if engine is not None:
@@ -50,6 +50,8 @@ def memory_breakdown(module: nn.Module, engine, device: torch.device) -> dict[st
         counter.add("gradients", (b.grad_bucket for b in engine.buffers if persistent))
         counter.add("gradients", (b.grad_shard for b in engine.buffers))
         counter.add("communication_buckets", (b.grad_bucket for b in engine.buffers if not persistent))
+        # freed buckets kept for reuse (a fresh multi-MB CPU allocation page-faults: see reduce.py)
+        counter.add("communication_buckets", engine.reducer.pool.free)
         for sharded in engine.sharded.values():
             for state in sharded.optimizer.state.values():
                 counter.add("optimizer_states", state.values())

@@ -80,7 +80,7 @@ class KernelStep:
         if isinstance(optimizer, _lamb_family()):
             return KernelStep(optimizer, buffers, group, lamb=True)
         if not any(b.offloaded for b in buffers):
-            return None
+            return KernelStep._for_host_masters(optimizer, buffers, group)
         if not isinstance(optimizer, _adam_family()):
             raise ValueError(
                 f"offload_optimizer=True runs the step with CPU kernels for Adam, AdamW (torch.optim or "
@@ -89,6 +89,22 @@ class KernelStep:
             )
         for param_group in optimizer.param_groups:
             _hyper(optimizer, param_group)  # reject amsgrad/maximize before training starts
+        return KernelStep(optimizer, buffers, group, lamb=False)
+
+    @staticmethod
+    def _for_host_masters(optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> Optional["KernelStep"]:
+        """Without offload, torch's Adam/AdamW on fp32 masters in host memory (CPU training) also runs
+        the compiled kernel: one pass instead of torch's several over the slice (measured ~50 ms ->
+        ~15 ms per step on a 14M-parameter GPT, 2 ranks), and it writes the 16-bit parameters in the
+        same pass. Only when the kernel is compiled (the readable fallback is slower than torch)."""
+        from lightning_zero.ops import compiled
+
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not compiled() or not buffers:
+            return None
+        if any(b.master.device.type != "cpu" or b.master.dtype != torch.float32 for b in buffers):
+            return None
+        if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
+            return None
         return KernelStep(optimizer, buffers, group, lamb=False)
 
     # -- per step ----------------------------------------------------------------------------------

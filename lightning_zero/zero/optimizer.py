@@ -67,6 +67,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
         )
 
 
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    # vector_norm accumulates in fp32 without materializing an fp32 (or squared) copy of the slice
+    return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
+
+
 class ShardedOptimizer:
     """The user's optimizer rewired to this rank's master slices; see the module docstring."""
 
@@ -116,11 +121,11 @@ class ShardedOptimizer:
             if grad is None:
                 continue
             if replicas_counted:
-                local += grad.float().pow(2).sum()
+                local += _squared_norm(grad)
                 continue
             for piece in b.shards:  # tensor-parallel shards only
                 if getattr(b.params[piece.param_index], "tensor_parallel", False):
-                    local += grad[piece.shard_offset : piece.shard_offset + piece.numel].float().pow(2).sum()
+                    local += _squared_norm(grad[piece.shard_offset : piece.shard_offset + piece.numel])
         comm.all_reduce(local, self.group)
         if tp is not None:
             comm.all_reduce(local, tp)
