@@ -253,3 +253,13 @@ class BuiltInConfigureModel(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class StateEveryStep(pl.Callback):
+    """Records the model's state after every training batch (weights unchanged by a skipped step)."""
+
+    def __init__(self) -> None:
+        self.states: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.states.append(state(pl_module))

@@ -4,35 +4,26 @@ loss by inf at optimizer step 1, so the reduced gradients of both ranks are non-
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from harness import run_ranks
-from models import fit, state
+from models import StateEveryStep, fit, state
 
 pytestmark = pytest.mark.distributed
-
-
-class _States(pl.Callback):
-    def __init__(self) -> None:
-        self.states: list[dict] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.states.append(state(pl_module))
 
 
 def _worker(rank: int, precision: str) -> dict:
     out = {}
     for stage in (2, 3):
         spec = {"stage": stage, "param_persistence_threshold": 10}
-        recorder = _States()
+        recorder = StateEveryStep()
         common = {"precision": precision, "accumulate": 1, "max_steps": 3, "model_kwargs": {"inject_inf_at": 1}}
         try:
             fit(spec, trainer_kwargs={"callbacks": [recorder]}, **common)
             error = None
         except FloatingPointError as exc:
             error = str(exc)
-        skipper = _States()
+        skipper = StateEveryStep()
         trainer, _ = fit({**spec, "on_nonfinite": "skip"}, trainer_kwargs={"callbacks": [skipper]}, **common)
         out[stage] = {
             "error": error, "before_error": recorder.states,

@@ -8,23 +8,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from harness import run_ranks
-from models import fit, make_loader, state
+from models import StateEveryStep, fit, make_loader, state
 
 pytestmark = pytest.mark.distributed
-
-
-class _StateEveryStep(pl.Callback):
-    def __init__(self) -> None:
-        self.states: list[dict] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.states.append(state(pl_module))
 
 
 def _overflow_worker(rank: int) -> dict:
     from lightning_zero import LossScaleConfig, OffloadPrecision
 
-    recorder = _StateEveryStep()
+    recorder = StateEveryStep()
     trainer, model = fit(
         {"stage": 2, "reduce_bucket_size": 64},
         # 2**8, not the default 2**16: at 2**16 this model's first fp16 gradients overflow on their own.
