@@ -24,7 +24,7 @@ with the same precision string.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -124,7 +124,7 @@ class OffloadPrecision(Precision):
         Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage.
         """
         if self.precision == "bf16-true":
-            for buffer_name, buffer in list(module.named_buffers()):
+            for buffer in list(module.buffers()):
                 if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:
                     buffer.data = buffer.data.to(self.compute_dtype)
         for param in module.parameters():
@@ -142,9 +142,6 @@ class OffloadPrecision(Precision):
             return data
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
-    @contextlib.contextmanager
-    def tensor_init_context(self) -> Generator[None, None, None]:
-        yield
 
     # -- backward and step --------------------------------------------------------------------
 
@@ -174,7 +171,7 @@ class OffloadPrecision(Precision):
         self._engine.prepare_step(optimizer, inv_scale=1.0 / self.loss_scale)
         self._after_closure(model, optimizer)
         if skipped_backward:
-            self._engine.skip_step(optimizer)
+            self._engine.end_step(optimizer)
             return closure_result
         policy = self._engine.config.on_nonfinite
         overflow = self._engine.step(optimizer, check_overflow=self.scaler is not None or policy != "ignore")

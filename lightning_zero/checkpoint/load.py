@@ -195,8 +195,7 @@ def _publish(engine: "ZeroEngine") -> None:
 
     buffers = all_buffers(engine)
     for buffer in buffers:
-        # publish() leaves offloaded buffers alone (their step writes the parameters itself)
-        buffer.params_from_master()
+        buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
     publish(buffers, engine.group, engine.config.allgather_bucket_size)
 
 

@@ -129,8 +129,10 @@ class KernelStep:
         return self._copy_out[id(b)]
 
     def _write_back(self, b: FlatBuffer, copy: Optional[torch.Tensor]) -> None:
+        if copy is not None and copy.data_ptr() == b.param_shard.data_ptr():
+            return  # the kernel wrote the parameter slice itself
         if not b.offloaded:
-            b.publish_master()
+            b.params_from_master()
             return
         source = b.master if copy is None else copy
         if source.data_ptr() != b.param_shard.data_ptr():

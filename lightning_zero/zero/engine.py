@@ -168,11 +168,11 @@ class ZeroEngine:
         if not overflow:
             sharded.step()
             publish(sharded.buffers, self.group, self.config.allgather_bucket_size)
-        self.skip_step(optimizer)
+        self.end_step(optimizer)
         return overflow
 
-    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop this step's gradients without updating anything."""
+    def end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this step's gradients (after a step, or instead of one: nothing is updated here)."""
         sharded = self._get(optimizer)
         sharded.release_grads()
         self.reducer.zero_grad(sharded.buffers)

@@ -196,9 +196,3 @@ class FlatBuffer:
         """Overwrite this rank's parameter slice with the master slice (cast), offloaded or not."""
         if self.separate_master:
             self.param_shard.copy_(self.master)
-
-    def publish_master(self) -> None:
-        """Write the updated fp32 master slice into this rank's slice of the parameters (cast).
-        (An offloaded step writes the parameters itself, from the host, in the same pass.)"""
-        if self.separate_master and not self.offloaded:
-            self.param_shard.copy_(self.master)

@@ -18,11 +18,11 @@ from lightning_zero.zero.flat import FlatBuffer
 
 
 def publish(buffers: list[FlatBuffer], group: comm.ProcessGroup, max_in_flight: int) -> None:
-    """All-gather every buffer's updated slice into its full ``flat_param``. Call on all ranks."""
+    """All-gather every buffer's updated slice into its full ``flat_param``; the step has already
+    written ``param_shard`` (:meth:`ShardedOptimizer.step`). Call on all ranks."""
     in_flight: deque[tuple[comm.Handle, int]] = deque()
     issued = 0
     for buffer in buffers:
-        buffer.publish_master()
         if not buffer.persistent:
             continue  # stage 3: the updated shard is gathered when a module next needs it
         numel = buffer.layout.padded_numel

@@ -149,10 +149,14 @@ class ShardedOptimizer:
                 b.master.grad.clamp_(-clip_value, clip_value)
 
     def step(self) -> None:
+        """Update the master slices and write them into the parameter slices (the kernels do both in
+        one pass; after torch's step the cast copy is a second one)."""
         if self.kernel is not None:
             self.kernel.step()
-        else:
-            self.optimizer.step()
+            return
+        self.optimizer.step()
+        for b in self.buffers:
+            b.params_from_master()
 
     def release_grads(self) -> None:
         for b in self.buffers:
