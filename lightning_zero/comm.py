@@ -198,6 +198,31 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup) -> None:
             offset += t.numel()
 
 
+def send(tensor: torch.Tensor, dst_rank_in_group: int, group: ProcessGroup) -> Handle:
+    """Start sending ``tensor`` to group rank ``dst_rank_in_group``; keep ``tensor`` unchanged until
+    the returned handle's ``wait()``. Point-to-point (pipeline stages): only the two ranks take part;
+    messages between a pair arrive in the order they were sent."""
+    plain = _plain(group)
+    with record_function("lightning_zero::send"):
+        return Handle(dist.isend(tensor.contiguous(), dst=_global(plain, dst_rank_in_group), group=plain))
+
+
+def recv(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup) -> None:
+    """Receive into ``tensor`` (its shape and dtype must be the sender's) from group rank
+    ``src_rank_in_group``; blocks until it has arrived."""
+    plain = _plain(group)
+    with record_function("lightning_zero::recv"):
+        dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain).wait()
+
+
+def new_group(ranks: list[int], timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
+    """A process group over the global ``ranks`` (default backend). Call on every rank of the default
+    group, for every new group in the same order, even on ranks outside ``ranks``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.new_group(ranks=sorted(ranks), timeout=timeout)
+
+
 def all_gather_object(obj: object, group: ProcessGroup) -> list:
     """Every rank's picklable ``obj``, in rank order. Call on all ranks (slow: metadata only)."""
     if world_size(group) == 1:

@@ -206,3 +206,49 @@ class OffloadConfig:
                 "offload_parameters=True needs offload_optimizer=True: parameter shards on the host are "
                 "updated there by the CPU optimizer step. Set both (as DeepSpeed's zero3_offload does)."
             )
+
+
+PIPELINE_PARTITIONS = ("parameters", "uniform")
+"""Ways to balance pipeline stages; ``"type:<regex>"`` (layers whose class name matches) also works."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism (see :mod:`lightning_zero.parallel.pipeline`)."""
+
+    stages: int = 1
+    """P, the number of pipeline stages (``pipeline_parallel_size``); 1 turns pipelining off."""
+
+    micro_batches: int | None = None
+    """m, the micro-batches each training batch is split into (default: P). The idle fraction of
+    each stage is (P - 1) / (m + P - 1), so m of 4P or more keeps the bubble under ~20%; the batch
+    size must be divisible by m."""
+
+    schedule: str = "1f1b"
+    """"1f1b" (at most P - s micro-batches' activations alive on stage s) or "gpipe" (all m)."""
+
+    partition: str = "parameters"
+    """How layers are spread over stages: "parameters" (balance parameter counts), "uniform"
+    (balance layer counts) or "type:<regex>" (balance the layers whose class name matches, e.g.
+    "type:Block"; parameter counts break ties)."""
+
+    def __post_init__(self) -> None:
+        from lightning_zero.parallel.schedules import SCHEDULES
+
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
+            raise ValueError(f"pipeline_parallel_size={self.stages!r} must be an integer of at least 1.")
+        m = self.micro_batches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"pipeline_micro_batches={m!r} must be a positive integer (or None for the number of stages).")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {SCHEDULES}.")
+        if self.partition not in PIPELINE_PARTITIONS and not self.partition.startswith("type:"):
+            raise ValueError(
+                f"pipeline_partition={self.partition!r}; use one of {PIPELINE_PARTITIONS} or 'type:<regex>' "
+                "(e.g. 'type:Block')."
+            )
+
+    @property
+    def num_micro_batches(self) -> int:
+        """m: the configured number, else one per stage."""
+        return self.micro_batches if self.micro_batches is not None else self.stages

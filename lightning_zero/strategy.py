@@ -39,9 +39,16 @@ from lightning_zero import comm, debug, failures
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.config import FailureConfig, LossScaleConfig, OffloadConfig, ZeroConfig, normalize_precision
+from lightning_zero.config import (
+    FailureConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    PipelineConfig,
+    ZeroConfig,
+    normalize_precision,
+)
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.parallel.setup import TensorParallelSetup
+from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.engine import ZeroEngine
 
@@ -75,7 +82,13 @@ class ZeroStrategy(DDPStrategy):
             mismatch (:mod:`lightning_zero.debug`); ``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.
         tensor_parallel_size: T, ranks that split each layer Megatron-style (stages 1 and 2); ZeRO then
             shards over the world / T data-parallel ranks (:mod:`lightning_zero.layout`).
-        pipeline_parallel_size: only 1 for now.
+        pipeline_parallel_size: P, pipeline stages of consecutive layers (stages 1 and 2); the
+            LightningModule defines ``configure_pipeline()`` (:mod:`lightning_zero.parallel.pipeline`)
+            and the strategy runs the schedule in place of ``training_step``/``validation_step``.
+        pipeline_micro_batches: m, micro-batches per batch (default P); the bubble is (P-1)/(m+P-1).
+        pipeline_schedule: "1f1b" (default) or "gpipe".
+        pipeline_partition: "parameters" (default), "uniform" or "type:<regex>" (see
+            :class:`~lightning_zero.config.PipelineConfig`).
         tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
             to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
             takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
@@ -111,6 +124,9 @@ class ZeroStrategy(DDPStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         tensor_parallel_plan: Optional[dict[str, str]] = None,
+        pipeline_micro_batches: Optional[int] = None,
+        pipeline_schedule: str = "1f1b",
+        pipeline_partition: str = "parameters",
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage,
@@ -139,7 +155,13 @@ class ZeroStrategy(DDPStrategy):
                 "use stage=3, or offload_optimizer=True alone."
             )
         self._engine: Optional[ZeroEngine] = None
-        self._tensor_parallel = TensorParallelSetup(tensor_parallel_size, pipeline_parallel_size, tensor_parallel_plan, stage)
+        self.pipeline_config = PipelineConfig(
+            stages=pipeline_parallel_size,
+            micro_batches=pipeline_micro_batches,
+            schedule=pipeline_schedule,
+            partition=pipeline_partition,
+        )
+        self._parallel = ParallelSetup(tensor_parallel_size, self.pipeline_config, tensor_parallel_plan, stage)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -187,25 +209,30 @@ class ZeroStrategy(DDPStrategy):
     def data_parallel_group(self) -> comm.ProcessGroup:
         """The group ZeRO shards over (the default group without tensor parallelism), wrapped in a
         :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
-        return self._checked_group if self._checked_group is not None else self._tensor_parallel.dp_group
+        return self._checked_group if self._checked_group is not None else self._parallel.dp_group
 
     @property
     def tensor_parallel_group(self) -> comm.ProcessGroup:
         """This rank's tensor-parallel group (``None`` without tensor parallelism)."""
-        return self._tensor_parallel.tp_group
+        return self._parallel.tp_group
+
+    @property
+    def pipeline_parallel_group(self) -> comm.ProcessGroup:
+        """This rank's pipeline-parallel group (``None`` without pipeline parallelism)."""
+        return self._parallel.pp_group
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard data over the data-parallel ranks: the ranks of one tensor-parallel group see the same batch."""
-        return self._tensor_parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+        return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     def setup_distributed(self) -> None:
         failures.set_nccl_defaults()
         super().setup_distributed()
         self.rank_processes = failures.register_rank(self.global_rank, self.world_size, self.failure_config.timeout)
-        self._tensor_parallel.build_groups(self.world_size, self.root_device.type)
+        self._parallel.build_groups(self.world_size, self.root_device.type)
         if self.failure_config.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(self._tensor_parallel.dp_group, self.failure_config.timeout)
+            self._checked_group = debug.checked_group(self._parallel.dp_group, self.failure_config.timeout)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""
@@ -225,7 +252,7 @@ class ZeroStrategy(DDPStrategy):
             )
         if not on_meta:
             self.model_to_device()
-            self._tensor_parallel.apply(module)  # before configure_optimizers sees the parameters
+            self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin
         if precision.offload.offload_parameters and not stage3:
             raise ValueError(
@@ -248,7 +275,7 @@ class ZeroStrategy(DDPStrategy):
                 self.root_device,
                 precision.offload,
             )
-            self._tensor_parallel.attach(self._engine)
+            self._parallel.attach(self._engine)
         else:
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group)
         if on_meta:
@@ -302,22 +329,68 @@ class ZeroStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._parallel.pipelined:
+            return self._pipeline_eval("val", *args, **kwargs)
         try:
             return super().validation_step(*args, **kwargs)
         finally:
             self._end_pass()
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._parallel.pipelined:
+            return self._pipeline_eval("test", *args, **kwargs)
         try:
             return super().test_step(*args, **kwargs)
         finally:
             self._end_pass()
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._parallel.pipelined:
+            raise NotImplementedError(
+                "predict under pipeline_parallel_size > 1 is not available: the outputs live on the last stage only; "
+                "predict with pipeline_parallel_size=1 (a checkpoint converts to any layout)"
+            )
         try:
             return super().predict_step(*args, **kwargs)
         finally:
             self._end_pass()
+
+    # -- pipeline parallelism: the strategy runs the schedule in place of the step hooks ----------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under pipeline parallelism: forward and backward of every micro-batch by the schedule
+        (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
+        loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
+        if not self._parallel.pipelined:
+            return super().training_step(*args, **kwargs)
+        runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
+        assert runner is not None and module is not None
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        with precision.train_step_context():
+            loss = runner.run(
+                args[0],
+                train=True,
+                scale=1.0 / (runner.micro_batches * accumulate),
+                scale_loss=lambda t: t * precision.loss_scale,  # no per-micro-batch backward hooks
+                after_backward=self._engine.finish_backward if self._engine is not None else None,
+            )
+        assert self._parallel.spec is not None
+        module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._parallel.pipelined:
+            return closure_loss  # the schedule ran every backward in training_step
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _pipeline_eval(self, prefix: str, *args: Any, **kwargs: Any) -> Any:
+        runner, module = self._parallel.runner, self.lightning_module
+        assert runner is not None and module is not None and self._parallel.spec is not None
+        with self.precision_plugin.val_step_context() if prefix == "val" else self.precision_plugin.test_step_context():
+            loss = runner.run(args[0], train=False)
+        # Every rank holds its data-parallel shard's loss: the mean over the world is the dp mean.
+        module.log(f"{prefix}_{self._parallel.spec.name}", loss, prog_bar=True, sync_dist=True)
+        return loss
 
     # -- training hooks ---------------------------------------------------------------------------
 
@@ -361,15 +434,14 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO.")
         assert self.lightning_module is not None
-        if self.tensor_parallel_group is not None:
-            # Every tensor-parallel rank holds different pieces under the same parameter names; the
-            # per-parameter format has no place for them yet. Raised on all ranks alike (no hang).
-            raise NotImplementedError(
-                "checkpoints under tensor_parallel_size > 1 are not available yet; train with "
-                "enable_checkpointing=False (and no ModelCheckpoint callback), or tensor_parallel_size=1"
-            )
         ckpt_save.save_sharded(
-            checkpoint, filepath, self.lightning_module, self._engine, self.optimizers, self.precision_plugin.precision
+            checkpoint,
+            filepath,
+            self.lightning_module,
+            self._engine,
+            self.optimizers,
+            self.precision_plugin.precision,
+            self._parallel.layout,
         )
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -383,11 +455,15 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        ckpt_load.load_model(checkpoint, self.lightning_module, self._engine, self.optimizers, strict)
+        ckpt_load.load_model(
+            checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
+        )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
-        ckpt_load.load_optimizers(checkpoint, self.lightning_module, self._engine, self.optimizers)
+        ckpt_load.load_optimizers(
+            checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
+        )
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
 

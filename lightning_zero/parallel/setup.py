@@ -1,72 +1,100 @@
-"""What :class:`~lightning_zero.ZeroStrategy` does for tensor parallelism, kept out of the strategy.
+"""What :class:`~lightning_zero.ZeroStrategy` does for tensor and pipeline parallelism, kept out of the strategy.
 
 Order inside the strategy: the arguments are validated at construction; ``setup_distributed``
 builds the layout's process groups once (the world size is known there); ``setup`` makes the model
-equal on every rank, applies the plan (before ``configure_optimizers`` sees the parameters) and
-hands the tensor-parallel group to the ZeRO optimizers' global gradient norm. ZeRO itself shards
-over the data-parallel group only, and the sampler shards data over it too.
+equal on every rank (one broadcast from global rank 0), keeps this rank's pipeline stage (the other
+stages' layers become placeholders), splits what is left by the tensor-parallel plan (before
+``configure_optimizers`` sees the parameters), and after the ZeRO engine exists hands it the
+tensor- and pipeline-parallel groups (global gradient norm) and the parameters tied across stages.
+ZeRO itself shards over the data-parallel group only, and the sampler shards data over it too.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Mapping, Optional
 
+import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.config import PipelineConfig
 from lightning_zero.layout import ParallelLayout, ProcessGroups, build_groups
+from lightning_zero.parallel.pipeline import (
+    PipelineSpec,
+    RemoteLayer,
+    StagePlan,
+    plan_stages,
+    resolve_spec,
+    split_stages,
+)
+from lightning_zero.parallel.runner import PipelineRunner
 from lightning_zero.parallel.tensor import apply_tensor_parallel
 
-_APPLIED = "_lightning_zero_tensor_parallel"  # marks a LightningModule already converted
+_APPLIED = "_lightning_zero_model_parallel"  # marks a LightningModule already converted
 
 
-class TensorParallelSetup:
-    """Tensor-parallel state of one strategy.
+class ParallelSetup:
+    """Tensor- and pipeline-parallel state of one strategy.
 
     Args:
-        tensor: T, the tensor-parallel size (1: nothing happens, no groups are made).
-        pipeline: P; only 1 is available now.
+        tensor: T, the tensor-parallel size (1: no split).
+        pipeline: the pipeline options; ``pipeline.stages`` is P (1: no pipeline).
         plan: module-name pattern -> style, or ``None`` for the LightningModule's own plan.
-        stage: the ZeRO stage (tensor parallelism composes with stages 1 and 2).
+        stage: the ZeRO stage (model parallelism composes with stages 1 and 2).
     """
 
-    def __init__(self, tensor: int, pipeline: int, plan: Optional[Mapping[str, str]], stage: int) -> None:
-        for name, value in (("tensor_parallel_size", tensor), ("pipeline_parallel_size", pipeline)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} is {value!r}; it must be an integer of at least 1")
-        if pipeline > 1:
-            raise ValueError(
-                f"pipeline_parallel_size={pipeline}: pipeline parallelism is not available yet; use "
-                "pipeline_parallel_size=1 (tensor_parallel_size and ZeRO data parallelism work)"
-            )
+    def __init__(self, tensor: int, pipeline: PipelineConfig, plan: Optional[Mapping[str, str]], stage: int) -> None:
+        if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
+            raise ValueError(f"tensor_parallel_size is {tensor!r}; it must be an integer of at least 1")
         if tensor > 1 and stage == 3:
             raise ValueError(
                 f"tensor_parallel_size={tensor} with stage=3 is not supported: stage 3 builds models on the meta "
                 "device, which cannot be split by a plan before it is materialized; use stage=1 or stage=2"
             )
+        if pipeline.stages > 1 and stage == 3:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline.stages} with stage=3 is not supported: stage 3 would all-gather every "
+                "layer's parameters again for each micro-batch's forward and backward (2m gathers per step), while "
+                "the pipeline already divides parameters by the number of stages; use stage=1 (fewest collectives, "
+                "as DeepSpeed's pipeline) or stage=2"
+            )
         self.tensor, self.pipeline, self.plan = tensor, pipeline, plan
         self.groups: Optional[ProcessGroups] = None
         self.layout: Optional[ParallelLayout] = None
+        self.spec: Optional[PipelineSpec] = None
+        self.stage_plan: Optional[StagePlan] = None
+        self.runner: Optional[PipelineRunner] = None
+        self.tied: list[tuple[nn.Parameter, comm.ProcessGroup, bool]] = []  # (param, group, counted here)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline.stages > 1
 
     @property
     def dp_group(self) -> comm.ProcessGroup:
-        """The data-parallel group (``None``, the default group, without tensor parallelism)."""
+        """The data-parallel group (``None``, the default group, without model parallelism)."""
         return None if self.groups is None else self.groups.dp
 
     @property
     def tp_group(self) -> comm.ProcessGroup:
         """The tensor-parallel group (``None`` without tensor parallelism)."""
-        return None if self.groups is None else self.groups.tp
+        return None if self.groups is None or self.tensor == 1 else self.groups.tp
+
+    @property
+    def pp_group(self) -> comm.ProcessGroup:
+        """The pipeline-parallel group (``None`` without pipeline parallelism)."""
+        return None if self.groups is None or not self.pipelined else self.groups.pp
 
     def build_groups(self, world_size: int, device_type: str) -> None:
         """Validate the layout against ``world_size`` and make the groups. Call on all ranks."""
-        self.layout = ParallelLayout.for_world(world_size, self.tensor, self.pipeline)
-        if self.tensor > 1 and self.groups is None:
+        self.layout = ParallelLayout.for_world(world_size, self.tensor, self.pipeline.stages)
+        if (self.tensor > 1 or self.pipelined) and self.groups is None:
             self.groups = build_groups(self.layout, device_type)
 
     def sampler_kwargs(self, world_size: int, global_rank: int) -> dict[str, Any]:
         """``DistributedSampler`` arguments: one data shard per data-parallel rank."""
-        layout = self.layout or ParallelLayout.for_world(world_size, self.tensor, self.pipeline)
+        layout = self.layout or ParallelLayout.for_world(world_size, self.tensor, self.pipeline.stages)
         return {"num_replicas": layout.data, "rank": layout.coordinates(global_rank).dp}
 
     def resolve_plan(self, module: nn.Module) -> Mapping[str, str]:
@@ -82,20 +110,90 @@ class TensorParallelSetup:
             )
         return plan
 
-    def apply(self, module: nn.Module) -> None:
-        """Make ``module`` equal on every rank, then split it by the plan (once). Call on all ranks."""
+    def apply(self, module: nn.Module, device: torch.device) -> None:
+        """Make ``module`` equal on every rank, keep this rank's stage, split it by the plan (once).
+        Call on all ranks."""
         if self.groups is None or getattr(module, _APPLIED, False):
             return
-        plan = self.resolve_plan(module)
-        # Replicated parameters must be equal on the ranks of a tensor-parallel group, and the
-        # splits must come from one whole model: start every rank from global rank 0's weights.
+        plan = self.resolve_plan(module) if self.tensor > 1 else None
+        if self.pipelined:
+            spec = resolve_spec(module, self.pipeline.stages)
+            stage_plan = plan_stages(module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition)
+        # Replicated parameters must be equal on the ranks of a tensor-parallel group, tied copies on
+        # their stages, and the splits must come from one whole model: start from global rank 0's weights.
         comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
-        apply_tensor_parallel(module, plan, self.groups.tp)
+        if self.pipelined:
+            if plan is not None:
+                _check_plan(module, plan)
+            split_stages(module, spec, stage_plan)
+            if plan is not None:
+                plan = _local_plan(module, plan)
+            self.spec, self.stage_plan = spec, stage_plan
+        if plan is not None:
+            apply_tensor_parallel(module, plan, self.groups.tp)
+        if self.pipelined:
+            self._tie(module)
+            self.runner = PipelineRunner(
+                stage_plan.layers,
+                spec,
+                stage_plan.stage,
+                stage_plan.stages,
+                self.groups.pp,
+                self.pipeline.num_micro_batches,
+                self.pipeline.schedule,
+                device,
+            )
         setattr(module, _APPLIED, True)
 
+    def _tie(self, module: nn.Module) -> None:
+        """One group per tied parameter over the stages holding it (made on every rank, in order)."""
+        assert self.stage_plan is not None and self.layout is not None and self.groups is not None
+        layout, here = self.layout, self.groups.coords
+        for tied in self.stage_plan.tied:
+            mine = None
+            for d in range(layout.data):
+                for t in range(layout.tensor):
+                    ranks = [s * layout.data * layout.tensor + d * layout.tensor + t for s in tied.stages]
+                    group = comm.new_group(ranks)
+                    if d == here.dp and t == here.tp:
+                        mine = group
+            if here.pp not in tied.names:
+                continue
+            param = module.get_parameter(tied.names[here.pp])
+            shapes = comm.all_gather_object(tuple(param.shape), mine)
+            if len(set(shapes)) != 1:
+                raise ValueError(
+                    f"parameter {tied.names} is tied across pipeline stages {tied.stages} but has shapes {shapes} "
+                    "there (a tensor-parallel plan splits one side only); split both tied modules alike or neither"
+                )
+            self.tied.append((param, mine, here.pp == tied.stages[0]))
+
     def attach(self, engine: Any) -> None:
-        """Give every ZeRO optimizer the tensor-parallel group, for its global gradient norm."""
+        """Give every ZeRO optimizer the model-parallel groups (global gradient norm) and the reducer
+        the tied parameters."""
         if self.groups is None:
             return
+        elsewhere = {id(p) for p, _, counted in self.tied if not counted}
         for sharded in engine.sharded.values():
-            sharded.tensor_parallel_group = self.groups.tp
+            sharded.tensor_parallel_group = self.tp_group
+            sharded.pipeline_parallel_group = self.pp_group
+            sharded.counted_elsewhere = elsewhere
+        for param, group, _ in self.tied:
+            engine.reducer.tie(param, group)
+
+
+def _check_plan(module: nn.Module, plan: Mapping[str, str]) -> None:
+    """Every pattern of ``plan`` must match a module of the whole model (before the pipeline split)."""
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(
+                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__} "
+                f"(names look like {names[:4]}); patterns are relative to the LightningModule"
+            )
+
+
+def _local_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """The patterns of ``plan`` that match a module this stage kept."""
+    names = [n for n, m in module.named_modules() if n and not isinstance(m, RemoteLayer)]
+    return {p: s for p, s in plan.items() if any(fnmatch.fnmatchcase(n, p) for n in names)}

@@ -139,6 +139,7 @@ class ZeroEngine:
         sharded = self._get(optimizer)
         self.reducer.reduce_for_step(sharded.buffers)
         self.reducer.wait_host_copies()
+        self.reducer.add_tied(sharded.buffers)
         sharded.prepare(inv_scale)
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

@@ -120,6 +120,8 @@ class GradReducer:
         self._next_launch = 0
         self._pending: list[tuple[FlatBuffer, comm.Handle, Optional[torch.Tensor]]] = []
         self._handles = []
+        # Pipeline parallelism: parameters tied across stages, id -> (accumulator, buffer, slot index, group)
+        self._tied: dict[int, tuple[torch.Tensor, FlatBuffer, int, comm.ProcessGroup]] = {}
         for b_index, buffer in enumerate(buffers):
             if stage == 1:
                 bucket = buffer.bucket()
@@ -145,6 +147,14 @@ class GradReducer:
             )
         if grad.is_sparse:
             raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
+        tied = self._tied.get(id(param))
+        if tied is not None:  # summed over its stages at the step (add_tied), not bucketed
+            tied[0].add_(grad.reshape(-1))
+            param.grad = None
+            buffer.arrived.add(p_index)
+            if self.stage >= 2 and self.overlap_comm:
+                self._launch(only_complete=True)
+            return
         slot = buffer.layout.slots[p_index]
         with self.side.enter():
             if buffer.grad_bucket is None:
@@ -226,6 +236,41 @@ class GradReducer:
                 handle.wait()
                 b.grad_shard.div_(self.world_size)
         self.side.join()
+
+    # -- pipeline parallelism: parameters tied across stages ---------------------------------------
+
+    def tie(self, param: torch.Tensor, group: comm.ProcessGroup) -> None:
+        """Sum ``param``'s gradient over ``group`` (the same rank of every pipeline stage holding a copy
+        of it) before the data-parallel average, so that every copy takes the same step. Its
+        gradients accumulate whole, outside the buckets, until :meth:`add_tied`."""
+        for buffer in self.buffers:
+            for p_index, p in enumerate(buffer.params):
+                if p is param:
+                    accum = torch.zeros(param.numel(), dtype=buffer.dtype, device=buffer.device)
+                    self._tied[id(param)] = (accum, buffer, p_index, group)
+                    return
+        raise ValueError(f"tied parameter of shape {tuple(param.shape)} is in no optimizer; ZeRO cannot reduce it")
+
+    def add_tied(self, buffers: list[FlatBuffer]) -> None:
+        """Sum each tied gradient over its stages and average it over the data-parallel group into this
+        rank's slice. Call on all ranks at the step, after :meth:`reduce_for_step` (the same tied
+        parameters, in the same order, on every stage that holds them)."""
+        ids = {id(b) for b in buffers}
+        for accum, buffer, p_index, group in self._tied.values():
+            if id(buffer) not in ids:
+                continue
+            comm.all_reduce(accum, group, label="tied parameter")
+            comm.all_reduce(accum, self.group, label="tied parameter")
+            accum.div_(self.world_size)
+            slot = buffer.layout.slots[p_index]
+            start, end = buffer.layout.shard_range(buffer.rank)
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                piece = accum[lo - slot.offset : hi - slot.offset]
+                buffer.grad_shard[lo - start : hi - start].add_(piece)
+                if buffer.host_grad is not None and buffer.host_grad_current:
+                    buffer.host_grad[lo - start : hi - start].add_(piece.to(buffer.host_grad.device))
+            accum.zero_()
 
     def zero_grad(self, buffers: list[FlatBuffer]) -> None:
         """Forget the gradients of ``buffers`` after their optimizer stepped."""

@@ -1,0 +1,240 @@
+"""Runs one stage's pipeline schedule: micro-batches, activations to the next stage, gradients back.
+
+Per training batch on stage ``s`` of ``P`` (group ranks of the pipeline group are the stages):
+
+* the batch is split into ``m`` micro-batches along dim 0 (:func:`split_batch`);
+* ``F i``: the first stage feeds ``spec.inputs(micro_batch)`` to its layers, the others receive the
+  previous stage's output; the last stage applies ``spec.loss``, the others send their output on;
+* ``B i``: the last stage backwards ``loss_i * scale`` (``scale`` = loss scale / (m * gradient
+  accumulation), so the summed gradients are those of the batch mean), the others receive the
+  gradient of their output; afterwards the input gradients go back to the previous stage and
+  ``after_backward`` completes ZeRO's reductions of that backward;
+* the mean of the ``m`` micro-batch losses is broadcast from the last stage, so every rank returns
+  (and logs) the true loss.
+
+Messages: every send is a fixed-size int64 header (count, and per tensor its dtype, whether it
+needs a gradient, its shape) followed by the tensors, so stages need not know shapes in advance
+and a batch may change its sequence length. Sends are asynchronous and receives block; with the
+schedules of :mod:`.schedules` every receive is matched by a send that does not wait on it, so no
+stage can deadlock. Only floating tensors that need a gradient on the sending side get one back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_zero import comm
+from lightning_zero.parallel.pipeline import PipelineSpec
+from lightning_zero.parallel.schedules import forward_only, schedule
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8]
+_HEADER = 64  # int64 slots: enough for 8 tensors of up to 5 dims
+
+
+def split_batch(batch: Any, micro_batches: int) -> list[Any]:
+    """``batch`` cut into ``micro_batches`` equal pieces along dim 0 of every tensor (dicts, lists and
+    tuples recursively; other leaves are repeated). ValueError unless the batch size divides evenly."""
+    sizes: set[int] = set()
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            sizes.add(x.shape[0])
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(batch)
+    if len(sizes) > 1:
+        raise ValueError(f"the batch's tensors have different sizes along dim 0 ({sorted(sizes)}); a pipeline splits dim 0")
+    size = sizes.pop() if sizes else 0
+    if size % micro_batches:
+        raise ValueError(
+            f"batch size {size} is not divisible by pipeline_micro_batches={micro_batches}; use a batch size that is "
+            f"a multiple of {micro_batches} (drop_last=True avoids a short last batch) or change pipeline_micro_batches"
+        )
+    n = size // micro_batches
+
+    def piece(x: Any, i: int) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x[i * n : (i + 1) * n]
+        if isinstance(x, dict):
+            return type(x)((k, piece(v, i)) for k, v in x.items())
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(piece(v, i) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(piece(v, i) for v in x)
+        return x
+
+    return [piece(batch, i) for i in range(micro_batches)]
+
+
+def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
+    out = x if isinstance(x, tuple) else (x,)
+    if not all(isinstance(t, torch.Tensor) for t in out):
+        raise ValueError(f"{what} must be a tensor or a tuple of tensors under pipeline parallelism, got {type(x).__name__}")
+    return out
+
+
+class Peer:
+    """Messages to and from one neighbouring stage (group rank ``rank`` of the pipeline ``group``)."""
+
+    def __init__(self, group: comm.ProcessGroup, rank: int, device: torch.device) -> None:
+        self.group, self.rank, self.device = group, rank, device
+        self.pending: list[tuple[comm.Handle, list[torch.Tensor]]] = []
+
+    def send(self, tensors: Sequence[torch.Tensor], grads: Sequence[bool]) -> None:
+        header = [len(tensors)]
+        for t, g in zip(tensors, grads):
+            if t.dtype not in _DTYPES:
+                raise ValueError(f"cannot send a {t.dtype} tensor between pipeline stages; use one of {_DTYPES}")
+            header += [_DTYPES.index(t.dtype), int(g), t.dim(), *t.shape]
+        if len(header) > _HEADER:
+            raise ValueError(f"a stage output of {len(tensors)} tensors with shapes {[tuple(t.shape) for t in tensors]} is too large a message header")
+        header_t = torch.tensor(header + [-1] * (_HEADER - len(header)), dtype=torch.int64, device=self.device)
+        payload = [header_t] + [t.detach().contiguous() for t in tensors]
+        for t in payload:
+            self.pending.append((comm.send(t, self.rank, self.group), [t]))
+
+    def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
+        header_t = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        comm.recv(header_t, self.rank, self.group)
+        header = header_t.tolist()
+        tensors, grads, at = [], [], 1
+        for _ in range(header[0]):
+            dtype, grad, ndim = _DTYPES[header[at]], bool(header[at + 1]), header[at + 2]
+            shape = header[at + 3 : at + 3 + ndim]
+            at += 3 + ndim
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            comm.recv(t, self.rank, self.group)
+            tensors.append(t)
+            grads.append(grad)
+        return tensors, grads
+
+    def wait(self) -> None:
+        """Wait until every send has left (its buffers may then be freed)."""
+        for handle, _ in self.pending:
+            handle.wait()
+        self.pending.clear()
+
+
+class PipelineRunner:
+    """Executes the schedule of one stage.
+
+    Args:
+        layers: this stage's layers, in order.
+        spec: the model's :class:`~lightning_zero.parallel.pipeline.PipelineSpec`.
+        stage, stages: this stage and P.
+        group: the pipeline-parallel group (group rank = stage).
+        micro_batches: m.
+        schedule_name: "1f1b" or "gpipe" (training; evaluation runs forwards only).
+        device: where received tensors are placed.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        spec: PipelineSpec,
+        stage: int,
+        stages: int,
+        group: comm.ProcessGroup,
+        micro_batches: int,
+        schedule_name: str,
+        device: torch.device,
+    ) -> None:
+        self.layers, self.spec = list(layers), spec
+        self.stage, self.stages, self.group = stage, stages, group
+        self.micro_batches, self.schedule_name = micro_batches, schedule_name
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.prev = None if self.first else Peer(group, stage - 1, device)
+        self.next = None if self.last else Peer(group, stage + 1, device)
+        self.device = device
+        self.train_actions: list = []  # the schedule of the latest training batch (tests and reports)
+
+    def _forward(self, args: tuple[torch.Tensor, ...]) -> Any:
+        out: Any = args
+        for layer in self.layers:
+            out = layer(*(out if isinstance(out, tuple) else (out,)))
+        return out
+
+    def run(
+        self,
+        batch: Any,
+        train: bool,
+        scale: float = 1.0,
+        scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        after_backward: Optional[Callable[[], None]] = None,
+    ) -> torch.Tensor:
+        """Forward (and with ``train`` backward) every micro-batch of ``batch``; returns the mean
+        micro-batch loss (fp32 scalar, the same on every stage). Call on all stages."""
+        micro = split_batch(batch, self.micro_batches)
+        m = self.micro_batches
+        actions = schedule(self.schedule_name, self.stage, self.stages, m) if train else forward_only(self.stage, self.stages, m)
+        if train:
+            self.train_actions = actions
+        live: dict[int, tuple[tuple[torch.Tensor, ...], list[bool], Any]] = {}
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            for action in actions:
+                i = action.micro_batch
+                if action.kind == "F":
+                    total += self._run_forward(i, micro[i], train, live)
+                else:
+                    self._run_backward(i, scale, scale_loss, live)
+                    if after_backward is not None:
+                        after_backward()
+        finally:
+            for peer in (self.prev, self.next):
+                if peer is not None:
+                    peer.wait()
+        loss = total / m
+        comm.broadcast(loss, self.stages - 1, self.group, label="pipeline loss")
+        return loss
+
+    def _run_forward(self, i: int, micro_batch: Any, train: bool, live: dict) -> torch.Tensor:
+        if self.first:
+            args = _as_tuple(self.spec.inputs(micro_batch), "PipelineSpec.inputs(batch)")
+            wants: list[bool] = [False] * len(args)
+        else:
+            assert self.prev is not None
+            received, wants = self.prev.recv()
+            args = tuple(t.requires_grad_() if w and train else t for t, w in zip(received, wants))
+        with torch.set_grad_enabled(train):
+            out = self._forward(args)
+            if self.last:
+                loss = self.spec.loss(out, micro_batch)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"PipelineSpec.loss must return a scalar tensor, got {loss!r}")
+                if train:
+                    live[i] = (args, wants, loss)
+                return loss.detach().float().reshape(())
+        outs = _as_tuple(out, f"the output of stage {self.stage}'s last layer")
+        grads = [train and t.requires_grad and t.is_floating_point() for t in outs]
+        assert self.next is not None
+        self.next.send(outs, grads)
+        if train:
+            live[i] = (args, wants, outs)
+        return torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def _run_backward(self, i: int, scale: float, scale_loss: Optional[Callable], live: dict) -> None:
+        args, wants, out = live.pop(i)
+        if self.last:
+            loss = out * scale
+            torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
+        else:
+            assert self.next is not None
+            grads, _ = self.next.recv()
+            needing = [t for t in out if t.requires_grad and t.is_floating_point()]
+            if len(grads) != len(needing):
+                raise RuntimeError(f"stage {self.stage}: received {len(grads)} output gradients for {len(needing)} outputs")
+            if needing:
+                torch.autograd.backward(needing, grads)
+        if not self.first:
+            assert self.prev is not None
+            back = [a.grad if a.grad is not None else torch.zeros_like(a) for a, w in zip(args, wants) if w]
+            self.prev.send(back, [False] * len(back))

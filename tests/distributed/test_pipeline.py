@@ -1,0 +1,210 @@
+"""Pipeline parallelism on CPU/gloo: the recipes' GPT-2 cut into stages, against one process.
+
+Tiny GPT-2 (3 blocks, d=32, 2 heads, vocab 64, 16 positions) as the layers
+``[embed, h0, h1, h2, head]``; the token embedding and the LM head share one Parameter, so with 2
+stages the tie spans stage 0 (embed) and stage 1 (head): each keeps a copy and their gradients are
+summed. References are plain single-process PyTorch on the whole model with the same global batches,
+AdamW and norm clipping (below every norm, so the global norm is used every step).
+
+Tolerances: fp32 throughout. Pipelining alone changes only how a batch's gradient is summed (per
+micro-batch, then across micro-batches, and the tied gradient across stages) - ~1e-7 relative; tensor
+parallelism adds its split sums (see test_tensor_parallel.py). Four AdamW steps amplify that by ~10,
+so losses, gradient norms and final weights are compared at 1e-5 relative. Weights get an absolute
+floor of 1e-6 and AdamW an eps of 1e-6 (not 1e-8): AdamW divides by sqrt(v), so with eps=1e-8 an
+element whose gradient is at rounding level (~1e-10) still moves by up to lr (1e-2) in a direction
+set by rounding (measured: 1.3e-5 on one weight element of 4096); with eps=1e-6 that noise is
+bounded by lr * 1e-10 / 1e-6 = 1e-6. A dropped
+micro-batch, an unsummed tie or a norm counting the tie twice moves weights by ~lr and losses and
+norms by 1e-2 relative or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, SEQ, BATCH, STEPS, LR, CLIP, SEED, EPS = 64, 16, 4, 4, 1e-2, 0.05, 3, 1e-6
+
+
+def _gpt():
+    from recipes.gpt2.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=2, n_embd=32))
+
+
+def _tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(5))
+
+
+def _make_module():
+    import lightning.pytorch as pl
+
+    from lightning_zero import PipelineSpec
+    from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN
+
+    class PipedGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt()
+            self.losses: list[float] = []
+            self.norms: list[float] = []
+
+        def configure_pipeline(self) -> PipelineSpec:
+            return PipelineSpec(
+                layers=self.model.to_layers(),
+                loss=lambda logits, batch: self.model.loss(logits, batch[0][:, 1:]),
+                inputs=lambda batch: batch[0][:, :-1],
+            )
+
+        def tensor_parallel_plan(self) -> dict[str, str]:
+            return {f"model.{k}": v for k, v in TENSOR_PARALLEL_PLAN.items()}
+
+        # Lightning runs a loop only when the hook exists; under pipelining the schedule runs instead.
+        def training_step(self, batch, batch_idx):  # pragma: no cover
+            raise AssertionError("training_step is replaced by the pipeline schedule")
+
+        def validation_step(self, batch, batch_idx):  # pragma: no cover
+            raise AssertionError("validation_step is replaced by the pipeline schedule")
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            self.norms.append(float(self.trainer.strategy.grad_norm(optimizer)))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1, eps=EPS)
+
+    return PipedGPT()
+
+
+def _reference(data_parallel: int) -> dict:
+    """One process, whole model: per-step losses of each data-parallel shard, norms, final weights,
+    and the loss on the validation rows."""
+    from torch.utils.data import DistributedSampler
+
+    from recipes.gpt2.model import GPT
+
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS)
+    rows = _tokens(BATCH * STEPS * data_parallel)
+    shards = [
+        rows[list(DistributedSampler(range(len(rows)), num_replicas=data_parallel, rank=r, shuffle=True, seed=SEED))]
+        for r in range(data_parallel)
+    ]
+    losses, norms = [[] for _ in range(data_parallel)], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(data_parallel):
+            batch = shards[r][step * BATCH : (step + 1) * BATCH]
+            loss = GPT.loss_fn(model(batch[:, :-1]), batch[:, 1:])
+            losses[r].append(loss.item())
+            total = total + loss / data_parallel
+        total.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+    val = _tokens(BATCH)
+    with torch.no_grad():
+        val_loss = GPT.loss_fn(model(val[:, :-1]), val[:, 1:]).item()
+    weights = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "norms": norms, "weights": weights, "val_loss": val_loss}
+
+
+def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str) -> dict:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.parallel.pipeline import RemoteLayer
+
+    pl.seed_everything(SEED, verbose=False)
+    model = _make_module()
+    strategy = ZeroStrategy(
+        stage=stage, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
+        pipeline_micro_batches=micro_batches, pipeline_schedule=schedule, reduce_bucket_size=3000,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
+        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    data = world // (tensor * pipeline)
+    loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data)), batch_size=BATCH, shuffle=False)
+    trainer.fit(model, train_dataloaders=loader)
+    val = trainer.validate(model, DataLoader(TensorDataset(_tokens(BATCH)), batch_size=BATCH), verbose=False)
+    runner = strategy._parallel.runner
+    return {
+        "losses": model.losses,
+        "norms": model.norms,
+        "val_loss": val[0]["val_loss"],
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)),
+        "remote": sorted(n for n, m in model.named_modules() if isinstance(m, RemoteLayer)),
+        "schedule": [repr(a) for a in runner.train_actions] if runner is not None else [],
+        "sampler": strategy.distributed_sampler_kwargs,
+    }
+
+
+def _close(got, want, what, atol=1e-7):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _shard_of(full: torch.Tensor, got: torch.Tensor, rank: int) -> torch.Tensor:
+    for dim, (a, b) in enumerate(zip(full.shape, got.shape)):
+        if a != b:
+            return full.narrow(dim, rank * b, b)
+    return full
+
+
+def _check(results: list[dict], reference: dict, tensor: int, pipeline: int) -> None:
+    data = len(results) // (tensor * pipeline)
+    seen = set()
+    for rank, res in enumerate(results):
+        tp, dp, pp = rank % tensor, (rank // tensor) % data, rank // (tensor * data)
+        assert res["sampler"] == {"num_replicas": data, "rank": dp}, res["sampler"]
+        _close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp]), f"rank {rank} losses")
+        _close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"rank {rank} grad norms")
+        _close(torch.tensor(res["val_loss"]), torch.tensor(reference["val_loss"]), f"rank {rank} val")
+        for name, got in res["weights"].items():
+            want = reference["weights"][name]
+            want = _shard_of(want, got, tp) if name in res["marked"] else want
+            _close(got, want, f"rank {rank} (pp {pp}) weight {name}", atol=1e-6)
+            seen.add(name)
+        # Stage 0 keeps the embedding (and the tied weight), the last stage the head and its copy.
+        assert ("model.embed.wte.weight" in res["weights"]) == (pp == 0), sorted(res["weights"])
+        assert ("model.head.lm_head.weight" in res["weights"]) == (pp == pipeline - 1)
+        assert res["remote"], "every stage replaces the other stages' layers"
+    assert seen == set(reference["weights"]), set(reference["weights"]) - seen  # every weight lives somewhere
+
+
+def _pp2_worker(rank: int) -> dict:
+    return _fit(world=2, tensor=1, pipeline=2, stage=2, micro_batches=4, schedule="1f1b")
+
+
+def test_pp2_stage2_1f1b_matches_one_process_with_tied_embedding():
+    results = run_ranks(_pp2_worker, world_size=2)
+    _check(results, _reference(data_parallel=1), tensor=1, pipeline=2)
+    # 1F1B with 4 micro-batches: stage 0 warms up with one forward, stage 1 alternates at once.
+    assert results[0]["schedule"][:4] == ["F0", "F1", "B0", "F2"], results[0]["schedule"]
+    assert results[1]["schedule"][:4] == ["F0", "B0", "F1", "B1"], results[1]["schedule"]
+
+
+def _pp2_dp2_worker(rank: int) -> dict:
+    return _fit(world=4, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="gpipe")
+
+
+def test_pp2_dp2_stage1_matches_dp2_reference():
+    _check(run_ranks(_pp2_dp2_worker, world_size=4, timeout=300), _reference(data_parallel=2), tensor=1, pipeline=2)
+
+
+def _tp2_pp2_worker(rank: int) -> dict:
+    return _fit(world=4, tensor=2, pipeline=2, stage=1, micro_batches=2, schedule="1f1b")
+
+
+def test_tp2_pp2_matches_one_process():
+    _check(run_ranks(_tp2_pp2_worker, world_size=4, timeout=300), _reference(data_parallel=1), tensor=2, pipeline=2)
