@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_zero.checkpoint import format as fmt
-from lightning_zero.checkpoint.load import ShardedReader
+from lightning_zero.checkpoint.reader import ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,10 +157,9 @@ def to_lightning_checkpoint(
             entry = {k: v for k, v in group.items() if k != "param_names"}
             entry["params"] = list(range(index, index + len(group["param_names"])))
             for name in group["param_names"]:
-                found = name in reader.params and reader.optimizer_entry(name)
+                found = reader.has(name) and reader.primary(name) in reader.params and reader.optimizer_entry(name)
                 if found:
-                    shape = reader.shape(name)
-                    state = {k: reader.read(name, 0, shape.numel(), k).view(shape) for k in found["slices"]}
+                    state = {k: reader.full(name, state_key=k) for k in found["slices"]}
                     # Cloned: pieces of one flat buffer share one "step" tensor, which Adam
                     # increments in place, once per parameter.
                     scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in found["scalars"].items()}

@@ -2,16 +2,20 @@
 
 A checkpoint is a directory (its name is the path Lightning asked for, e.g. ``epoch=3-step=400.ckpt``)::
 
-    rank-00000.pt ... rank-0000{N-1}.pt   one per rank, written by that rank, in parallel
+    rank-00000.pt ... rank-0000{N-1}.pt   one per global rank (data, tensor and pipeline ranks alike),
+                                          written by that rank, in parallel
     lightning.pt                          rank 0: Lightning's state (loops, callbacks, LR schedulers,
                                           hyperparameters, precision-plugin state = loss scaler),
-                                          the tensors ZeRO does not partition (frozen parameters,
-                                          buffers) and the optimizers' parameter-group hyperparameters
+                                          non-tensor entries of the state dict (extra state) and the
+                                          optimizers' parameter-group hyperparameters and parameter names
     metadata.json                         written last: its presence marks the directory complete
 
 The format is **per parameter**, not per flat buffer, so a checkpoint loads into another world
-size, bucket size or stage. Rank r's file holds, for every parameter with elements in r's slices,
-one contiguous piece of the flattened parameter::
+size, bucket size, stage, tensor-parallel size or pipeline split. Every tensor of the model's state
+dict is described by its **whole** (unsplit) shape; a tensor-parallel parameter (``param.tensor_parallel``,
+split along ``param.partition_dim`` into T equal parts, part t on tensor-parallel rank t) is stored
+as its T parts, each flattened; any other tensor as one part. Rank r's file holds, for every part
+with elements in r's slices, one contiguous piece of the flattened part::
 
     {"params": {name: 1-D tensor},                  the master (fp32 under mixed precision) values
      "optim":  [{name: {"slices": {state_key: 1-D tensor}, "scalars": {state_key: value}}} per optimizer],
@@ -19,8 +23,24 @@ one contiguous piece of the flattened parameter::
 
 and ``metadata.json`` says where each piece starts::
 
-    "params": {name: {"shape": [..], "dtype": "bfloat16", "saved_dtype": "float32",
-                      "aliases": [tied names], "optimizer": 0, "pieces": [[rank, offset, numel], ...]}}
+    "layout": {"data": D, "tensor": T, "pipeline": P}, "world_size": D*T*P, "state_dict_keys": [...],
+    "params": {name: {"shape": [whole shape], "dtype": "bfloat16", "saved_dtype": "float32",
+                      "aliases": [tied names], "optimizer": 0 (or null: no optimizer state),
+                      "partition_dim": d (or null), "tensor_parallel_size": T (1: saved whole),
+                      "pieces": [[rank, tp_rank, offset, numel], ...]}}
+
+``offset`` counts elements of the flattened part ``tp_rank`` (of the whole tensor when it is not
+split). Who writes what: a partitioned (ZeRO) parameter's pieces come from the data-parallel ranks
+that own them; the other tensors (frozen parameters, buffers) whole from data-parallel rank 0; a
+replicated (not split) tensor only from tensor-parallel rank 0. Under pipeline parallelism each rank
+holds the parameters of its stage only, so ``params`` is the union of what the ranks hold, merged on
+save (:mod:`~lightning_zero.checkpoint.merge`); a weight tied across stages (a token embedding and the
+LM head) is stored once when its stages name each other in ``param.tied_names``, and every name of
+a tied weight resolves through ``aliases``. Loading takes, for each local parameter, its part for
+the reader's tensor-parallel size from the saved parts that overlap it.
+
+Version 1 (before tensor parallelism: pieces ``[rank, offset, numel]``, tensors other than
+partitioned parameters in ``lightning.pt``) is read too.
 
 Every file is read with ``torch.load(..., weights_only=True, mmap=True)``: nothing is unpickled but
 tensors and plain containers, and a piece is paged in only when read.
@@ -38,7 +58,7 @@ from typing import Any, Optional, Union
 import torch
 
 FORMAT_NAME = "lightning_zero.sharded_checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
 
@@ -107,6 +127,17 @@ def read_metadata(path: PathLike) -> dict[str, Any]:
             f"{path} was written in format version {meta['version']}, newer than this lightning_zero "
             f"(reads up to {FORMAT_VERSION}); upgrade lightning_zero."
         )
+    return upgrade_metadata(meta)
+
+
+def upgrade_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 metadata in the version 2 form (every parameter one whole part, ``tp_rank`` 0)."""
+    if meta.get("version", FORMAT_VERSION) >= 2:
+        return meta
+    for entry in meta.get("params", {}).values():
+        entry.setdefault("partition_dim", None)
+        entry.setdefault("tensor_parallel_size", 1)
+        entry["pieces"] = [[rank, 0, offset, numel] for rank, offset, numel in entry["pieces"]]
     return meta
 
 

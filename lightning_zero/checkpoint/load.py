@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import rng
+from lightning_zero.checkpoint.merge import Placement, Split
+from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.pieces import (
     PartitionedParam,
     all_buffers,
@@ -29,106 +32,14 @@ from lightning_zero.checkpoint.pieces import (
     partitioned_params,
 )
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
+from lightning_zero.layout import ParallelLayout
+from lightning_zero.parallel.tensor import is_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
 
 SHARDED_KEY = "lightning_zero_sharded_checkpoint"
 """Key of the checkpoint dict that :func:`load_checkpoint` returns for a sharded checkpoint: its directory."""
-
-
-class ShardedReader:
-    """Reads a sharded checkpoint by state-dict key: whole tensors or ranges of flattened ones."""
-
-    def __init__(self, path: Path, state_dict: Mapping[str, Any]) -> None:
-        self.path = path
-        self.meta = fmt.read_metadata(path)
-        fmt.check_rank_files(path, self.meta)
-        self.state_dict = state_dict
-        self.params = self.meta["params"]
-        self._primary = {key: name for name, e in self.params.items() for key in (name, *e["aliases"])}
-        self._files: dict[int, Any] = {}
-
-    def name_of(self, key: str) -> str:
-        """The saved parameter that state-dict key ``key`` (a name or a tied alias) refers to."""
-        return self._primary[key]
-
-    def keys(self) -> list[str]:
-        return list(self._primary) + [k for k in self.state_dict if k not in self._primary]
-
-    def shape(self, key: str) -> Optional[torch.Size]:
-        if key in self._primary:
-            return torch.Size(self.params[self._primary[key]]["shape"])
-        value = self.state_dict[key]
-        return value.shape if torch.is_tensor(value) else None
-
-    def rank_data(self, rank: int) -> Any:
-        if rank not in self._files:
-            self._files[rank] = fmt.load_file(self.path / self.meta["rank_files"][rank])
-        return self._files[rank]
-
-    def read(self, key: str, start: int, numel: int, state_key: Optional[str] = None) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of the flattened parameter ``key`` (or of its optimizer
-        state ``state_key``), as saved (the master dtype). Opens only the rank files that overlap."""
-        if key not in self._primary:
-            return self.state_dict[key].reshape(-1)[start : start + numel]
-        name = self._primary[key]
-        entry = self.params[name]
-        out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))
-        for rank, offset, count in entry["pieces"]:
-            lo, hi = max(start, offset), min(start + numel, offset + count)
-            if lo >= hi:
-                continue
-            data = self.rank_data(rank)
-            if state_key is None:
-                piece = data["params"][name]
-            else:
-                piece = data["optim"][entry["optimizer"]][name]["slices"][state_key]
-            if out.dtype != piece.dtype:
-                out = out.to(piece.dtype)
-            out[lo - start : hi - start] = piece[lo - offset : hi - offset]
-        return out
-
-    def full(self, key: str) -> Any:
-        """The whole value of ``key`` (a tensor of its shape, or a non-tensor entry as saved)."""
-        if key not in self._primary:
-            return self.state_dict[key]
-        shape = self.shape(key)
-        return self.read(key, 0, shape.numel()).view(shape)
-
-    def optimizer_entry(self, key: str) -> Optional[dict[str, Any]]:
-        """``{"slices": {state_key: dtype}, "scalars": {...}}`` of parameter ``key``, or None without state."""
-        name = self._primary[key]
-        entry = self.params[name]
-        if entry["optimizer"] is None or not entry["pieces"]:
-            return None
-        saved = self.rank_data(entry["pieces"][0][0])["optim"]
-        if not saved:
-            return None
-        state = saved[entry["optimizer"]].get(name)
-        if state is None:
-            return None
-        return {"slices": {k: v.dtype for k, v in state["slices"].items()}, "scalars": state["scalars"]}
-
-
-class FullReader:
-    """The same interface over a plain state dict of whole tensors (DDP or single-device checkpoints)."""
-
-    def __init__(self, state_dict: Mapping[str, Any]) -> None:
-        self.state_dict = state_dict
-
-    def keys(self) -> list[str]:
-        return list(self.state_dict)
-
-    def shape(self, key: str) -> Optional[torch.Size]:
-        value = self.state_dict[key]
-        return value.shape if torch.is_tensor(value) else None
-
-    def read(self, key: str, start: int, numel: int) -> torch.Tensor:
-        return self.state_dict[key].reshape(-1)[start : start + numel]
-
-    def full(self, key: str) -> Any:
-        return self.state_dict[key]
 
 
 def reader_for(checkpoint: Mapping[str, Any]) -> "ShardedReader | FullReader":
@@ -158,13 +69,22 @@ def load_checkpoint(
     return checkpoint
 
 
-def _check_keys(reader: Any, expected: dict[str, Optional[torch.Size]], strict: bool, where: str) -> set[str]:
-    """The keys to load; ``ValueError`` listing what does not match (only shapes when not ``strict``)."""
-    found = {k: reader.shape(k) for k in reader.keys()}
+def _check_keys(reader: Any, local: dict[str, Optional[tuple]], strict: bool, where: str) -> set[str]:
+    """The keys to load here; ``ValueError`` listing what does not match (only shapes when not ``strict``).
+
+    ``local`` maps this rank's keys to their whole (unsplit) shapes. The check is made against the
+    keys of all ranks (each pipeline stage holds only some), so every rank raises the same error.
+    Call on all ranks of the default group.
+    """
+    expected: dict[str, Optional[tuple]] = {}
+    for keys in comm.all_gather_object(local, None):
+        for key, shape in keys.items():
+            expected.setdefault(key, shape)
+    found = {k: (tuple(s) if s is not None else None) for k in reader.keys() for s in [reader.shape(k)]}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = sorted(
-        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(expected[k])}"
+        f"{k}: checkpoint {found[k]} vs model {expected[k]}"
         for k in set(found) & set(expected)
         if found[k] is not None and expected[k] is not None and found[k] != expected[k]
     )
@@ -174,14 +94,14 @@ def _check_keys(reader: Any, expected: dict[str, Optional[torch.Size]], strict: 
     if strict and unexpected:
         problems.append(f"not in the model ({len(unexpected)}): {unexpected[:10]}")
     if shapes:
-        problems.append(f"shapes differ ({len(shapes)}): {shapes[:10]}")
+        problems.append(f"shapes differ ({len(shapes)}; whole shapes, before any tensor-parallel split): {shapes[:10]}")
     if problems:
         raise ValueError(
             f"the checkpoint {where} does not fit this model: " + "; ".join(problems) + ". Load it into the "
             "LightningModule that wrote it" + (" (or set model.strict_loading = False to skip missing and "
             "unexpected keys)." if not shapes else ".")
         )
-    return set(found) & set(expected)
+    return set(found) & set(local)
 
 
 def _match(p: PartitionedParam, keys: set[str]) -> Optional[str]:
@@ -199,34 +119,54 @@ def _publish(engine: "ZeroEngine") -> None:
     publish(buffers, engine.group, engine.config.allgather_bucket_size)
 
 
+def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: Placement) -> dict[str, Optional[Split]]:
+    """This rank's tensor-parallel part of each state-dict key (``None``: held whole)."""
+    out: dict[str, Optional[Split]] = {}
+    for p in params.values():
+        out.update({key: placement.split(p.partition_dim) for key in (p.name, *p.aliases)})
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key not in out and torch.is_tensor(value) and is_tensor_parallel(value):
+            out[key] = placement.split(getattr(value, "partition_dim", None))
+    return out
+
+
 def load_model(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
     engine: Optional["ZeroEngine"],
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
+    layout: Optional[ParallelLayout] = None,
 ) -> None:
     """Load the parameters and buffers of ``checkpoint`` into ``module`` and the engine's slices.
 
     Partitioned parameters: each rank writes its own pieces into the fp32 ``master`` (exact when the
-    checkpoint holds fp32 masters) and publishes. Everything else: ``module.load_state_dict``. Call on all ranks.
+    checkpoint holds fp32 masters) and publishes. Everything else: ``module.load_state_dict``. Under
+    tensor parallelism (``layout``) each rank takes its part of each split parameter, whatever the
+    tensor-parallel size that saved it. Call on all ranks of the default group.
     """
     reader = reader_for(checkpoint)
     where = checkpoint.get(SHARDED_KEY, "file")
+    placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
     params = partitioned_params(module, engine, optimizers)
+    splits = _splits(module, params, placement)
     rest = non_partitioned_state_dict(module, params)
-    expected: dict[str, Optional[torch.Size]] = {k: v.shape if torch.is_tensor(v) else None for k, v in rest.items()}
+    local: dict[str, Optional[tuple]] = {}
+    for key, value in rest.items():
+        dim = splits[key].dim if splits.get(key) is not None else None
+        local[key] = tuple(placement.full_shape(value.shape, dim)) if torch.is_tensor(value) else None
     for p in params.values():
-        expected.update({key: p.shape for key in (p.name, *p.aliases)})
-    keys = _check_keys(reader, expected, strict, where)
-    module.load_state_dict({k: reader.full(k) for k in rest if k in keys}, strict=False)
+        local.update({key: tuple(placement.full_shape(p.shape, p.partition_dim)) for key in (p.name, *p.aliases)})
+    keys = _check_keys(reader, local, strict, where)
+    module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in rest if k in keys}, strict=False)
     if engine is None:
         return
     with torch.no_grad():
         for p, param_offset, shard_offset, numel in iter_local_pieces(params):
             key = _match(p, keys)
             if key is not None:
-                p.buffer.master[shard_offset : shard_offset + numel].copy_(reader.read(key, param_offset, numel))
+                value = reader.read(key, param_offset, numel, split=splits[p.name])
+                p.buffer.master[shard_offset : shard_offset + numel].copy_(value)
     _publish(engine)
 
 
@@ -236,22 +176,29 @@ def _load_sharded_optimizer(
     sharded: Any,
     saved: dict[str, Any],
     params: dict[str, PartitionedParam],
+    placement: Placement,
 ) -> None:
-    names = {id(p.buffer.params[p.slot]): p.name for p in params.values()}
-    here = [[names.get(id(param), "<frozen>") for param in group] for group in sharded.original_params]
-    there = [group["param_names"] for group in saved["param_groups"]]
-    if [len(g) for g in here] != [len(g) for g in there]:
+    keys = set(reader.keys())
+    by_param = {id(p.buffer.params[p.slot]): p for p in params.values()}
+    here = [[by_param[id(param)] for param in group if id(param) in by_param] for group in sharded.original_params]
+    there = [{reader.primary(n) for n in group["param_names"]} for group in saved["param_groups"]]
+    if len(here) != len(there):
         raise ValueError(
-            f"the checkpoint's {saved['class']} has parameter groups of sizes {[len(g) for g in there]} but "
-            f"{type(optimizer).__name__} here has {[len(g) for g in here]}; load it into the same model and "
-            "configure_optimizers that wrote it."
+            f"the checkpoint's {saved['class']} has {len(there)} parameter groups but {type(optimizer).__name__} "
+            f"here has {len(here)}; load it into the same model and configure_optimizers that wrote it."
         )
+    for index, (mine, saved_names) in enumerate(zip(here, there)):
+        outside = [p.name for p in mine if (key := _match(p, keys)) is not None and reader.primary(key) not in saved_names]
+        if outside:
+            raise ValueError(
+                f"parameter group {index} of {type(optimizer).__name__} holds {outside[:5]}, which the checkpoint's "
+                f"{saved['class']} had in another group; load it into the same configure_optimizers that wrote it."
+            )
     state: dict[int, dict[str, Any]] = {}
     # Keys of Optimizer.load_state_dict are positions in the optimizer's own parameter order (group
     # by group), which under stage 3 is not the order of sharded.buffers.
     position = {id(m): k for k, m in enumerate(m for g in optimizer.param_groups for m in g["params"])}
     by_buffer = {id(b): position[id(b.master)] for b in sharded.buffers}
-    keys = set(reader.keys())
     for p, param_offset, shard_offset, numel in iter_local_pieces(params):
         key = _match(p, keys)
         if id(p.buffer) not in by_buffer or key is None:
@@ -265,7 +212,9 @@ def _load_sharded_optimizer(
         for state_key, dtype in entry["slices"].items():
             if state_key not in target:
                 target[state_key] = torch.zeros(p.buffer.layout.shard_numel, dtype=dtype)
-            target[state_key][shard_offset : shard_offset + numel] = reader.read(key, param_offset, numel, state_key)
+            target[state_key][shard_offset : shard_offset + numel] = reader.read(
+                key, param_offset, numel, state_key, split=placement.split(p.partition_dim)
+            )
     groups, start = [], 0
     for index, saved_group in enumerate(saved["param_groups"]):
         group = {k: v for k, v in saved_group.items() if k != "param_names"}
@@ -281,9 +230,10 @@ def load_optimizers(
     module: nn.Module,
     engine: Optional["ZeroEngine"],
     optimizers: list[torch.optim.Optimizer],
+    layout: Optional[ParallelLayout] = None,
 ) -> None:
-    """Load every optimizer's state: sharded (read per piece) or consolidated (the earlier single-file
-    format, or a plain optimizer's). Call on all ranks."""
+    """Load every optimizer's state: sharded (read per piece, each rank its tensor-parallel part)
+    or consolidated (the earlier single-file format, or a plain optimizer's). Call on all ranks."""
     states = checkpoint["optimizer_states"]
     if len(states) != len(optimizers):
         raise ValueError(
@@ -292,13 +242,20 @@ def load_optimizers(
         )
     params = partitioned_params(module, engine, optimizers)
     reader = reader_for(checkpoint)
+    placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
     for optimizer, saved in zip(optimizers, states):
         sharded = engine.find(optimizer) if engine is not None else None
         if sharded is None:
             optimizer.load_state_dict(saved)
         elif saved.get("format") == SHARDED_OPTIMIZER_MARKER:
             assert isinstance(reader, ShardedReader)
-            _load_sharded_optimizer(reader, sharded.optimizer, sharded, saved, params)
+            _load_sharded_optimizer(reader, sharded.optimizer, sharded, saved, params, placement)
+        elif placement.layout.tensor > 1:
+            raise ValueError(
+                f"a consolidated (single-file) optimizer state cannot be split for tensor_parallel_size="
+                f"{placement.layout.tensor}; resume from a sharded checkpoint, or load the weights only "
+                "(e.g. model.load_state_dict before fit, without ckpt_path)."
+            )
         else:
             engine.load_optimizer_state_dict(optimizer, saved)
     if engine is not None:

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint import format as fmt
+from lightning_zero.parallel.tensor import is_tensor_parallel
+
+TIED_NAMES = "tied_names"
+"""Attribute a pipeline stage may set on a parameter tied to one held by another stage: the other
+state-dict names of the same weight, so that a checkpoint stores it once and resolves every name."""
+
 if TYPE_CHECKING:
+    from lightning_zero.checkpoint.merge import Placement
     from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.flat import FlatBuffer
 
@@ -37,6 +45,8 @@ class PartitionedParam:
     buffer: "FlatBuffer"
     slot: int
     """Its index in ``buffer.layout.slots`` and ``buffer.params``."""
+    partition_dim: Optional[int] = None
+    """The dim along which tensor parallelism split it (``param.partition_dim``), ``None`` when whole."""
 
     def pieces(self) -> list[tuple[int, int, int]]:
         """``(rank, param_offset, numel)`` of its piece on every rank that holds one."""
@@ -66,9 +76,7 @@ def partitioned_params(
     stage 3 also frozen parameters, which are partitioned without an optimizer)."""
     if engine is None:
         return {}
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+    names = tensor_names(module)
     optimizer_of: dict[int, int] = {}
     for index, optimizer in enumerate(optimizers):
         sharded = engine.find(optimizer)
@@ -79,8 +87,25 @@ def partitioned_params(
         for slot_index, (param, slot) in enumerate(zip(buffer.params, buffer.layout.slots)):
             first, *rest = names[id(param)]
             dtype, optimizer = buffer.param_shard.dtype, optimizer_of.get(id(buffer))
-            out[first] = PartitionedParam(first, tuple(rest), slot.shape, dtype, optimizer, buffer, slot_index)
+            dim = getattr(param, "partition_dim", None) if is_tensor_parallel(param) else None
+            out[first] = PartitionedParam(first, tuple(rest), slot.shape, dtype, optimizer, buffer, slot_index, dim)
     return out
+
+
+def tensor_names(module: nn.Module) -> dict[int, list[str]]:
+    """``id(tensor) -> [state-dict names]`` of every parameter and buffer, tied names included, and
+    the names a pipeline stage declares in ``param.tied_names`` for a weight tied to one on
+    another stage (e.g. the LM head's copy of the token embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if torch.is_tensor(tensor):
+            names.setdefault(id(tensor), []).append(name)
+    for name, param in module.named_parameters(remove_duplicate=False):
+        known = names.setdefault(id(param), [])
+        for other in (name, *getattr(param, TIED_NAMES, ())):
+            if other not in known:
+                known.append(other)
+    return names
 
 
 def state_dict_keys(params: dict[str, PartitionedParam]) -> set[str]:
@@ -150,3 +175,91 @@ def iter_local_pieces(params: dict[str, PartitionedParam]) -> Iterator[tuple[Par
         piece = p.local_piece()
         if piece is not None:
             yield (p, *piece)
+
+
+def _entry(names: list[str], tensor_shape: Any, partition_dim: Optional[int], placement: "Placement", **fields: Any) -> dict:
+    split = placement.split(partition_dim)
+    return {
+        "names": names,
+        "shape": placement.full_shape(tensor_shape, partition_dim),
+        "partition_dim": None if split is None else partition_dim,
+        "tensor_parallel_size": 1 if split is None else split.size,
+        **fields,
+    }
+
+
+def rank_report(
+    module: nn.Module, engine: Optional["ZeroEngine"], optimizers: list[torch.optim.Optimizer], placement: "Placement"
+) -> dict[str, Any]:
+    """What this rank holds, for :func:`~lightning_zero.checkpoint.merge.merge_reports`. Local, no communication.
+
+    Partitioned parameters: this rank's piece of its shard (a replicated parameter only on
+    tensor-parallel rank 0). Other tensors of the state dict (frozen parameters, buffers): whole,
+    on data-parallel rank 0 only (they are equal over the data-parallel group).
+    """
+    params = partitioned_params(module, engine, optimizers)
+    rank, coords = placement.rank, placement.coords
+    entries: dict[str, dict[str, Any]] = {}
+    for p in params.values():
+        split = placement.split(p.partition_dim)
+        if split is None and coords.tp != 0:
+            continue
+        local = p.local_piece()
+        piece = None if local is None else [rank, coords.tp if split else 0, local[0], local[2]]
+        saved = fmt.dtype_name(p.buffer.master.dtype)
+        entries[p.name] = _entry(
+            [p.name, *p.aliases], p.shape, p.partition_dim, placement,
+            dtype=fmt.dtype_name(p.dtype), saved_dtype=saved, optimizer=p.optimizer, piece=piece,
+        )
+    names = tensor_names(module)
+    skip = state_dict_keys(params)
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if not torch.is_tensor(tensor) or key in skip or names[id(tensor)][0] != key or coords.dp != 0:
+            continue
+        dim = getattr(tensor, "partition_dim", None) if is_tensor_parallel(tensor) else None
+        split = placement.split(dim)
+        if split is None and coords.tp != 0:
+            continue
+        dtype = fmt.dtype_name(tensor.dtype)
+        piece = [rank, coords.tp if split else 0, 0, tensor.numel()]
+        entries[key] = _entry(names[id(tensor)], tensor.shape, dim, placement, dtype=dtype, saved_dtype=dtype, optimizer=None, piece=piece)
+    return {
+        "rank": rank,
+        "pp_rank": coords.pp,
+        "state_dict_keys": list(module.state_dict(keep_vars=True).keys()),
+        "params": entries,
+        "optimizer_names": [_group_names(module, engine, o) for o in optimizers],
+    }
+
+
+def _group_names(module: nn.Module, engine: Optional["ZeroEngine"], optimizer: torch.optim.Optimizer) -> Optional[list[list[str]]]:
+    sharded = engine.find(optimizer) if engine is not None else None
+    if sharded is None:
+        return None
+    names = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return [[names[id(p)] for p in group if id(p) in names] for group in sharded.original_params]
+
+
+def rank_payload(
+    module: nn.Module,
+    engine: Optional["ZeroEngine"],
+    optimizers: list[torch.optim.Optimizer],
+    merged: dict[str, Any],
+    rank: int,
+) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
+    """This rank's file contents (see :func:`local_shards`), keyed by the merged (primary) names:
+    only the pieces that the merged metadata lists under ``rank``."""
+    params = partitioned_params(module, engine, optimizers)
+    mine = {name for name, e in merged["params"].items() if any(piece[0] == rank for piece in e["pieces"])}
+    alias_of = merged["alias_of"]
+    values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [{} for _ in optimizers])
+    values = {alias_of[n]: v for n, v in values.items() if alias_of.get(n) in mine}
+    optim = [{alias_of[n]: v for n, v in o.items() if alias_of.get(n) in mine} for o in optim]
+    skip = state_dict_keys(params)
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        primary = alias_of.get(key)
+        if torch.is_tensor(tensor) and key not in skip and primary in mine and primary not in values:
+            values[primary] = tensor.detach().reshape(-1).to("cpu", copy=True)
+    return values, optim

@@ -32,7 +32,9 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import rng
-from lightning_zero.checkpoint.pieces import local_shards, partitioned_params, state_dict_keys
+from lightning_zero.checkpoint.merge import Placement, merge_reports
+from lightning_zero.checkpoint.pieces import rank_payload, rank_report
+from lightning_zero.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
@@ -56,21 +58,23 @@ def optimizer_groups(module: nn.Module, engine: "ZeroEngine", optimizer: torch.o
     return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(sharded.optimizer).__name__, "param_groups": groups}
 
 
-def _agree(error: Optional[str], group: comm.ProcessGroup, what: str) -> list:
-    """Exchange every rank's outcome; raise on every rank if any rank failed. Call on all ranks."""
-    outcomes = comm.all_gather_object(error, group)
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None and not isinstance(e, int)]
+def _agree(outcome: tuple[bool, Any], group: comm.ProcessGroup, what: str) -> list:
+    """Exchange every rank's ``(ok, value or traceback)``; return the values, or raise on every rank
+    if any rank failed. Call on all ranks."""
+    outcomes = comm.all_gather_object(outcome, group)
+    failed = [(r, value) for r, (ok, value) in enumerate(outcomes) if not ok]
     if failed:
         rank, message = failed[0]
         raise RuntimeError(f"{what} failed on rank {rank} (of {len(outcomes)}):\n{message}")
-    return outcomes
+    return [value for _, value in outcomes]
 
 
-def _guarded(fn: Callable[[], Any]) -> tuple[Any, Optional[str]]:
+def _guarded(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, fn())``, or ``(False, traceback)`` when it raised (for :func:`_agree`)."""
     try:
-        return fn(), None
+        return True, fn()
     except Exception:  # noqa: BLE001 - reported to every rank by _agree
-        return None, traceback.format_exc()
+        return False, traceback.format_exc()
 
 
 def _write(obj: Any, file: Path) -> int:
@@ -108,6 +112,21 @@ def _publish(tmp: Path, path: Path) -> None:
     _clear(old)
 
 
+def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's dict as rank 0 writes it: without the tensors that the rank files hold, and with
+    every ZeRO optimizer's parameter names of all ranks (each pipeline stage holds some)."""
+    state = dict(checkpoint)
+    state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in merged["alias_of"]}
+    if "optimizer_states" in checkpoint:
+        state["optimizer_states"] = []
+        for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"]):
+            if names is not None and saved.get("format") == SHARDED_OPTIMIZER_MARKER:
+                groups = [{**group, "param_names": group_names} for group, group_names in zip(saved["param_groups"], names)]
+                saved = {**saved, "param_groups": groups}
+            state["optimizer_states"].append(saved)
+    return state
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     filepath: fmt.PathLike,
@@ -115,41 +134,40 @@ def save_sharded(
     engine: Optional["ZeroEngine"],
     optimizers: list[torch.optim.Optimizer],
     precision: str,
+    layout: Optional[ParallelLayout] = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``.
 
     ``checkpoint["state_dict"]`` should hold only the tensors ZeRO does not partition (what the
-    strategy's ``lightning_module_state_dict`` returns); partitioned entries are dropped from it and
-    written from the shards instead. Call on all ranks (of the engine's group, or of the world
-    without an engine), with the same ``filepath``.
+    strategy's ``lightning_module_state_dict`` returns); its tensors are written into the rank files
+    (data-parallel rank 0 of each tensor/pipeline position), the rest into ``lightning.pt``.
+    ``layout`` is the run's data x tensor x pipeline layout (``None``: data parallel only). Call on
+    all ranks of the default process group, with the same ``filepath``.
     """
-    group = engine.group if engine is not None else None
-    rank, world_size = comm.rank(group), comm.world_size(group)
+    group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
+    placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
+    rank, world_size = placement.rank, placement.layout.world_size
     path = Path(filepath).absolute()
     tmp = fmt.temporary_path(path)
-    params = partitioned_params(module, engine, optimizers)
 
-    def prepare() -> None:
-        _clear(tmp)
-        tmp.mkdir(parents=True)
+    def prepare() -> dict[str, Any]:
+        if rank == 0:
+            _clear(tmp)
+            tmp.mkdir(parents=True)
+        return rank_report(module, engine, optimizers, placement)
 
-    _agree(_guarded(prepare)[1] if rank == 0 else None, group, f"creating {tmp}")
-
+    merged = merge_reports(_agree(_guarded(prepare), group, f"creating {tmp}"))
     has_optimizer_states = "optimizer_states" in checkpoint
 
     def write_own() -> int:
-        values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [])
+        values, optim = rank_payload(module, engine, optimizers, merged, rank)
         payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
         size = _write(payload, tmp / fmt.rank_file(rank))
         if rank == 0:
-            skip = state_dict_keys(params)
-            lightning_state = dict(checkpoint)
-            lightning_state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in skip}
-            _write(lightning_state, tmp / fmt.LIGHTNING_FILE)
+            _write(_lightning_state(checkpoint, merged), tmp / fmt.LIGHTNING_FILE)
         return size
 
-    size, error = _guarded(write_own)
-    sizes = _agree(error if error is not None else size, group, f"writing the sharded checkpoint {path}")
+    sizes = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
 
     def finish() -> None:
         meta = {
@@ -157,29 +175,20 @@ def save_sharded(
             "version": fmt.FORMAT_VERSION,
             "stage": engine.config.stage if engine is not None else None,
             "world_size": world_size,
+            "layout": {"data": placement.layout.data, "tensor": placement.layout.tensor, "pipeline": placement.layout.pipeline},
             "precision": precision,
             "has_optimizer_states": has_optimizer_states,
             "rank_files": [fmt.rank_file(r) for r in range(world_size)],
             "rank_file_bytes": sizes,
-            "state_dict_keys": list(module.state_dict(keep_vars=True).keys()),
-            "params": {
-                p.name: {
-                    "shape": list(p.shape),
-                    "dtype": fmt.dtype_name(p.dtype),
-                    "saved_dtype": fmt.dtype_name(p.buffer.master.dtype),
-                    "aliases": list(p.aliases),
-                    "optimizer": p.optimizer,
-                    "pieces": [list(piece) for piece in p.pieces()],
-                }
-                for p in params.values()
-            },
+            "state_dict_keys": merged["state_dict_keys"],
+            "params": merged["params"],
             "torch_version": torch.__version__,
             "lightning_version": lightning.__version__,
         }
         fmt.write_metadata(tmp, meta)
         _publish(tmp, path)
 
-    _agree(_guarded(finish)[1] if rank == 0 else None, group, f"publishing the sharded checkpoint {path}")
+    _agree(_guarded(finish) if rank == 0 else (True, None), group, f"publishing the sharded checkpoint {path}")
 
 
 def remove_sharded(filepath: fmt.PathLike) -> None:

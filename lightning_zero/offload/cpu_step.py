@@ -10,7 +10,11 @@ Two cases use it instead of the user's ``optimizer.step()``:
 * **LAMB on shards** (``ops.CPULamb``/``ops.FusedLamb``, offloaded or not): the trust ratio needs the
   norms of whole parameters, whose pieces are spread over ranks. Phase 1 returns squared norms per
   piece; pieces are summed per parameter within the rank and then across ranks (one all-reduce per
-  step); phase 2 applies each parameter's ratio.
+  step); phase 2 applies each parameter's ratio. Under tensor parallelism a parameter marked
+  ``tensor_parallel`` is itself a shard of a larger one, whose norms also add up over the
+  tensor-parallel group (a second all-reduce of the same small table), as the global gradient norm
+  of :mod:`lightning_zero.zero.optimizer` does; replicated parameters keep tensor-parallel rank 0's
+  sums, so every rank applies the same ratio to its replica.
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
 ``exp_avg_sq``), so checkpoints look the same with and without offload and load into each other.
@@ -139,11 +143,14 @@ class KernelStep:
             # non_blocking: from pinned memory the host does not wait for the transfer
             b.param_shard.copy_(source, non_blocking=True)
 
-    def step(self) -> None:
+    def step(self, tensor_parallel_group: comm.ProcessGroup = None) -> None:
+        """One optimizer step on every buffer. ``tensor_parallel_group``: the group over which
+        parameters marked ``tensor_parallel`` are split (``None``: no tensor parallelism; LAMB only).
+        Call on all ranks."""
         from lightning_zero.ops import functional as F
 
         if self.lamb:
-            return self._lamb_step()
+            return self._lamb_step(tensor_parallel_group)
         for g_index, param_group in enumerate(self.optimizer.param_groups):
             hyper = _hyper(self.optimizer, param_group)
             for b in self.buffers:
@@ -166,10 +173,15 @@ class KernelStep:
         """Segments of every master slice (one per parameter piece, plus the padding) and the index
         of the parameter each belongs to, numbered over the whole optimizer."""
         ids: dict[int, int] = {}
+        split: list[bool] = []
         for b in self.buffers:
             for p in b.params:
-                ids.setdefault(id(p), len(ids))
+                if id(p) not in ids:
+                    ids[id(p)] = len(ids)
+                    split.append(bool(getattr(p, "tensor_parallel", False)))
         self.num_params = len(ids)
+        #: (num_params + 1,) True for the shards of tensor-parallel parameters (the padding row: False)
+        self.tensor_parallel_rows = torch.tensor(split + [False], dtype=torch.bool)
         self.segments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for b in self.buffers:
             offsets, owners = [0], []
@@ -215,7 +227,20 @@ class KernelStep:
         )
         self._write_back(b, copy)
 
-    def _lamb_step(self) -> None:
+    def _whole_norms(self, sums: torch.Tensor, tensor_parallel_group: comm.ProcessGroup) -> torch.Tensor:
+        """Per-parameter squared norms (num_params + 1, 2) of this rank's pieces -> of whole parameters."""
+        # Reduced where the collectives run (NCCL reduces device tensors only).
+        on_comm = sums.to(self.buffers[0].device) if self.buffers else sums
+        comm.all_reduce(on_comm, self.group)  # pieces of a parameter on the data-parallel ranks
+        if tensor_parallel_group is not None:
+            # Shards of a tensor-parallel parameter add up over the group; replicas (equal on every
+            # rank) are zeroed off rank 0, so the same sum leaves every rank with rank 0's numbers.
+            keep = self.tensor_parallel_rows.to(on_comm.device) | (comm.rank(tensor_parallel_group) == 0)
+            on_comm.mul_(keep.unsqueeze(-1))
+            comm.all_reduce(on_comm, tensor_parallel_group)
+        return on_comm
+
+    def _lamb_step(self, tensor_parallel_group: comm.ProcessGroup) -> None:
         from lightning_zero.ops import functional as F
 
         live = [b for b in self.buffers if b.master.grad is not None]
@@ -230,11 +255,7 @@ class KernelStep:
             hypers[id(b)], steps[id(b)] = hyper, int(state["step"])
             owners = self.segments[id(b)][1].to(device)
             sums.index_add_(0, owners, self._lamb_moments(b, state, steps[id(b)], hyper).to(device))
-        # Whole-parameter norms: pieces from every rank, reduced where the collectives run (NCCL
-        # reduces device tensors only).
-        on_comm = sums.to(self.buffers[0].device) if self.buffers else sums
-        comm.all_reduce(on_comm, self.group)
-        ratio = F.lamb_trust_ratio(on_comm).to(device)
+        ratio = F.lamb_trust_ratio(self._whole_norms(sums, tensor_parallel_group)).to(device)
         for b in live:
             self._lamb_apply(b, self.optimizer.state[b.master], ratio, steps[id(b)], hypers[id(b)])
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

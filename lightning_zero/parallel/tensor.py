@@ -4,8 +4,13 @@ A column-parallel Linear keeps rows ``[r*out/T, (r+1)*out/T)`` of the weight (ou
 yields a sharded activation; the row-parallel Linear that follows keeps the matching columns (input
 features) and sums its partial products with one all-reduce. Forward costs one all-reduce per
 column/row pair and backward one (the :mod:`~lightning_zero.parallel.mappings` pairs). The
-vocabulary-parallel embedding keeps a contiguous range of rows and all-reduces the looked-up vectors;
-the vocabulary-parallel cross-entropy takes logits sharded over the vocabulary and never gathers them.
+vocabulary-parallel embedding keeps a contiguous range of rows and all-reduces the looked-up vectors.
+
+Tied weights: a token embedding tied to the LM head (GPT-2, BERT's MLM decoder) is split as Megatron
+splits it, the Embedding ``"vocab"`` and the head Linear ``"column"``; both keep the same vocabulary
+rows, so :func:`apply_tensor_parallel` gives them one new shard Parameter (the tie survives, its
+gradient sums both uses). The head's output is then logits sharded over the vocabulary, (..., V/T),
+for :mod:`~lightning_zero.parallel.vocab` (cross entropy, argmax) without ever gathering (..., V).
 
 Why not ``torch.distributed.tensor.parallel.parallelize_module``: it runs on CPU/gloo in torch 2.13
 (checked: ``ColwiseParallel``/``RowwiseParallel`` forward and backward on 2 gloo ranks), but it
@@ -32,6 +37,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.parallel.mappings import copy_to_tensor_parallel, gather_last_dim, reduce_from_tensor_parallel
+from lightning_zero.parallel.vocab import vocab_parallel_cross_entropy  # noqa: F401 (its former home)
 
 STYLES = ("column", "row", "vocab", "replicate")
 """What a plan may ask of a module: split a Linear by output or input features, split an Embedding
@@ -137,49 +143,49 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_parallel(out, self.group)
 
 
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, group: comm.ProcessGroup, ignore_index: int = -100
-) -> torch.Tensor:
-    """Mean cross entropy from logits sharded over the vocabulary, without gathering them.
-
-    Args:
-        logits: (N, V/T) this rank's vocabulary columns [r*V/T, (r+1)*V/T); computed in fp32.
-        target: (N,) int64 global vocabulary ids; ``ignore_index`` entries do not count.
-        group: the tensor-parallel group.
-
-    Returns the same fp32 scalar on every rank. Three all-reduces of (N,): max, target logit, sum of
-    exponentials. Call on all ranks.
-    """
-    logits = logits.float()
-    shard = logits.shape[-1]
-    start = comm.rank(group) * shard
-    # The max only stabilizes exp(); the loss does not depend on it, so no gradient flows through it.
-    row_max = logits.detach().amax(dim=-1)
-    comm.all_reduce(row_max, group, op=torch.distributed.ReduceOp.MAX, label="tensor_parallel")
-    shifted = logits - row_max.unsqueeze(-1)
-    valid = target != ignore_index
-    local = target - start
-    mine = valid & (local >= 0) & (local < shard)
-    picked = shifted.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * mine
-    picked = reduce_from_tensor_parallel(picked, group)
-    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), group)
-    losses = (sum_exp.log() - picked) * valid
-    return losses.sum() / valid.sum().clamp_min(1)
-
-
 def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent_name, _, child = name.rpartition(".")
     return (root.get_submodule(parent_name) if parent_name else root), child
 
 
-def _check_untied(root: nn.Module, name: str, module: nn.Module) -> None:
-    own = {id(p) for p in module.parameters(recurse=False)}
-    for other_name, other in root.named_modules(remove_duplicate=False):
-        if other is not module and any(id(p) in own for p in other.parameters(recurse=False)):
+def _partition_dim(style: str, attr: str) -> Optional[int]:
+    """The dimension of parameter ``attr`` that ``style`` splits; ``None``: kept whole."""
+    if style == "replicate" or (style == "row" and attr == "bias"):
+        return None
+    return 1 if style == "row" else 0
+
+
+def _ties(root: nn.Module, chosen: Mapping[str, str]) -> list[list[tuple[str, str]]]:
+    """(module name, attribute) of the holders of every Parameter that several modules share and the
+    plan splits. Raises ``ValueError`` unless all holders split it the same way: one shard keeps the tie."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, mod in root.named_modules():
+        for attr, param in mod.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name, attr))
+    ties = []
+    for users in holders.values():
+        dims = {_partition_dim(chosen.get(name, "replicate"), attr) for name, attr in users}
+        if len(users) < 2 or dims == {None}:
+            continue
+        if len(dims) > 1:
+            described = ", ".join(f"{name}.{attr} ({chosen.get(name, 'replicate')!r})" for name, attr in users)
             raise ValueError(
-                f"{name}'s parameters are shared with {other_name} (tied weights); splitting one would untie "
-                f"them. Plan both as 'replicate', or untie them before applying tensor parallelism."
+                f"{described} are one Parameter (tied weights), but the plan does not split all of them along "
+                f"the same dimension, which would untie them. Split every holder alike ('vocab' for the "
+                f"Embedding and 'column' for the Linear head both split the vocabulary; feed the head's sharded "
+                f"logits to vocab_parallel_cross_entropy), or plan all of them as 'replicate'."
             )
+        ties.append(users)
+    return ties
+
+
+def _retie(root: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Point every holder of a split tied Parameter at the first holder's shard (all shards are equal:
+    the same rows of the same tensor), so the pair stays one Parameter with one gradient."""
+    for (first, attr), *rest in ties:
+        shared = getattr(root.get_submodule(first), attr)
+        for name, other in rest:
+            setattr(root.get_submodule(name), other, shared)
 
 
 def _check_fits(module: nn.Module, style: str, name: str) -> None:
@@ -206,9 +212,12 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: com
         group: the tensor-parallel group.
 
     Converted modules are replaced (new Parameters holding this rank's shard), so build the
-    optimizer afterwards. With a one-rank group nothing changes. Raises ``ValueError`` for an unknown
-    style, a pattern that matches nothing, a style that does not fit the module, sizes not divisible
-    by the group size, or a split of tied weights.
+    optimizer afterwards. A Parameter tied between modules that are all split along the same
+    dimension of it (the token embedding as ``"vocab"`` and the LM head as ``"column"``) becomes one
+    shard Parameter shared by the converted modules: the tie is kept. With a one-rank group nothing
+    changes. Raises ``ValueError`` for an unknown style, a pattern that matches nothing, a style that
+    does not fit the module, sizes not divisible by the group size, or tied weights that the plan
+    splits differently (or splits in one holder and replicates in another).
     """
     for pattern, style in plan.items():
         if style not in STYLES:
@@ -224,10 +233,11 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: com
     chosen = {name: style for name, style in chosen.items() if style != "replicate"}
     for name, style in chosen.items():  # every check before the first split, also with one rank
         _check_fits(module.get_submodule(name), style, name)
-        _check_untied(module, name, module.get_submodule(name))
+    ties = _ties(module, chosen)
     if comm.world_size(group) == 1:
         return []
     for name, style in chosen.items():
         parent, child = _parent(module, name)
         setattr(parent, child, _convert(module.get_submodule(name), style, group))
+    _retie(module, ties)
     return list(chosen)

@@ -3,6 +3,9 @@
 Built as ``embed -> layer[0] ... layer[n-1] -> mlm_head`` (the pipeline form, ``to_layers``). As in the
 GPT-2 recipe, attention columns are laid out head by head with (q, k, v) inside each head and the
 forward infers the head count from shapes, so ``TENSOR_PARALLEL_PLAN`` shards run the same code.
+The plan splits the word embedding and the MLM decoder tied to it by the vocabulary (one shard
+Parameter for both; the decoder's bias is split alike): MLM logits are then sharded over the
+vocabulary, and :meth:`Bert.mlm_loss` / :meth:`Bert.mlm_predictions` never gather them.
 
 The MLM head runs only on the masked positions (NVIDIA's BERT does the same): with 15% masking that
 saves ~85% of the vocabulary projection, the largest matmul of a small BERT.
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_zero.parallel import ColumnParallelLinear, vocab_parallel_argmax, vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,11 +67,16 @@ TENSOR_PARALLEL_PLAN = {
     "layer.*.ffn.fc_in": "column",
     "layer.*.ffn.fc_out": "row",
     "layer.*.ln_*": "replicate",
+    "embed.word": "vocab",
     "embed.*": "replicate",
+    "mlm_head.decoder": "column",
     "mlm_head.*": "replicate",
     "nsp_head.*": "replicate",
 }
-"""Megatron-style plan, module-name pattern (fnmatch) -> "column" | "row" | "replicate"."""
+"""Megatron-style plan, module-name pattern (fnmatch, first match wins) -> "column" | "row" | "vocab" |
+"replicate". The tied ``embed.word`` ("vocab") and ``mlm_head.decoder`` ("column") split the same
+vocabulary rows and stay one Parameter; ``vocab_size`` must then be divisible by the tensor-parallel
+size (BERT's 30,522 is by 2 only; pad it, e.g. to 30,528 = 64 * 477, for more)."""
 
 
 class Embeddings(nn.Module):
@@ -207,11 +217,31 @@ class Bert(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         pad_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MLM logits (n_masked, vocab_size) at the positions where ``labels != -100``, and NSP logits (batch, 2)."""
+        """MLM logits (n_masked, vocab_size) at the positions where ``labels != -100`` (vocab_size / T when
+        split by a tensor-parallel plan; see :meth:`mlm_loss`), and NSP logits (batch, 2)."""
         x = self.encode(input_ids, token_type_ids, pad_mask)
         mlm_logits = self.mlm_head(x[labels != -100])
         nsp_logits = self.nsp_head(x) if self.nsp_head is not None else None
         return mlm_logits, nsp_logits
+
+    def _split_decoder(self) -> ColumnParallelLinear | None:
+        """The decoder when a tensor-parallel plan split it by the vocabulary, else None."""
+        decoder = self.mlm_head.decoder
+        return decoder if isinstance(decoder, ColumnParallelLinear) else None
+
+    def mlm_loss(self, mlm_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy (fp32) of ``forward``'s MLM logits (n_masked, vocab_size), or (n_masked,
+        vocab_size / T) once a tensor-parallel plan split the decoder by vocabulary, against (n_masked,)
+        int64 targets; under tensor parallelism a collective over its group."""
+        split = self._split_decoder()
+        if split is None:
+            return F.cross_entropy(mlm_logits.float(), targets)
+        return vocab_parallel_cross_entropy(mlm_logits, targets, split.group)
+
+    def mlm_predictions(self, mlm_logits: torch.Tensor) -> torch.Tensor:
+        """(n_masked,) int64 predicted token ids of ``forward``'s MLM logits, whole or vocabulary-sharded."""
+        split = self._split_decoder()
+        return mlm_logits.argmax(-1) if split is None else vocab_parallel_argmax(mlm_logits, split.group)
 
     def to_layers(self) -> list[nn.Module]:
         """The pipeline form ``[embed, layer[0], ..., layer[-1], mlm_head]`` (all positions; MLM only).

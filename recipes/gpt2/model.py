@@ -4,9 +4,13 @@ The model is built as a sequence ``embed -> h[0] ... h[n_layer-1] -> head``, whi
 form (``to_layers``). Attention columns are laid out head by head with (q, k, v) inside each head and
 the forward infers the number of heads from the tensor shapes, so a column-parallel split of
 ``c_attn``/``c_fc`` followed by a row-parallel ``c_proj`` (``TENSOR_PARALLEL_PLAN``) runs the same
-code on a shard holding whole heads.
+code on a shard holding whole heads. The plan splits the tied token embedding and LM head by the
+vocabulary, as Megatron-LM does: the two keep sharing one shard Parameter, the model then returns
+logits sharded over the vocabulary, and :meth:`GPT.loss` takes the vocabulary-parallel cross entropy
+of them, so the (batch, seq, vocab_size) logits are never gathered.
 
-Shapes: ``input_ids`` (batch, seq) int64 -> logits (batch, seq, vocab_size) in the compute dtype.
+Shapes: ``input_ids`` (batch, seq) int64 -> logits (batch, seq, vocab_size) in the compute dtype, or
+(batch, seq, vocab_size / T) under tensor parallelism (rank r holds vocabulary ids [r V/T, (r+1) V/T)).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_zero.parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,12 +62,16 @@ TENSOR_PARALLEL_PLAN = {
     "h.*.attn.c_proj": "row",
     "h.*.mlp.c_fc": "column",
     "h.*.mlp.c_proj": "row",
+    "embed.wte": "vocab",
     "embed.*": "replicate",
     "h.*.ln_*": "replicate",
-    "head.*": "replicate",
+    "head.ln_f": "replicate",
+    "head.lm_head": "column",
 }
-"""Megatron-style plan, module-name pattern (fnmatch) -> "column" | "row" | "replicate": one
-all-reduce per column/row pair in forward and one in backward."""
+"""Megatron-style plan, module-name pattern (fnmatch, first match wins) -> "column" | "row" | "vocab" |
+"replicate": one all-reduce per column/row pair in forward and one in backward. The tied ``embed.wte``
+("vocab") and ``head.lm_head`` ("column") split the same vocabulary rows and stay one Parameter;
+``vocab_size`` must then be divisible by the tensor-parallel size (50,304 is, by 2 to 64)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -151,7 +161,7 @@ class LMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 language model. ``forward(input_ids)`` returns logits; ``loss_fn(logits, labels)`` the mean CE."""
+    """GPT-2 language model. ``forward(input_ids)`` returns logits; ``loss(logits, labels)`` the mean CE."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -173,7 +183,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, seq) int64 -> logits (batch, seq, vocab_size)."""
+        """(batch, seq) int64 -> logits (batch, seq, vocab_size), or (..., vocab_size / T) split by vocabulary."""
         x = self.embed(input_ids)
         for block in self.h:
             x = block(x)
@@ -181,8 +191,19 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy in fp32; ``labels`` (batch, seq) are already shifted, -100 ignored."""
+        """Mean next-token cross entropy in fp32; ``labels`` (batch, seq) are already shifted, -100 ignored.
+
+        ``logits`` (batch, seq, vocab_size) whole; for this model's own output use :meth:`loss`."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:meth:`loss_fn` of ``forward``'s logits, whole or, once a tensor-parallel plan split the LM head
+        by the vocabulary, sharded (batch, seq, vocab_size / T): then the vocabulary-parallel cross
+        entropy, the same fp32 scalar on every tensor-parallel rank (a collective over its group)."""
+        head = self.head.lm_head
+        if isinstance(head, ColumnParallelLinear):
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), labels.flatten(), head.group)
+        return self.loss_fn(logits, labels)
 
     def to_layers(self) -> list[nn.Module]:
         """The pipeline form: ``[embed, h[0], ..., h[-1], head]``; chaining them equals ``forward``.

@@ -1,15 +1,24 @@
 """Tensor parallelism on CPU/gloo: the recipes' GPT-2 split by its plan against the whole model.
 
 Tiny GPT-2 (2 layers, d=32, 2 heads, vocab 64, 16 positions): with tp=2 every rank holds one
-attention head and half of the MLP. References are plain single-process PyTorch (no Lightning, no
-process group) on the unconverted model with the same global batches, AdamW and norm clipping.
+attention head, half of the MLP and half of the vocabulary (the tied embedding / LM head, whose
+logits stay sharded into the vocabulary-parallel cross entropy). References are plain
+single-process PyTorch (no Lightning, no process group) on the unconverted model with the same
+global batches, AdamW (or LAMB) and norm clipping.
 
 Tolerances: fp32 throughout. Tensor parallelism changes only the order of summation: a row-parallel
 Linear sums two partial products of 16 (attention) or 64 (MLP) terms across ranks instead of one
 sum of 32 or 128, which is ~1e-7 relative per output; a few AdamW steps amplify that by ~10.
-So forward/gradients are compared at 1e-5 relative (with a 1e-7 absolute floor for elements near
-zero), losses and gradient norms at 1e-5 relative. A missing or doubled all-reduce, a wrong shard
-or a replica counted twice in the norm gives errors of order 1.
+The vocabulary-parallel cross entropy sums exp() over two halves of the vocabulary (32 + 32 terms
+instead of 64). So forward/gradients are compared at 1e-5 relative (with a 1e-7 absolute floor for
+elements near zero), losses and gradient norms at 1e-5 relative. A missing or doubled all-reduce, a
+wrong shard or a replica counted twice in the norm gives errors of order 1. LAMB's trust ratio is
+||w|| / ||update|| per whole parameter: under tp its squared norms add up from pieces (over dp and tp
+ranks) in another order, ~1e-7 relative, and the ratio scales every step of the parameter, so the
+weights after four steps are compared at 1e-5 relative too (1e-6 absolute floor for elements near
+zero). Measured: the weights differ from one process by at most 2.4e-7 (weights ~0.02); with the
+ratio taken from each tensor-parallel shard's own norms they differ by 6e-5, 50x the tolerance
+(halves of a random matrix have similar norms, so the error is small but well above rounding).
 """
 
 from __future__ import annotations
@@ -36,11 +45,19 @@ def _tokens(n: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(5))
 
 
+def _optimizer(name: str, params):
+    from lightning_zero.ops import CPULamb
+
+    if name == "lamb":
+        return CPULamb(params, lr=LR, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
 class _TinyGPT2:
     """Built lazily inside a rank (Lightning is imported there)."""
 
     @staticmethod
-    def make():
+    def make(optimizer: str):
         import lightning.pytorch as pl
 
         from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN
@@ -57,7 +74,7 @@ class _TinyGPT2:
 
             def training_step(self, batch, batch_idx):
                 (rows,) = batch
-                loss = GPT.loss_fn(self.model(rows[:, :-1]), rows[:, 1:])
+                loss = self.model.loss(self.model(rows[:, :-1]), rows[:, 1:])
                 self.losses.append(loss.item())
                 return loss
 
@@ -65,19 +82,19 @@ class _TinyGPT2:
                 self.norms.append(float(self.trainer.strategy.grad_norm(optimizer)))
 
             def configure_optimizers(self):
-                return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+                return _optimizer(optimizer, self.parameters())
 
         return TinyGPT2()
 
 
-def _reference(data_parallel: int) -> dict:
-    """One process, whole model: per-step losses of each data-parallel half, and gradient norms."""
+def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
+    """One process, whole model: per-step losses of each data-parallel half, gradient norms, final weights."""
     from torch.utils.data import DistributedSampler
 
     from recipes.gpt2.model import GPT
 
     model = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = _optimizer(optimizer, model.parameters())
     rows = _tokens(BATCH * STEPS * data_parallel)
     # Lightning gives a training loader DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED) with the
     # strategy's num_replicas/rank: data-parallel rank r reads these rows.
@@ -97,17 +114,17 @@ def _reference(data_parallel: int) -> dict:
         total.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _fit(tensor_parallel: int, data_parallel: int, stage: int) -> dict:
+def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw") -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
 
     pl.seed_everything(SEED, verbose=False)  # the sampler's shuffling seed
-    model = _TinyGPT2.make()
+    model = _TinyGPT2.make(optimizer)
     strategy = ZeroStrategy(stage=stage, tensor_parallel_size=tensor_parallel, reduce_bucket_size=3000)
     trainer = pl.Trainer(
         accelerator="cpu", devices=tensor_parallel * data_parallel, strategy=strategy, precision="32-true",
@@ -116,11 +133,45 @@ def _fit(tensor_parallel: int, data_parallel: int, stage: int) -> dict:
     )
     loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data_parallel)), batch_size=BATCH, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
-    return {"losses": model.losses, "norms": model.norms, "sampler": strategy.distributed_sampler_kwargs}
+    return {
+        "losses": model.losses,
+        "norms": model.norms,
+        "sampler": strategy.distributed_sampler_kwargs,
+        "params": {n: p.detach().clone() for n, p in model.model.named_parameters()},
+        "marked": sorted(n for n, p in model.model.named_parameters() if getattr(p, "tensor_parallel", False)),
+    }
+
+
+def _bert_check(groups) -> dict:
+    """The BERT recipe split by its plan (vocabulary-parallel MLM decoder) vs the whole one."""
+    from lightning_zero.parallel import apply_tensor_parallel
+    from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
+
+    torch.manual_seed(2)
+    whole = Bert(BertConfig(vocab_size=30, max_position=16, n_layer=1, n_head=2, hidden=16, intermediate=24,
+                            dropout=0.0, nsp=False))
+    split = copy.deepcopy(whole)
+    plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if not k.startswith("nsp_head")}
+    apply_tensor_parallel(split, plan, groups.tp)
+    ids = torch.randint(0, 30, (3, 9), generator=torch.Generator().manual_seed(4))
+    labels = torch.full_like(ids, -100)
+    labels[:, 2], labels[1:, 5] = ids[:, 2], ids[1:, 5]  # 5 masked positions
+    out = {"tied": split.mlm_head.decoder.weight is split.embed.word.weight}
+    for name, model in (("whole", whole), ("split", split)):
+        logits, _ = model(ids, labels)
+        loss = model.mlm_loss(logits, labels[labels != -100])
+        loss.backward()
+        out[name] = {
+            "loss": loss.detach(),
+            "predictions": model.mlm_predictions(logits),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        }
+    out["marked"] = sorted(n for n, p in split.named_parameters() if getattr(p, "tensor_parallel", False))
+    return out
 
 
 def _function_worker(rank: int) -> dict:
-    """Forward and gradients of the converted GPT-2 vs the whole one; vocab-parallel pieces too."""
+    """Forward and gradients of the converted GPT-2 and BERT vs the whole ones; vocab-parallel pieces too."""
     import torch.distributed as dist
 
     from lightning_zero.layout import ParallelLayout, build_groups
@@ -128,23 +179,31 @@ def _function_worker(rank: int) -> dict:
         ColumnParallelLinear,
         VocabParallelEmbedding,
         apply_tensor_parallel,
+        vocab_parallel_argmax,
         vocab_parallel_cross_entropy,
     )
-    from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN
+    from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
 
     dist.init_process_group("gloo")
     groups = build_groups(ParallelLayout(1, tensor=2))
     whole = _gpt()
     split = copy.deepcopy(whole)
     converted = apply_tensor_parallel(split, TENSOR_PARALLEL_PLAN, groups.tp)
-    assert len(converted) == 8, converted  # 2 blocks x (c_attn, attn.c_proj, c_fc, mlp.c_proj)
+    # 2 blocks x (c_attn, attn.c_proj, c_fc, mlp.c_proj), the token embedding and the LM head
+    assert len(converted) == 10, converted
     rows = _tokens(3)
-    out = {}
+    out = {"tied": split.head.lm_head.weight is split.embed.wte.weight}
     for name, model in (("whole", whole), ("split", split)):
         logits = model(rows[:, :-1])
-        GPT.loss_fn(logits, rows[:, 1:]).backward()
-        out[name] = {"logits": logits.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+        loss = model.loss(logits, rows[:, 1:])
+        loss.backward()
+        out[name] = {
+            "logits": logits.detach(),
+            "loss": loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        }
     out["marked"] = sorted(n for n, p in split.named_parameters() if getattr(p, "tensor_parallel", False))
+    out["bert"] = _bert_check(groups)
 
     # Vocabulary-parallel embedding + cross-entropy against nn.Embedding + F.cross_entropy (odd sizes).
     torch.manual_seed(1)
@@ -157,10 +216,14 @@ def _function_worker(rank: int) -> dict:
     loss = vocab_parallel_cross_entropy(column_head(vocab(ids)), target, groups.tp)
     loss.backward()
     shard = slice(rank * 5, rank * 5 + 5)
+    # argmax: a tie across the two shards (ids 2 and 7) must give the smaller id, as torch does
+    full = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(6))
+    full[0, 1, 2] = full[0, 1, 7] = full.max() + 1
     out["vocab"] = {
         "loss": (loss.item(), ref_loss.item()),
         "embedding_grad": (vocab.weight.grad, embedding.weight.grad[shard]),
         "head_grad": (column_head.weight.grad, head.weight.grad[shard]),
+        "argmax": (vocab_parallel_argmax(full[..., shard], groups.tp), full.argmax(-1)),
     }
     out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2)
     return out
@@ -178,21 +241,40 @@ def _shard_of(full: torch.Tensor, got: torch.Tensor, rank: int) -> torch.Tensor:
     return full
 
 
+def _check_split(res: dict, rank: int, what: str) -> None:
+    """Gradients of a split model against the whole one's (this rank's shard of the split ones)."""
+    assert res["tied"], f"{what}: the split embedding and head are no longer one Parameter"
+    for name, want in res["whole"]["grads"].items():
+        got = res["split"]["grads"][name]
+        assert (got.shape == want.shape) == (name not in res["marked"]), name
+        _assert_close(got, _shard_of(want, got, rank), f"{what} rank {rank} grad {name}")
+    _assert_close(res["split"]["loss"], res["whole"]["loss"], f"{what} loss")
+
+
 def test_tp2_gpt2_matches_whole_model_and_trains_like_one_process():
     results = run_ranks(_function_worker, world_size=2)
     reference = _reference(data_parallel=1)
     for rank, res in enumerate(results):
-        _assert_close(res["split"]["logits"], res["whole"]["logits"], "logits")
-        for name, want in res["whole"]["grads"].items():
-            got = res["split"]["grads"][name]
-            assert (got.shape == want.shape) == (name not in res["marked"]), name
-            _assert_close(got, _shard_of(want, got, rank), f"rank {rank} grad {name}")
-        # weights and biases of the column-parallel Linears, weights of the row-parallel ones
-        assert len(res["marked"]) == 2 * (2 + 2 + 2 + 2) - 4, res["marked"]
+        # this rank's half of the vocabulary: the logits are never gathered
+        logits = res["split"]["logits"]
+        assert logits.shape[-1] == VOCAB // 2
+        _assert_close(logits, _shard_of(res["whole"]["logits"], logits, rank), "logits")
+        _check_split(res, rank, "gpt2")
+        # weights and biases of the column-parallel Linears, weights of the row-parallel ones, and the
+        # one token-embedding shard shared by embedding and head
+        assert len(res["marked"]) == 2 * (2 + 2 + 2 + 2) - 4 + 1, res["marked"]
+        assert "embed.wte.weight" in res["marked"]
+        bert = res["bert"]
+        _check_split(bert, rank, "bert")
+        assert torch.equal(bert["split"]["predictions"], bert["whole"]["predictions"])
+        # one layer: qkv and fc_in weight + bias, out and fc_out weight; the word embedding shard
+        # (shared with the decoder) and the decoder's bias
+        assert len(bert["marked"]) == 6 + 2, bert["marked"]
         vocab = res["vocab"]
         assert abs(vocab["loss"][0] - vocab["loss"][1]) <= 1e-6 * abs(vocab["loss"][1])
         for key in ("embedding_grad", "head_grad"):
             _assert_close(*vocab[key], f"rank {rank} vocab-parallel {key}")
+        assert torch.equal(*vocab["argmax"])
         fit = res["fit"]
         assert fit["sampler"] == {"num_replicas": 1, "rank": 0}  # both ranks read the same batches
         _assert_close(torch.tensor(fit["losses"]), torch.tensor(reference["losses"][0]), "losses")
@@ -216,3 +298,23 @@ def test_dp2_tp2_stage1_matches_one_process():
         assert res["sampler"] == {"num_replicas": 2, "rank": dp_rank}
         _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"rank {rank} losses")
         _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"rank {rank} grad norms")
+
+
+def _lamb_worker(rank: int) -> dict:
+    return _fit(tensor_parallel=2, data_parallel=2, stage=2, optimizer="lamb")
+
+
+def test_lamb_dp2_tp2_stage2_matches_one_process():
+    """LAMB's trust ratio from whole-parameter norms: pieces over dp, shards over tp, replicas once."""
+    results = run_ranks(_lamb_worker, world_size=4, timeout=300)
+    reference = _reference(data_parallel=2, optimizer="lamb")
+    for rank, res in enumerate(results):
+        tp_rank, dp_rank = rank % 2, rank // 2
+        _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"rank {rank} losses")
+        _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"rank {rank} grad norms")
+        for name, want in reference["params"].items():
+            got = res["params"][name]
+            assert (got.shape == want.shape) == (name not in res["marked"]), name
+            torch.testing.assert_close(
+                got, _shard_of(want, got, tp_rank), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )

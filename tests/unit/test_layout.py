@@ -77,20 +77,39 @@ def test_plan_errors_before_any_communication(plan, message):
         apply_tensor_parallel(_Net(), plan, None)
 
 
-def test_tied_weights_are_not_split(monkeypatch):
+@pytest.mark.parametrize(
+    "plan",
+    [{"head": "column"}, {"embed": "vocab"}, {"embed": "vocab", "head": "row"}],
+)
+def test_tied_weights_split_one_way_only_are_refused(monkeypatch, plan):
     from lightning_zero import comm
 
-    # Pretend to be rank 0 of 2 (the tie check runs before any collective).
+    # Pretend to be rank 0 of 2 (the tie check runs before any split).
     monkeypatch.setattr(comm, "world_size", lambda group: 2)
     monkeypatch.setattr(comm, "rank", lambda group: 0)
-    with pytest.raises(ValueError, match=r"head's parameters are shared with embed"):
-        apply_tensor_parallel(_Net(), {"head": "column"}, None)
+    with pytest.raises(ValueError, match=r"embed.weight .*, head.weight .* are one Parameter \(tied weights\)"):
+        apply_tensor_parallel(_Net(), plan, None)
+
+
+def test_tied_embedding_and_head_split_by_vocabulary_stay_one_parameter(monkeypatch):
+    from lightning_zero import comm
+
+    monkeypatch.setattr(comm, "world_size", lambda group: 2)
+    monkeypatch.setattr(comm, "rank", lambda group: 1)
     net = _Net()
-    rows = net.up.weight.detach()[:4].clone()
-    assert apply_tensor_parallel(net, {"up": "column"}, None) == ["up"]
-    assert torch.equal(net.up.weight, rows)  # rank 0 keeps the first half of the output features
+    rows = net.embed.weight.detach()[3:].clone()  # rank 1 of 2: vocabulary ids 3..5
+    assert apply_tensor_parallel(net, {"embed": "vocab", "head": "column", "up": "column"}, None) == ["embed", "up", "head"]
+    assert net.head.weight is net.embed.weight  # the tie is kept: one shard Parameter
+    assert torch.equal(net.embed.weight, rows) and net.embed.vocab_start == 3
+    assert net.embed.weight.tensor_parallel and net.embed.weight.partition_dim == 0
+    assert len(list(net.parameters())) == 3  # the shared shard, up.weight, up.bias
+    net = _Net()
+    rows = net.up.weight.detach()[4:].clone()
+    assert apply_tensor_parallel(net, {"up": "column"}, None) == ["up"]  # the tied pair stays whole
+    assert torch.equal(net.up.weight, rows)  # rank 1 keeps the second half of the output features
     assert net.up.weight.shape == (4, 4) and net.up.weight.tensor_parallel and net.up.weight.partition_dim == 0
     assert net.up.bias.shape == (4,) and net.up.bias.tensor_parallel
+    assert net.head.weight is net.embed.weight and net.embed.weight.shape == (6, 4)
 
 
 def test_gpt2_recipe_plan_matches_its_modules():

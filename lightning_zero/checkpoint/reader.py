@@ -1,0 +1,175 @@
+"""Reading a checkpoint by state-dict key, whatever layout wrote it and whatever layout reads it.
+
+:class:`ShardedReader` reads a sharded checkpoint directory (see :mod:`~lightning_zero.checkpoint.format`):
+a range of a flattened parameter (or of one of its optimizer states), of the whole parameter or of
+one tensor-parallel part of it. When the saved split is the requested one (same partition dim and
+tensor-parallel size, or both whole) it opens only the rank files whose pieces overlap the range;
+otherwise it assembles the requested part from the saved parts that overlap it, one parameter at a
+time. :class:`FullReader` offers the same over a plain state dict of whole tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint.merge import Split
+
+
+def _narrow(tensor: torch.Tensor, split: Optional[Split], what: str) -> torch.Tensor:
+    """``split``'s part of the whole ``tensor`` (all of it when ``split`` is ``None``)."""
+    if split is None:
+        return tensor
+    return tensor.narrow(split.dim, *split.block(tensor.shape, what))
+
+
+class ShardedReader:
+    """Reads a sharded checkpoint by state-dict key: whole tensors, or ranges of a flattened tensor
+    or of one tensor-parallel part of it (any tensor-parallel size, whatever the saved one was)."""
+
+    def __init__(self, path: Path, state_dict: Mapping[str, Any]) -> None:
+        self.path = path
+        self.meta = fmt.read_metadata(path)
+        fmt.check_rank_files(path, self.meta)
+        self.state_dict = state_dict
+        self.params = self.meta["params"]
+        self._primary = {key: name for name, e in self.params.items() for key in (name, *e["aliases"])}
+        self._files: dict[int, Any] = {}
+        self._block: tuple[Any, Optional[torch.Tensor]] = (None, None)  # the last part built by _part
+
+    def has(self, key: str) -> bool:
+        return key in self._primary or key in self.state_dict
+
+    def primary(self, key: str) -> str:
+        """:meth:`name_of` ``key`` for a saved parameter, else ``key`` itself."""
+        return self._primary.get(key, key)
+
+    def name_of(self, key: str) -> str:
+        """The saved parameter that state-dict key ``key`` (a name or a tied alias) refers to."""
+        return self._primary[key]
+
+    def keys(self) -> list[str]:
+        return list(self._primary) + [k for k in self.state_dict if k not in self._primary]
+
+    def shape(self, key: str) -> Optional[torch.Size]:
+        """The whole (unsplit) shape of ``key``."""
+        if key in self._primary:
+            return torch.Size(self.params[self._primary[key]]["shape"])
+        value = self.state_dict[key]
+        return value.shape if torch.is_tensor(value) else None
+
+    def rank_data(self, rank: int) -> Any:
+        if rank not in self._files:
+            self._files[rank] = fmt.load_file(self.path / self.meta["rank_files"][rank])
+        return self._files[rank]
+
+    def _saved(self, name: str) -> Optional[Split]:
+        """How ``name`` was split when saved (``Split(dim, 0, T)``), ``None`` when saved whole."""
+        entry = self.params[name]
+        return None if entry["tensor_parallel_size"] == 1 else Split(entry["partition_dim"], 0, entry["tensor_parallel_size"])
+
+    def _read_shard(self, name: str, tp_rank: int, start: int, numel: int, state_key: Optional[str]) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of saved part ``tp_rank`` of ``name``, flattened."""
+        entry = self.params[name]
+        out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))
+        for rank, tp, offset, count in entry["pieces"]:
+            lo, hi = max(start, offset), min(start + numel, offset + count)
+            if tp != tp_rank or lo >= hi:
+                continue
+            data = self.rank_data(rank)
+            if state_key is None:
+                piece = data["params"][name]
+            else:
+                piece = data["optim"][entry["optimizer"]][name]["slices"][state_key]
+            if out.dtype != piece.dtype:
+                out = out.to(piece.dtype)
+            out[lo - start : hi - start] = piece[lo - offset : hi - offset]
+        return out
+
+    def _part(self, name: str, split: Optional[Split], state_key: Optional[str]) -> torch.Tensor:
+        """The whole tensor ``name`` (``split`` ``None``) or one part of it, assembled from the saved
+        parts that overlap it. The last one is kept: a load reads one parameter after another."""
+        cache_key = (name, split, state_key)
+        if self._block[0] == cache_key:
+            return self._block[1]
+        full = torch.Size(self.params[name]["shape"])
+        saved = self._saved(name)
+        if saved is None:
+            part = _narrow(self._read_shard(name, 0, 0, full.numel(), state_key).view(full), split, name)
+        else:
+            shard = torch.Size(saved.local_shape(full, name))
+            numel = shard.numel()
+            start, length = (0, full[saved.dim]) if split is None or split.dim != saved.dim else split.block(full, name)
+            pieces = []
+            for t in range(saved.size):
+                lo, hi = max(start, t * shard[saved.dim]), min(start + length, (t + 1) * shard[saved.dim])
+                if lo < hi:
+                    whole = self._read_shard(name, t, 0, numel, state_key).view(shard)
+                    pieces.append(whole.narrow(saved.dim, lo - t * shard[saved.dim], hi - lo))
+            part = torch.cat(pieces, dim=saved.dim)
+            if split is not None and split.dim != saved.dim:
+                part = _narrow(part, split, name)
+        part = part.contiguous()
+        self._block = (cache_key, part)
+        return part
+
+    def read(
+        self, key: str, start: int, numel: int, state_key: Optional[str] = None, split: Optional[Split] = None
+    ) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened tensor ``key`` (or of its optimizer state
+        ``state_key``), or of its part ``split`` under tensor parallelism, as saved (the master dtype).
+        When the saved layout is the requested one, opens only the rank files that overlap."""
+        if key not in self._primary:
+            return _narrow(self.state_dict[key], split, key).reshape(-1)[start : start + numel]
+        name = self._primary[key]
+        saved = self._saved(name)
+        if saved is None and split is None:
+            return self._read_shard(name, 0, start, numel, state_key)
+        if saved is not None and split is not None and (saved.dim, saved.size) == (split.dim, split.size):
+            return self._read_shard(name, split.rank, start, numel, state_key)
+        return self._part(name, split, state_key).reshape(-1)[start : start + numel]
+
+    def full(self, key: str, split: Optional[Split] = None, state_key: Optional[str] = None) -> Any:
+        """The whole value of ``key`` (or its part ``split``): a tensor, or a non-tensor entry as saved."""
+        if key not in self._primary:
+            value = self.state_dict[key]
+            return _narrow(value, split, key) if torch.is_tensor(value) else value
+        return self._part(self._primary[key], split, state_key)
+
+    def optimizer_entry(self, key: str) -> Optional[dict[str, Any]]:
+        """``{"slices": {state_key: dtype}, "scalars": {...}}`` of parameter ``key``, or None without state."""
+        name = self._primary[key]
+        entry = self.params[name]
+        if entry["optimizer"] is None or not entry["pieces"]:
+            return None
+        saved = self.rank_data(entry["pieces"][0][0])["optim"]
+        if not saved:
+            return None
+        state = saved[entry["optimizer"]].get(name)
+        if state is None:
+            return None
+        return {"slices": {k: v.dtype for k, v in state["slices"].items()}, "scalars": state["scalars"]}
+
+
+class FullReader:
+    """The same interface over a plain state dict of whole tensors (DDP or single-device checkpoints)."""
+
+    def __init__(self, state_dict: Mapping[str, Any]) -> None:
+        self.state_dict = state_dict
+
+    def keys(self) -> list[str]:
+        return list(self.state_dict)
+
+    def shape(self, key: str) -> Optional[torch.Size]:
+        value = self.state_dict[key]
+        return value.shape if torch.is_tensor(value) else None
+
+    def read(self, key: str, start: int, numel: int, split: Optional[Split] = None) -> torch.Tensor:
+        return _narrow(self.state_dict[key], split, key).reshape(-1)[start : start + numel]
+
+    def full(self, key: str, split: Optional[Split] = None) -> Any:
+        value = self.state_dict[key]
+        return _narrow(value, split, key) if torch.is_tensor(value) else value

@@ -1,0 +1,205 @@
+"""Sharded checkpoints under tensor parallelism on spawned CPU/gloo ranks: exact resume in the same
+layout, conversion tp2 x dp2 -> dp2 / tp2 x dp1 / one process / a plain Lightning checkpoint, a
+data-parallel-only checkpoint -> tp2, and consolidation to the unsplit model.
+
+The model is a tiny GPT-2 (2 layers, d=32, 2 heads, vocab 64) split by a plan of this file: column-
+and row-parallel attention and MLP, the position embedding split by rows ("vocab"); the token
+embedding and the tied LM head replicated. One column-parallel MLP is frozen (a split tensor that
+ZeRO does not partition) and a buffer changes every step, so both must come back from the files.
+
+Data: every data-parallel rank reads its half of one global batch at every step
+(``use_distributed_sampler=False``); one data-parallel rank reads the whole global batch, so its
+loss is the mean of the two halves'. Two steps per epoch; the checkpoints are ModelCheckpoint's at
+the end of epoch 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from harness import run_ranks
+from torch.utils.data import DataLoader, TensorDataset
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, SEQ, HALF, STEPS_PER_EPOCH, STEPS = 64, 16, 2, 2, 4
+PLAN = {
+    "model.h.*.attn.c_attn": "column",
+    "model.h.*.attn.c_proj": "row",
+    "model.h.*.mlp.c_fc": "column",
+    "model.h.*.mlp.c_proj": "row",
+    "model.embed.wpe": "vocab",
+}
+SPLIT_DIMS = {"c_attn.weight": 0, "c_attn.bias": 0, "c_fc.weight": 0, "c_fc.bias": 0, "c_proj.weight": 1, "wpe.weight": 0}
+CHECKPOINT = "epoch=0-step=2.ckpt"
+
+
+def _split_dim(name: str):
+    """The partition dim of ``name`` under PLAN (``None``: replicated). Row-parallel biases stay whole."""
+    return next((d for suffix, d in SPLIT_DIMS.items() if name.endswith(suffix)), None)
+
+
+def _module():
+    from recipes.gpt2.model import GPT, GPTConfig
+
+    class TinyGPT2(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+            self.model.h[1].mlp.c_fc.requires_grad_(False)  # frozen and split: written whole per tp rank
+            # Changes every step, equally on every rank (rank 0's buffers are saved, as DDP's are).
+            self.register_buffer("seen", torch.zeros(3))
+            self.losses: list[float] = []
+
+        def tensor_parallel_plan(self) -> dict[str, str]:
+            return PLAN
+
+        def training_step(self, batch, batch_idx):
+            (rows,) = batch
+            self.seen += torch.tensor([0.5, 1.0, 1.5])
+            loss = GPT.loss_fn(self.model(rows[:, :-1]), rows[:, 1:]) + 1e-3 * self.seen.sum()
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            params = [p for p in self.parameters() if p.requires_grad]
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    return TinyGPT2()
+
+
+def _loader(data_parallel: int, dp_rank: int) -> DataLoader:
+    """Every batch of a rank is the same (data-parallel rank r: half r of one global batch), so the
+    batches replay identically wherever Lightning resumes (it restarts a plain DataLoader's epoch)."""
+    rows = torch.randint(0, VOCAB, (2 * HALF, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    mine = rows if data_parallel == 1 else rows[dp_rank * HALF : (dp_rank + 1) * HALF]
+    return DataLoader(TensorDataset(mine.repeat(STEPS_PER_EPOCH, 1)), batch_size=len(mine))
+
+
+class _AtCheckpoint(pl.Callback):
+    """The parameters and buffer at the end of epoch 0, where ModelCheckpoint saves."""
+
+    def __init__(self) -> None:
+        self.params: dict = {}
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            self.params = _params(pl_module)
+
+
+def _fit(rank: int, world: int, tp: int, ckpt_path=None, save_dir=None, strategy=None, record=None):
+    import lightning_zero  # noqa: F401 - registers the strategy names
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(3, verbose=False)
+    model = _module()
+    if strategy is None:
+        strategy = lightning_zero.ZeroStrategy(stage=2 if tp == 1 else 1, tensor_parallel_size=tp, reduce_bucket_size=999)
+    callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
+    callbacks += [record] if record is not None else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
+        logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(model, train_dataloaders=_loader(world // tp, (rank // tp)), ckpt_path=ckpt_path)
+    return model
+
+
+def _params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()} | {"seen": model.seen.clone()}
+
+
+def _tp2_dp2_worker(rank: int, tmp: str) -> dict:
+    record = _AtCheckpoint()
+    full = _fit(rank, 4, 2, save_dir=f"{tmp}/a", record=record)
+    same = _fit(rank, 4, 2, ckpt_path=f"{tmp}/a/{CHECKPOINT}")
+    return {"full": full.losses, "same": same.losses, "at_checkpoint": record.params}
+
+
+def _two_rank_worker(rank: int, tmp: str) -> dict:
+    source = f"{tmp}/a/{CHECKPOINT}"
+    dp2 = _fit(rank, 2, 1, ckpt_path=source)  # tp2 x dp2 -> dp2
+    tp2 = _fit(rank, 2, 2, ckpt_path=source)  # tp2 x dp2 -> tp2 x dp1 (ZeRO over one rank)
+    plain = _fit(rank, 2, 1, save_dir=f"{tmp}/b")  # data parallel only, saved at step 2
+    back = _fit(rank, 2, 2, ckpt_path=f"{tmp}/b/{CHECKPOINT}")  # dp2 -> tp2
+    return {"dp2": dp2.losses, "tp2": tp2.losses, "plain": plain.losses, "back": back.losses}
+
+
+def _one_rank_worker(rank: int, tmp: str) -> dict:
+    from lightning_zero.checkpoint import to_lightning_checkpoint
+
+    one = _fit(rank, 1, 1, ckpt_path=f"{tmp}/a/{CHECKPOINT}")
+    to_lightning_checkpoint(f"{tmp}/a/{CHECKPOINT}", f"{tmp}/plain.ckpt")
+    lightning = _fit(rank, 1, 1, ckpt_path=f"{tmp}/plain.ckpt", strategy="auto")  # no ZeRO at all
+    return {"one": one.losses, "lightning": lightning.losses}
+
+
+def _close(got, want, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _whole(results: list[dict], key: str) -> dict:
+    """The unsplit tensors from the tp2 x dp2 ranks' parts (ranks 0 and 1 form a tensor-parallel group)."""
+    out = {}
+    for name, part in results[0][key].items():
+        dim = _split_dim(name)
+        out[name] = part if dim is None else torch.cat([results[0][key][name], results[1][key][name]], dim)
+    return out
+
+
+def test_tensor_parallel_checkpoints_resume_convert_consolidate(tmp_path):
+    tmp = str(tmp_path)
+    four = run_ranks(_tp2_dp2_worker, tmp, world_size=4, timeout=300)
+    # Global loss per step: the mean over the two data-parallel halves (ranks 0 and 2).
+    reference = [(a + b) / 2 for a, b in zip(four[0]["full"], four[2]["full"])]
+    for res in four:
+        # Same layout: the same arithmetic on the same data, so the resumed steps are bit-exact.
+        assert res["same"] == res["full"][STEPS_PER_EPOCH:]
+
+    source = tmp_path / "a" / CHECKPOINT
+    meta = json.loads((source / "metadata.json").read_text())
+    assert meta["layout"] == {"data": 2, "tensor": 2, "pipeline": 1} and len(meta["rank_files"]) == 4
+    c_fc = meta["params"]["model.h.0.mlp.c_fc.weight"]
+    assert (c_fc["shape"], c_fc["partition_dim"], c_fc["tensor_parallel_size"]) == ([128, 32], 0, 2)
+    assert {piece[1] for piece in c_fc["pieces"]} == {0, 1}
+    wte = meta["params"]["model.embed.wte.weight"]  # replicated: written by tensor-parallel rank 0 only
+    assert wte["aliases"] == ["model.head.lm_head.weight"] and {p[0] for p in wte["pieces"]} <= {0, 2}
+    frozen = meta["params"]["model.h.1.mlp.c_fc.weight"]  # not partitioned: whole parts from dp rank 0
+    assert frozen["optimizer"] is None and [p[:2] for p in frozen["pieces"]] == [[0, 0], [1, 1]]
+
+    # Consolidation (no process group) gives the unsplit model at the checkpoint, exactly.
+    from lightning_zero.checkpoint import consolidate
+    from lightning_zero.cli import main
+
+    assert main(["consolidate", str(source), str(tmp_path / "whole.pt")]) == 0
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    expected = _whole(four, "at_checkpoint")
+    assert set(whole) == set(expected) | {"model.head.lm_head.weight"}
+    for name, value in expected.items():
+        assert torch.equal(whole[name], value), name
+    model = _module()
+    model.load_state_dict(whole, strict=True)  # the unconverted LightningModule takes it as it is
+    consolidate(source, tmp_path / "bf16.pt", dtype=torch.bfloat16)
+    assert torch.equal(torch.load(tmp_path / "bf16.pt")["model.h.0.attn.c_attn.weight"], expected["model.h.0.attn.c_attn.weight"].bfloat16())
+
+    two = run_ranks(_two_rank_worker, tmp, world_size=2)
+    (one,) = run_ranks(_one_rank_worker, tmp, world_size=1)
+    # Another layout sums gradients and row-parallel products in another order: ~1e-7 relative per
+    # step in fp32, which 2 AdamW steps keep below 1e-5; a wrong part of a split weight would move
+    # the loss by ~1e-2.
+    resumed = reference[STEPS_PER_EPOCH:]
+    _close([(a + b) / 2 for a, b in zip(two[0]["dp2"], two[1]["dp2"])], resumed, "tp2 x dp2 -> dp2")
+    _close(two[0]["tp2"], resumed, "tp2 x dp2 -> tp2 x dp1")
+    _close(one["one"], resumed, "tp2 x dp2 -> one process")
+    _close(one["lightning"], resumed, "tp2 x dp2 -> plain Lightning checkpoint, no ZeRO")
+    # The data-parallel run itself follows the tensor-parallel one (same tolerance, same reason),
+    # and its checkpoint continues under tp2 as it would have under dp2.
+    plain = [(a + b) / 2 for a, b in zip(two[0]["plain"], two[1]["plain"])]
+    _close(plain, reference, "dp2 vs tp2 x dp2")
+    _close(two[0]["back"], plain[STEPS_PER_EPOCH:], "dp2 -> tp2 x dp1")
