@@ -1,8 +1,11 @@
 """Sharded checkpoints: every rank writes its own pieces; they load into any world size or stage.
 
 ``format.py`` the directory layout and how a path is recognised; ``pieces.py`` the engine seen per
-parameter; ``save.py`` the atomic parallel save; ``load.py`` resharding loads (and plain Lightning
-checkpoints); ``consolidate.py`` one plain state dict without a process group; ``rng.py`` random states.
+parameter (what each rank holds and writes); ``merge.py`` the ranks' reports merged into one
+metadata (tensor-parallel parts, pipeline stages, tied names); ``save.py`` the atomic parallel save;
+``reader.py`` any range of any tensor-parallel part of a saved tensor; ``load.py`` resharding loads
+(and plain Lightning checkpoints); ``consolidate.py`` one plain state dict without a process group;
+``rng.py`` random states.
 
 Why not ``torch.distributed.checkpoint`` (DCP), which also reshards on load: a ZeRO slice cuts
 parameters at arbitrary element offsets, and DCP describes a rank's piece of a tensor through

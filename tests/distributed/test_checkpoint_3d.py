@@ -203,3 +203,95 @@ def test_tensor_parallel_checkpoints_resume_convert_consolidate(tmp_path):
     plain = [(a + b) / 2 for a, b in zip(two[0]["plain"], two[1]["plain"])]
     _close(plain, reference, "dp2 vs tp2 x dp2")
     _close(two[0]["back"], plain[STEPS_PER_EPOCH:], "dp2 -> tp2 x dp1")
+
+
+# -- pipeline stages, simulated: each rank keeps only some layers (as a pipeline stage does) ----------
+
+
+def _gpt(seed: int):
+    from recipes.gpt2.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=61, block_size=SEQ, n_layer=2, n_head=2, n_embd=30))  # odd sizes
+
+
+def _stage(model, stage: int):
+    """Stage 0 keeps embed and h.0, stage 1 h.1 and head; the others become parameter-less
+    placeholders. The tied token embedding / LM head weight lives on both, each side naming the other."""
+    from torch import nn
+
+    if stage == 0:
+        model.h[1], model.head = nn.Identity(), nn.Identity()
+        model.embed.wte.weight.tied_names = ("head.lm_head.weight",)
+    else:
+        model.embed, model.h[0] = nn.Identity(), nn.Identity()
+        model.head.lm_head.weight.tied_names = ("embed.wte.weight",)
+    return model
+
+
+def _pipeline_worker(rank: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
+    from lightning_zero.checkpoint import load as ckpt_load
+    from lightning_zero.checkpoint.save import save_sharded
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.layout import ParallelLayout
+    from lightning_zero.zero.engine import ZeroEngine
+
+    dist.init_process_group("gloo")
+    data_parallel = [dist.new_group([0]), dist.new_group([1])][rank]  # one data-parallel rank per stage
+    layout = ParallelLayout(1, pipeline=2)
+
+    def engine_for(model):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return optimizer, ZeroEngine(model, [optimizer], ZeroConfig(stage=2, reduce_bucket_size=333), torch.float32, False, data_parallel, torch.device("cpu"))
+
+    model = _stage(_gpt(0), rank)
+    optimizer, engine = engine_for(model)
+    save_sharded({"state_dict": {}}, f"{tmp}/stages.ckpt", model, engine, [optimizer], "32-true", layout)
+
+    # The whole model's checkpoint (seed 1, written by the test on one process) into the stages.
+    model = _stage(_gpt(2), rank)
+    optimizer, engine = engine_for(model)
+    checkpoint = ckpt_load.load_checkpoint(f"{tmp}/whole.ckpt", None, rank, torch.load)
+    ckpt_load.load_model(checkpoint, model, engine, [optimizer], True, layout)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_pipeline_stages_save_their_layers_and_load_any_layout(tmp_path):
+    from lightning_zero.checkpoint import consolidate, read_metadata
+    from lightning_zero.checkpoint import load as ckpt_load
+    from lightning_zero.checkpoint.save import save_sharded
+
+    whole = _gpt(1)
+    save_sharded({"state_dict": {}}, tmp_path / "whole.ckpt", whole, None, [], "32-true")  # one process
+    stages = run_ranks(_pipeline_worker, str(tmp_path), world_size=2)
+
+    # Each stage took its own layers from the whole model's checkpoint; the LM head on stage 1
+    # resolved through the tied name (the checkpoint holds it under embed.wte.weight), bit-exact.
+    reference = dict(whole.named_parameters(remove_duplicate=False))
+    for res in stages:
+        for name, value in res.items():
+            assert torch.equal(value, reference[name]), name
+    assert "head.lm_head.weight" in stages[1] and "embed.wte.weight" in stages[0]
+
+    # The stages' checkpoint is the union of their layers, the tied weight stored once (stage 0).
+    meta = read_metadata(tmp_path / "stages.ckpt")
+    assert meta["layout"] == {"data": 1, "tensor": 1, "pipeline": 2}
+    original = _gpt(0)
+    assert set(meta["params"]) == {n for n, _ in original.named_parameters()}
+    wte = meta["params"]["embed.wte.weight"]
+    assert wte["aliases"] == ["head.lm_head.weight"] and {p[0] for p in wte["pieces"]} == {0}
+    assert {p[0] for p in meta["params"]["h.1.attn.c_attn.weight"]["pieces"]} == {1}
+    consolidate(tmp_path / "stages.ckpt", tmp_path / "stages.pt")
+    merged = torch.load(tmp_path / "stages.pt", weights_only=True)
+    original.load_state_dict(merged, strict=True)
+    for name, value in _gpt(0).state_dict().items():
+        assert torch.equal(merged[name], value), name
+
+    # ... and loads into the whole model on one process.
+    target = _gpt(2)
+    checkpoint = ckpt_load.load_checkpoint(tmp_path / "stages.ckpt", None, 0, torch.load)
+    ckpt_load.load_model(checkpoint, target, None, [], True)
+    for name, value in _gpt(0).state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
