@@ -1,5 +1,6 @@
 """Model parallelism beside ZeRO's data parallelism: tensor parallelism (:mod:`.tensor`) built from
-the autograd pairs of :mod:`.mappings`. Process groups come from :mod:`lightning_zero.layout`."""
+the autograd pairs of :mod:`.mappings`, with losses over vocabulary-sharded logits (:mod:`.vocab`).
+Process groups come from :mod:`lightning_zero.layout`."""
 
 from lightning_zero.parallel.tensor import (
     ColumnParallelLinear,
@@ -7,8 +8,8 @@ from lightning_zero.parallel.tensor import (
     VocabParallelEmbedding,
     apply_tensor_parallel,
     is_tensor_parallel,
-    vocab_parallel_cross_entropy,
 )
+from lightning_zero.parallel.vocab import vocab_parallel_argmax, vocab_parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",
@@ -16,5 +17,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "is_tensor_parallel",
+    "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
 ]

@@ -69,8 +69,9 @@ TENSOR_PARALLEL_PLAN = {
     "layer.*.ln_*": "replicate",
     "embed.word": "vocab",
     "embed.*": "replicate",
+    "mlm_head.dense": "replicate",
+    "mlm_head.ln": "replicate",
     "mlm_head.decoder": "column",
-    "mlm_head.*": "replicate",
     "nsp_head.*": "replicate",
 }
 """Megatron-style plan, module-name pattern (fnmatch, first match wins) -> "column" | "row" | "vocab" |

@@ -19,6 +19,9 @@ weights after four steps are compared at 1e-5 relative too (1e-6 absolute floor 
 zero). Measured: the weights differ from one process by at most 2.4e-7 (weights ~0.02); with the
 ratio taken from each tensor-parallel shard's own norms they differ by 6e-5, 50x the tolerance
 (halves of a random matrix have similar norms, so the error is small but well above rounding).
+AdamW's weights are not compared: its per-element normalization m / (sqrt(v) + 1e-8) turns the
+rounding of a near-zero gradient (a bias element) into a weight difference of up to 1.1e-6
+(measured); LAMB's eps of 1e-6 damps that.
 """
 
 from __future__ import annotations
@@ -226,7 +229,62 @@ def _function_worker(rank: int) -> dict:
         "argmax": (vocab_parallel_argmax(full[..., shard], groups.tp), full.argmax(-1)),
     }
     out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2)
+    out["recipe"] = _recipe_fit(tensor_parallel=2)
     return out
+
+
+def _recipe_batches(rows: torch.Tensor, batch: int, ignored: list[int]) -> list[dict]:
+    """Batches of the GPT-2 recipe (input_ids, shifted labels); batch i ignores its first ``ignored[i]``
+    labels, so the batches count different numbers of tokens (val_ppl must weight them by those)."""
+    out = []
+    for i in range(len(rows) // batch):
+        part = rows[i * batch : (i + 1) * batch]
+        labels = part[:, 1:].clone()
+        labels.view(-1)[: ignored[i]] = -100
+        out.append({"input_ids": part[:, :-1], "labels": labels})
+    return out
+
+
+def _recipe_fit(tensor_parallel: int) -> dict:
+    """The GPT-2 recipe's LightningModule (vocabulary-parallel head under tp): logged metrics."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_zero import ZeroStrategy
+    from recipes.common.optim import OptimizerConfig
+    from recipes.gpt2.model import GPTConfig
+    from recipes.gpt2.module import GPT2LM
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.train_loss: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.train_loss.append(float(trainer.callback_metrics["train_loss"]))
+
+    pl.seed_everything(SEED, verbose=False)
+    module = GPT2LM(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32), OptimizerConfig(lr=LR))
+    record = Record()
+    strategy = ZeroStrategy(stage=2, tensor_parallel_size=2) if tensor_parallel > 1 else "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=tensor_parallel, strategy=strategy, precision="32-true", max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[record],
+    )
+    train = _recipe_batches(_tokens(8), 4, [0, 5])
+    val = _recipe_batches(_tokens(6)[:, torch.randperm(SEQ + 1, generator=torch.Generator().manual_seed(8))], 2, [0, 20, 3])
+    loader = lambda batches: DataLoader(batches, batch_size=None)  # noqa: E731 (already batched)
+    trainer.fit(module, train_dataloaders=loader(train), val_dataloaders=loader(val))
+    metrics = {k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_ppl")}
+    if tensor_parallel == 1:  # what torchmetrics' Perplexity says of the full logits
+        from torchmetrics.text import Perplexity
+
+        perplexity = Perplexity(ignore_index=-100)
+        with torch.no_grad():
+            for b in val:
+                perplexity.update(module.model(b["input_ids"]), b["labels"])
+        metrics["torchmetrics_ppl"] = float(perplexity.compute())
+    return {"train_loss": record.train_loss, **metrics}
 
 
 def _assert_close(got, want, what):
@@ -254,6 +312,9 @@ def _check_split(res: dict, rank: int, what: str) -> None:
 def test_tp2_gpt2_matches_whole_model_and_trains_like_one_process():
     results = run_ranks(_function_worker, world_size=2)
     reference = _reference(data_parallel=1)
+    recipe = _recipe_fit(tensor_parallel=1)
+    assert len(recipe["train_loss"]) == 2
+    _assert_close(torch.tensor(recipe["val_ppl"]), torch.tensor(recipe["torchmetrics_ppl"]), "val_ppl")
     for rank, res in enumerate(results):
         # this rank's half of the vocabulary: the logits are never gathered
         logits = res["split"]["logits"]
@@ -284,37 +345,34 @@ def test_tp2_gpt2_matches_whole_model_and_trains_like_one_process():
         # gives norms 3% off).
         assert min(reference["norms"]) > CLIP
         _assert_close(torch.tensor(fit["norms"]), torch.tensor(reference["norms"]), "grad norms")
+        # The recipe's module logs the true losses and perplexity from vocabulary-sharded logits.
+        for key in ("train_loss", "val_loss", "val_ppl"):
+            _assert_close(torch.tensor(res["recipe"][key]), torch.tensor(recipe[key]), f"rank {rank} recipe {key}")
 
 
 def _dp_tp_worker(rank: int) -> dict:
-    return _fit(tensor_parallel=2, data_parallel=2, stage=1)
+    # Two fits in the same four ranks (one spawn): AdamW under stage 1, LAMB under stage 2.
+    return {
+        "adamw": _fit(tensor_parallel=2, data_parallel=2, stage=1),
+        "lamb": _fit(tensor_parallel=2, data_parallel=2, stage=2, optimizer="lamb"),
+    }
 
 
-def test_dp2_tp2_stage1_matches_one_process():
+def test_dp2_tp2_adamw_stage1_and_lamb_stage2_match_one_process():
+    """LAMB's trust ratio needs whole-parameter norms: pieces over dp, shards over tp, replicas once."""
     results = run_ranks(_dp_tp_worker, world_size=4, timeout=300)
-    reference = _reference(data_parallel=2)
-    for rank, res in enumerate(results):
-        dp_rank = rank // 2  # tensor-parallel rank fastest
-        assert res["sampler"] == {"num_replicas": 2, "rank": dp_rank}
-        _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"rank {rank} losses")
-        _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"rank {rank} grad norms")
-
-
-def _lamb_worker(rank: int) -> dict:
-    return _fit(tensor_parallel=2, data_parallel=2, stage=2, optimizer="lamb")
-
-
-def test_lamb_dp2_tp2_stage2_matches_one_process():
-    """LAMB's trust ratio from whole-parameter norms: pieces over dp, shards over tp, replicas once."""
-    results = run_ranks(_lamb_worker, world_size=4, timeout=300)
-    reference = _reference(data_parallel=2, optimizer="lamb")
-    for rank, res in enumerate(results):
-        tp_rank, dp_rank = rank % 2, rank // 2
-        _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"rank {rank} losses")
-        _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"rank {rank} grad norms")
-        for name, want in reference["params"].items():
-            got = res["params"][name]
-            assert (got.shape == want.shape) == (name not in res["marked"]), name
-            torch.testing.assert_close(
-                got, _shard_of(want, got, tp_rank), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
-            )
+    for optimizer in ("adamw", "lamb"):
+        reference = _reference(data_parallel=2, optimizer=optimizer)
+        for rank, all_fits in enumerate(results):
+            res, tp_rank, dp_rank = all_fits[optimizer], rank % 2, rank // 2  # tensor-parallel rank fastest
+            what = f"{optimizer} rank {rank}"
+            assert res["sampler"] == {"num_replicas": 2, "rank": dp_rank}
+            for name, want in reference["params"].items():
+                got = res["params"][name]
+                assert (got.shape == want.shape) == (name not in res["marked"]), name
+                if optimizer == "lamb":  # (AdamW: see below)
+                    torch.testing.assert_close(
+                        got, _shard_of(want, got, tp_rank), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}"
+                    )
+            _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"{what} losses")
+            _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"{what} grad norms")
