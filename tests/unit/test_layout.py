@@ -120,3 +120,13 @@ def test_gpt2_recipe_plan_matches_its_modules():
     module.configure_model()
     # A one-rank group changes nothing but still checks every pattern against the module names.
     assert apply_tensor_parallel(module, module.tensor_parallel_plan(), None) == []
+
+
+@pytest.mark.parametrize("nsp", [False, True])
+def test_bert_recipe_plan_matches_its_modules(nsp):
+    from recipes.bert.model import BertConfig
+    from recipes.bert.module import BertMLM
+
+    module = BertMLM(BertConfig(vocab_size=64, max_position=8, n_layer=2, n_head=2, hidden=32, intermediate=48, nsp=nsp))
+    module.configure_model()
+    assert apply_tensor_parallel(module, module.tensor_parallel_plan(), None) == []
