@@ -390,6 +390,8 @@ class ZeroStrategy(DDPStrategy):
             loss = runner.run(args[0], train=False)
         # Every rank holds its data-parallel shard's loss: the mean over the world is the dp mean.
         module.log(f"{prefix}_{self._parallel.spec.name}", loss, prog_bar=True, sync_dist=True)
+        if self._parallel.spec.on_eval is not None:
+            self._parallel.spec.on_eval(loss, args[0])
         return loss
 
     # -- training hooks ---------------------------------------------------------------------------

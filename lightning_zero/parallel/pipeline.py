@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -67,12 +67,16 @@ class PipelineSpec:
         inputs: ``inputs(micro_batch)`` -> the first layer's input (a tensor or a tuple of them).
         name: logged as ``train_<name>``, ``val_<name>`` and ``test_<name>`` (the true loss, from the
             last stage, on every rank).
+        on_eval: optional ``on_eval(loss, batch)``, called on every rank after each validation or
+            test batch with that batch's true loss, e.g. to update a metric derived from it (the
+            LightningModule's own ``validation_step`` does not run under pipeline parallelism).
     """
 
     layers: Sequence[nn.Module]
     loss: Callable[[Any, Any], torch.Tensor]
     inputs: Callable[[Any], Any] = default_inputs
     name: str = "loss"
+    on_eval: Optional[Callable[[torch.Tensor, Any], None]] = None
 
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(layer, nn.Module) for layer in self.layers):

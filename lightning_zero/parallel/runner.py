@@ -21,6 +21,8 @@ stage can deadlock. Only floating tensors that need a gradient on the sending si
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -81,12 +83,27 @@ def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     return out
 
 
+@dataclass
+class StageTimes:
+    """Wall time of the latest :meth:`PipelineRunner.run` and the part of it spent blocked in
+    receives: ``waiting_s / total_s`` is this stage's measured bubble (idle) fraction, to compare
+    with :func:`~lightning_zero.parallel.schedules.bubble_fraction`."""
+
+    total_s: float = 0.0
+    waiting_s: float = 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.waiting_s / self.total_s if self.total_s > 0 else 0.0
+
+
 class Peer:
     """Messages to and from one neighbouring stage (group rank ``rank`` of the pipeline ``group``)."""
 
     def __init__(self, group: comm.ProcessGroup, rank: int, device: torch.device) -> None:
         self.group, self.rank, self.device = group, rank, device
         self.pending: list[tuple[comm.Handle, list[torch.Tensor]]] = []
+        self.waiting_s = 0.0  # time blocked in recv() since the runner last reset it
 
     def send(self, tensors: Sequence[torch.Tensor], grads: Sequence[bool]) -> None:
         header = [len(tensors)]
@@ -103,7 +120,9 @@ class Peer:
 
     def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
         header_t = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        comm.recv(header_t, self.rank, self.group)
+        start = time.perf_counter()
+        comm.recv(header_t, self.rank, self.group)  # the wait for the other stage is here
+        self.waiting_s += time.perf_counter() - start
         header = header_t.tolist()
         tensors, grads, at = [], [], 1
         for _ in range(header[0]):
@@ -155,6 +174,7 @@ class PipelineRunner:
         self.next = None if self.last else Peer(group, stage + 1, device)
         self.device = device
         self.train_actions: list = []  # the schedule of the latest training batch (tests and reports)
+        self.times = StageTimes()  # of the latest run (benchmarks/pipeline.py reads it)
 
     def _forward(self, args: tuple[torch.Tensor, ...]) -> Any:
         out: Any = args
@@ -179,6 +199,10 @@ class PipelineRunner:
             self.train_actions = actions
         live: dict[int, tuple[tuple[torch.Tensor, ...], list[bool], Any]] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        peers = [p for p in (self.prev, self.next) if p is not None]
+        for peer in peers:
+            peer.waiting_s = 0.0
+        start = time.perf_counter()
         try:
             for action in actions:
                 i = action.micro_batch
@@ -189,9 +213,10 @@ class PipelineRunner:
                     if after_backward is not None:
                         after_backward()
         finally:
-            for peer in (self.prev, self.next):
-                if peer is not None:
-                    peer.wait()
+            for peer in peers:
+                peer.wait()
+        # (on a GPU these are host times: a blocked recv also covers kernels still queued before it)
+        self.times = StageTimes(time.perf_counter() - start, sum(p.waiting_s for p in peers))
         loss = total / m
         comm.broadcast(loss, self.stages - 1, self.group, label="pipeline loss")
         return loss

@@ -88,6 +88,10 @@ class ShardedOptimizer:
         # Set by a tensor-parallel strategy: parameters marked ``tensor_parallel`` hold different
         # shards on its ranks; the others are replicas, counted on tensor-parallel rank 0 only.
         self.tensor_parallel_group: comm.ProcessGroup = None
+        # Set under pipeline parallelism: every stage holds other parameters (norms add up over the
+        # pipeline group), and a parameter tied across stages is counted on its first stage only.
+        self.pipeline_parallel_group: comm.ProcessGroup = None
+        self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another stage counts
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
         for g_index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [b.master for b in buffers if b.optimizer_group == g_index]
@@ -111,24 +115,29 @@ class ShardedOptimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
-        tensor-parallel group counted once. Call on all ranks."""
+        tensor-parallel group and copies of pipeline-tied parameters counted once. Call on all ranks."""
         device = self.buffers[0].master.device if self.buffers else torch.device("cpu")
         local = torch.zeros((), dtype=torch.float32, device=device)
-        tp = self.tensor_parallel_group
+        tp, pp = self.tensor_parallel_group, self.pipeline_parallel_group
         replicas_counted = tp is None or comm.rank(tp) == 0  # (None is not "the default group" here)
         for b in self.buffers:
             grad = b.master.grad
             if grad is None:
                 continue
-            if replicas_counted:
+            if replicas_counted and not self.counted_elsewhere:
                 local += _squared_norm(grad)
                 continue
-            for piece in b.shards:  # tensor-parallel shards only
-                if getattr(b.params[piece.param_index], "tensor_parallel", False):
+            for piece in b.shards:
+                param = b.params[piece.param_index]
+                if id(param) in self.counted_elsewhere:
+                    continue
+                if replicas_counted or getattr(param, "tensor_parallel", False):
                     local += _squared_norm(grad[piece.shard_offset : piece.shard_offset + piece.numel])
         comm.all_reduce(local, self.group)
         if tp is not None:
             comm.all_reduce(local, tp)
+        if pp is not None:
+            comm.all_reduce(local, pp)
         return local.sqrt()
 
     def clip_grad_norm(self, max_norm: float, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -152,7 +161,7 @@ class ShardedOptimizer:
         """Update the master slices and write them into the parameter slices (the kernels do both in
         one pass; after torch's step the cast copy is a second one)."""
         if self.kernel is not None:
-            self.kernel.step()
+            self.kernel.step(self.tensor_parallel_group)
             return
         self.optimizer.step()
         for b in self.buffers:

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_zero import PipelineSpec
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
-from recipes.bert.model import Bert, BertConfig
+from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
 
 _BERT_OPTIMIZER = optim.OptimizerConfig(
     name="lamb", lr=6e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-6, schedule="poly", decay_power=0.5, min_lr_ratio=0.0
@@ -81,7 +82,7 @@ class BertMLM(LightningModule):
         labels = batch["labels"]
         mlm_logits, nsp_logits = self.model(batch["input_ids"], labels, batch.get("token_type_ids"))
         targets = labels[labels != -100]
-        loss = F.cross_entropy(mlm_logits.float(), targets)
+        loss = self.model.mlm_loss(mlm_logits, targets)
         if nsp_logits is not None:
             loss = loss + F.cross_entropy(nsp_logits.float(), batch["next_sentence_label"])
         return loss, mlm_logits, targets
@@ -100,8 +101,39 @@ class BertMLM(LightningModule):
         """Accumulate validation loss and MLM accuracy (reduced across ranks at the end of validation)."""
         loss, mlm_logits, targets = self._losses(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.val_acc.update(mlm_logits.argmax(-1), targets)
+        self.val_acc.update(self.model.mlm_predictions(mlm_logits), targets)
         self.log("val_mlm_acc", self.val_acc, prog_bar=True)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The BERT's Megatron plan (``TENSOR_PARALLEL_PLAN``) under this module's ``model.`` prefix, read by
+        ``ZeroStrategy(tensor_parallel_size=T)``; without the NSP head's pattern when there is none."""
+        return {
+            f"model.{pattern}": style
+            for pattern, style in TENSOR_PARALLEL_PLAN.items()
+            if self.config.nsp or not pattern.startswith("nsp_head")
+        }
+
+    def configure_pipeline(self) -> PipelineSpec:
+        """The BERT as ``[embed, layer[0], ..., layer[-1], mlm_head]`` for ``ZeroStrategy(pipeline_parallel_size=P)``:
+        the masked-LM loss on the last stage (the head runs on every position there). Only
+        ``val_loss`` is logged under a pipeline (the accuracy needs the logits, which stay on the last stage)."""
+        assert self.model is not None, "configure_model() builds the model first"
+        if self.config.nsp:
+            raise ValueError(
+                "pipeline parallelism runs BERT's masked-LM objective only (the NSP head reads the [CLS] state "
+                "beside the MLM head); set model.config.nsp=false or pipeline_parallel_size=1"
+            )
+        model = self.model
+
+        def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            masked = batch["labels"] != -100
+            return model.mlm_loss(logits[masked], batch["labels"][masked])
+
+        return PipelineSpec(
+            layers=model.to_layers(),
+            loss=loss,
+            inputs=lambda batch: (batch["input_ids"], batch["token_type_ids"]),
+        )
 
     def configure_optimizers(self) -> dict:
         """The configured optimizer with a per-step warmup + decay schedule over ``trainer.max_steps``."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import LightningModule
-from torchmetrics.text import Perplexity
+from torchmetrics import MeanMetric
 
+from lightning_zero import PipelineSpec
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
 from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN, GPTConfig
@@ -14,9 +15,11 @@ from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN, GPTConfig
 class GPT2LM(LightningModule):
     """Causal language modelling with ``recipes.gpt2.model.GPT``.
 
-    Logs ``train_loss`` every step, ``val_loss`` and ``val_ppl`` (torchmetrics Perplexity) per
-    validation. The model is built in ``configure_model`` so that sharding strategies can build it
-    where they want (Lightning calls that hook inside the strategy's context).
+    Logs ``train_loss`` every step, ``val_loss`` and ``val_ppl`` per validation: ``exp`` of the mean
+    loss per token over all validation tokens, what torchmetrics' Perplexity computes, but from the
+    loss, so that logits sharded over the vocabulary (tensor parallelism) are never gathered. The
+    model is built in ``configure_model`` so that sharding strategies can build it where they want
+    (Lightning calls that hook inside the strategy's context).
 
     Args:
         config: the model's sizes.
@@ -32,7 +35,7 @@ class GPT2LM(LightningModule):
         self.save_hyperparameters()
         self.config, self.optimizer_config = config, optimizer
         self.model: GPT | None = None
-        self.val_ppl = Perplexity(ignore_index=-100)
+        self.val_nll = MeanMetric()  # per-token loss, weighted by the tokens of each batch
         self.flops_per_batch = 0
 
     def configure_model(self) -> None:
@@ -77,21 +80,39 @@ class GPT2LM(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean next-token cross entropy of the micro-batch."""
-        loss = GPT.loss_fn(self.model(batch["input_ids"]), batch["labels"])
+        loss = self.model.loss(self.model(batch["input_ids"]), batch["labels"])
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate validation loss and perplexity (reduced across ranks at the end of validation)."""
-        logits = self.model(batch["input_ids"])
-        self.log("val_loss", GPT.loss_fn(logits, batch["labels"]), prog_bar=True, sync_dist=True)
-        self.val_ppl.update(logits.float(), batch["labels"])
-        self.log("val_ppl", self.val_ppl)
+        loss = self.model.loss(self.model(batch["input_ids"]), batch["labels"])
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.val_nll.update(loss, weight=(batch["labels"] != -100).sum())
+
+    def on_validation_epoch_end(self) -> None:
+        """``val_ppl``: exp of the mean loss per token over the whole validation set (all ranks; the
+        ranks of a tensor-parallel group hold equal numbers, which leave the weighted mean unchanged)."""
+        self.log("val_ppl", self.val_nll.compute().exp())
+        self.val_nll.reset()
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """The GPT's Megatron plan (``TENSOR_PARALLEL_PLAN``) under this module's ``model.`` prefix, read by
         ``ZeroStrategy(tensor_parallel_size=T)``."""
         return {f"model.{pattern}": style for pattern, style in TENSOR_PARALLEL_PLAN.items()}
+
+    def configure_pipeline(self) -> PipelineSpec:
+        """The GPT as ``[embed, h[0], ..., h[-1], head]`` for ``ZeroStrategy(pipeline_parallel_size=P)``: the
+        loss runs on the last stage, the tied embedding/head is kept on the first and last, and
+        ``val_ppl`` comes from each validation batch's true loss (``on_eval``)."""
+        assert self.model is not None, "configure_model() builds the model first"
+        model = self.model
+        return PipelineSpec(
+            layers=model.to_layers(),
+            loss=lambda logits, batch: model.loss(logits, batch["labels"]),
+            inputs=lambda batch: batch["input_ids"],
+            on_eval=lambda loss, batch: self.val_nll.update(loss, weight=(batch["labels"] != -100).sum()),
+        )
 
     def configure_optimizers(self) -> dict:
         """The configured optimizer with a per-step warmup + decay schedule over ``trainer.max_steps``."""

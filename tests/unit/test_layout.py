@@ -43,7 +43,9 @@ def test_megatron_rank_order():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"pipeline_parallel_size": 2}, "pipeline parallelism is not available yet"),
+        ({"pipeline_parallel_size": 2, "stage": 3}, "pipeline_parallel_size=2 with stage=3 is not supported"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size=0 must be an integer of at least 1"),
+        ({"pipeline_parallel_size": 2, "pipeline_micro_batches": -1}, "pipeline_micro_batches=-1"),
         ({"tensor_parallel_size": 2, "stage": 3}, "tensor_parallel_size=2 with stage=3 is not supported"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size is 0"),
     ],
