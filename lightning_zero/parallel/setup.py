@@ -166,6 +166,8 @@ class ParallelSetup:
                     f"parameter {tied.names} is tied across pipeline stages {tied.stages} but has shapes {shapes} "
                     "there (a tensor-parallel plan splits one side only); split both tied modules alike or neither"
                 )
+            # Its names on the other stages: a checkpoint stores the weight once, under every name.
+            param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here.pp)  # type: ignore[attr-defined]
             self.tied.append((param, mine, here.pp == tied.stages[0]))
 
     def attach(self, engine: Any) -> None:
