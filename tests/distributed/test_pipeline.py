@@ -115,7 +115,7 @@ def _reference(data_parallel: int) -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "val_loss": val_loss}
 
 
-def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str) -> dict:
+def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str, accumulate: int = 1) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -131,10 +131,10 @@ def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int,
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
     )
     data = world // (tensor * pipeline)
-    loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data)), batch_size=BATCH, shuffle=False)
+    loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data)), batch_size=BATCH // accumulate, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
     val = trainer.validate(model, DataLoader(TensorDataset(_tokens(BATCH)), batch_size=BATCH), verbose=False)
     runner = strategy._parallel.runner
@@ -192,6 +192,21 @@ def test_pp2_stage2_1f1b_matches_one_process_with_tied_embedding():
     # 1F1B with 4 micro-batches: stage 0 warms up with one forward, stage 1 alternates at once.
     assert results[0]["schedule"][:4] == ["F0", "F1", "B0", "F2"], results[0]["schedule"]
     assert results[1]["schedule"][:4] == ["F0", "B0", "F1", "B1"], results[1]["schedule"]
+
+
+def _pp2_accumulate_worker(rank: int) -> dict:
+    return _fit(world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", accumulate=2)
+
+
+def test_pp2_with_gradient_accumulation_matches_one_process():
+    # Two batches of 2 rows per step (each cut into 2 micro-batches) = the reference's 4 rows per step:
+    # the loss of a step is the mean of its two batches' losses. (Lightning hands on_train_batch_end
+    # the loss divided by accumulate_grad_batches, so the sum of a pair is that mean.)
+    results = run_ranks(_pp2_accumulate_worker, world_size=2)
+    reference = _reference(data_parallel=1)
+    for res in results:
+        res["losses"] = [sum(pair) for pair in zip(res["losses"][::2], res["losses"][1::2])]
+    _check(results, reference, tensor=1, pipeline=2)
 
 
 def _pp2_dp2_worker(rank: int) -> dict:
