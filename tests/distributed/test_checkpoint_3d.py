@@ -371,6 +371,9 @@ def test_pipeline_checkpoint_resumes_and_converts(tmp_path):
     assert {f"model.{n}" for n, _ in _gpt(0, VOCAB).named_parameters()} <= set(meta["params"]) | {
         a for e in meta["params"].values() for a in e["aliases"]
     }
+    # The pipeline names the tied copies of each other (param.tied_names): stored once, by stage 0.
+    wte = meta["params"]["model.embed.wte.weight"]
+    assert wte["aliases"] == ["model.head.lm_head.weight"] and {p[0] for p in wte["pieces"]} == {0}
     consolidate(tmp_path / "p" / CHECKPOINT, tmp_path / "p.pt")
     whole = torch.load(tmp_path / "p.pt", weights_only=True)
     _gpt(0, VOCAB).load_state_dict({k.removeprefix("model."): v for k, v in whole.items()}, strict=True)
