@@ -221,8 +221,8 @@ class PipelineConfig:
 
     micro_batches: int | None = None
     """m, the micro-batches each training batch is split into (default: P). The idle fraction of
-    each stage is (P - 1) / (m + P - 1), so m of 4P or more keeps the bubble under ~20%; the batch
-    size must be divisible by m."""
+    each stage is (P - 1) / (m + P - 1), so m of 4P or more keeps the bubble under ~20%. A batch
+    that m does not divide is cut into pieces whose sizes differ by one (losses weighted by rows)."""
 
     schedule: str = "1f1b"
     """"1f1b" (at most P - s micro-batches' activations alive on stage s) or "gpipe" (all m)."""

@@ -370,7 +370,7 @@ class ZeroStrategy(DDPStrategy):
             loss = runner.run(
                 args[0],
                 train=True,
-                scale=1.0 / (runner.micro_batches * accumulate),
+                scale=1.0 / accumulate,  # the runner weighs each micro-batch by its share of the rows
                 scale_loss=lambda t: t * precision.loss_scale,  # no per-micro-batch backward hooks
                 after_backward=self._engine.finish_backward if self._engine is not None else None,
             )

@@ -2,15 +2,17 @@
 
 Per training batch on stage ``s`` of ``P`` (group ranks of the pipeline group are the stages):
 
-* the batch is split into ``m`` micro-batches along dim 0 (:func:`split_batch`);
+* the batch is split into ``m`` micro-batches along dim 0 (:func:`split_batch`; fewer when the
+  batch has fewer rows, sizes differing by one when ``m`` does not divide it);
 * ``F i``: the first stage feeds ``spec.inputs(micro_batch)`` to its layers, the others receive the
   previous stage's output; the last stage applies ``spec.loss``, the others send their output on;
-* ``B i``: the last stage backwards ``loss_i * scale`` (``scale`` = loss scale / (m * gradient
-  accumulation), so the summed gradients are those of the batch mean), the others receive the
+* ``B i``: the last stage backwards ``loss_i * w_i * scale`` (``w_i`` the micro-batch's share of the
+  rows, ``scale`` = loss scale / gradient accumulation, so the summed gradients are those of the
+  batch mean when every row weighs the same in the loss), the others receive the
   gradient of their output; afterwards the input gradients go back to the previous stage and
   ``after_backward`` completes ZeRO's reductions of that backward;
-* the mean of the ``m`` micro-batch losses is broadcast from the last stage, so every rank returns
-  (and logs) the true loss.
+* the row-weighted mean of the micro-batch losses is broadcast from the last stage, so every rank
+  returns (and logs) the batch's loss.
 
 Messages: every send is a fixed-size int64 header (count, and per tensor its dtype, whether it
 needs a gradient, its shape) followed by the tensors, so stages need not know shapes in advance
@@ -36,9 +38,11 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 _HEADER = 64  # int64 slots: enough for 8 tensors of up to 5 dims
 
 
-def split_batch(batch: Any, micro_batches: int) -> list[Any]:
-    """``batch`` cut into ``micro_batches`` equal pieces along dim 0 of every tensor (dicts, lists and
-    tuples recursively; other leaves are repeated). ValueError unless the batch size divides evenly."""
+def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]:
+    """``batch`` cut along dim 0 of every tensor (dicts, lists and tuples recursively; other leaves
+    are repeated) into ``min(micro_batches, batch size)`` pieces whose sizes differ by at most one,
+    and each piece's share of the rows (the weights of the micro-batch losses in the batch mean).
+    A batch size that ``micro_batches`` does not divide (a short last batch) is fine."""
     sizes: set[int] = set()
 
     def collect(x: Any) -> None:
@@ -52,19 +56,18 @@ def split_batch(batch: Any, micro_batches: int) -> list[Any]:
                 collect(v)
 
     collect(batch)
-    if len(sizes) > 1:
-        raise ValueError(f"the batch's tensors have different sizes along dim 0 ({sorted(sizes)}); a pipeline splits dim 0")
-    size = sizes.pop() if sizes else 0
-    if size % micro_batches:
+    if len(sizes) != 1:
         raise ValueError(
-            f"batch size {size} is not divisible by pipeline_micro_batches={micro_batches}; use a batch size that is "
-            f"a multiple of {micro_batches} (drop_last=True avoids a short last batch) or change pipeline_micro_batches"
+            f"a pipeline splits every tensor of the batch along dim 0, but their sizes there are {sorted(sizes)}; "
+            "give the batch tensors that share their first (batch) dimension"
         )
-    n = size // micro_batches
+    size = sizes.pop()
+    count = min(micro_batches, size)
+    bounds = [size * i // count for i in range(count + 1)]
 
     def piece(x: Any, i: int) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x[i * n : (i + 1) * n]
+            return x[bounds[i] : bounds[i + 1]]
         if isinstance(x, dict):
             return type(x)((k, piece(v, i)) for k, v in x.items())
         if isinstance(x, tuple) and hasattr(x, "_fields"):
@@ -73,7 +76,7 @@ def split_batch(batch: Any, micro_batches: int) -> list[Any]:
             return type(x)(piece(v, i) for v in x)
         return x
 
-    return [piece(batch, i) for i in range(micro_batches)]
+    return [piece(batch, i) for i in range(count)], [(bounds[i + 1] - bounds[i]) / size for i in range(count)]
 
 
 def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -192,8 +195,8 @@ class PipelineRunner:
     ) -> torch.Tensor:
         """Forward (and with ``train`` backward) every micro-batch of ``batch``; returns the mean
         micro-batch loss (fp32 scalar, the same on every stage). Call on all stages."""
-        micro = split_batch(batch, self.micro_batches)
-        m = self.micro_batches
+        micro, weights = split_batch(batch, self.micro_batches)
+        m = len(micro)  # the same on every stage: the ranks of one pipeline read the same batch
         actions = schedule(self.schedule_name, self.stage, self.stages, m) if train else forward_only(self.stage, self.stages, m)
         if train:
             self.train_actions = actions
@@ -207,9 +210,9 @@ class PipelineRunner:
             for action in actions:
                 i = action.micro_batch
                 if action.kind == "F":
-                    total += self._run_forward(i, micro[i], train, live)
+                    total += weights[i] * self._run_forward(i, micro[i], train, live)
                 else:
-                    self._run_backward(i, scale, scale_loss, live)
+                    self._run_backward(i, weights[i] * scale, scale_loss, live)
                     if after_backward is not None:
                         after_backward()
         finally:
@@ -217,7 +220,7 @@ class PipelineRunner:
                 peer.wait()
         # (on a GPU these are host times: a blocked recv also covers kernels still queued before it)
         self.times = StageTimes(time.perf_counter() - start, sum(p.waiting_s for p in peers))
-        loss = total / m
+        loss = total
         comm.broadcast(loss, self.stages - 1, self.group, label="pipeline loss")
         return loss
 

@@ -182,11 +182,14 @@ def test_pipeline_config_validation():
 
 def test_split_batch_cuts_every_tensor_along_dim_0():
     batch = {"input_ids": torch.arange(12).view(6, 2), "labels": [torch.arange(6)], "name": "x"}
-    pieces = split_batch(batch, 3)
+    pieces, weights = split_batch(batch, 3)
     assert [p["input_ids"].tolist() for p in pieces] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
     assert [p["labels"][0].tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5]]
-    assert all(p["name"] == "x" for p in pieces)
-    with pytest.raises(ValueError, match="batch size 6 is not divisible by pipeline_micro_batches=4"):
-        split_batch(batch, 4)
-    with pytest.raises(ValueError, match=r"different sizes along dim 0 \(\[5, 6\]\)"):
+    assert all(p["name"] == "x" for p in pieces) and weights == [1 / 3] * 3
+    # a short last batch: sizes differ by at most one, weights are the shares of the rows
+    pieces, weights = split_batch(batch, 4)
+    assert [len(p["labels"][0]) for p in pieces] == [1, 2, 1, 2] and weights == [1 / 6, 2 / 6, 1 / 6, 2 / 6]
+    pieces, weights = split_batch(torch.arange(2), 4)  # fewer rows than micro-batches
+    assert [p.tolist() for p in pieces] == [[0], [1]] and weights == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"their sizes there are \[5, 6\]"):
         split_batch({"a": torch.zeros(6), "b": torch.zeros(5)}, 2)
