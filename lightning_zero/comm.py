@@ -198,21 +198,21 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup) -> None:
             offset += t.numel()
 
 
-def send(tensor: torch.Tensor, dst_rank_in_group: int, group: ProcessGroup) -> Handle:
+def send(tensor: torch.Tensor, dst_rank_in_group: int, group: ProcessGroup, tag: int = 0) -> Handle:
     """Start sending ``tensor`` to group rank ``dst_rank_in_group``; keep ``tensor`` unchanged until
     the returned handle's ``wait()``. Point-to-point (pipeline stages): only the two ranks take part;
-    messages between a pair arrive in the order they were sent."""
+    messages between a pair with the same ``tag`` arrive in the order they were sent."""
     plain = _plain(group)
     with record_function("lightning_zero::send"):
-        return Handle(dist.isend(tensor.contiguous(), dst=_global(plain, dst_rank_in_group), group=plain))
+        return Handle(dist.isend(tensor.contiguous(), dst=_global(plain, dst_rank_in_group), group=plain, tag=tag))
 
 
-def recv(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup) -> None:
-    """Receive into ``tensor`` (its shape and dtype must be the sender's) from group rank
-    ``src_rank_in_group``; blocks until it has arrived."""
+def recv(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup, tag: int = 0) -> None:
+    """Receive into ``tensor`` (its shape and dtype must be the sender's) the next message with
+    ``tag`` from group rank ``src_rank_in_group``; blocks until it has arrived."""
     plain = _plain(group)
     with record_function("lightning_zero::recv"):
-        dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain).wait()
+        dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain, tag=tag).wait()
 
 
 def new_group(ranks: list[int], timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:

@@ -227,6 +227,11 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """"1f1b" (at most P - s micro-batches' activations alive on stage s) or "gpipe" (all m)."""
 
+    chunks: int = 1
+    """v, chunks of layers per stage: above 1 the interleaved 1F1B schedule (virtual stage k on
+    stage k % P) divides the bubble by about v for v times the messages; m must then be a
+    multiple of P."""
+
     partition: str = "parameters"
     """How layers are spread over stages: "parameters" (balance parameter counts), "uniform"
     (balance layer counts) or "type:<regex>" (balance the layers whose class name matches, e.g.
@@ -240,6 +245,16 @@ class PipelineConfig:
         m = self.micro_batches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"pipeline_micro_batches={m!r} must be a positive integer (or None for the number of stages).")
+        v = self.chunks
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"pipeline_chunks={v!r} must be a positive integer (1: no interleaving).")
+        if v > 1 and self.stages == 1:
+            raise ValueError(f"pipeline_chunks={v} interleaves the chunks of a pipeline; it needs pipeline_parallel_size > 1.")
+        if v > 1 and m is not None and m % self.stages:
+            raise ValueError(
+                f"pipeline_chunks={v} (interleaved 1F1B) runs micro-batches in groups of the {self.stages} stages: "
+                f"pipeline_micro_batches={m} must be a multiple of {self.stages}."
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {SCHEDULES}.")
         if self.partition not in PIPELINE_PARTITIONS and not self.partition.startswith("type:"):

@@ -89,6 +89,7 @@ class ZeroStrategy(DDPStrategy):
         pipeline_schedule: "1f1b" (default) or "gpipe".
         pipeline_partition: "parameters" (default), "uniform" or "type:<regex>" (see
             :class:`~lightning_zero.config.PipelineConfig`).
+        pipeline_chunks: v, chunks of layers per stage; above 1 the interleaved 1F1B schedule.
         tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
             to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
             takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
@@ -127,6 +128,7 @@ class ZeroStrategy(DDPStrategy):
         pipeline_micro_batches: Optional[int] = None,
         pipeline_schedule: str = "1f1b",
         pipeline_partition: str = "parameters",
+        pipeline_chunks: int = 1,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage,
@@ -160,6 +162,7 @@ class ZeroStrategy(DDPStrategy):
             micro_batches=pipeline_micro_batches,
             schedule=pipeline_schedule,
             partition=pipeline_partition,
+            chunks=pipeline_chunks,
         )
         self._parallel = ParallelSetup(tensor_parallel_size, self.pipeline_config, tensor_parallel_plan, stage)
         super().__init__(

@@ -87,8 +87,8 @@ class PipelineSpec:
             raise ValueError("PipelineSpec.loss and PipelineSpec.inputs must be callables")
 
 
-def resolve_spec(module: nn.Module, stages: int) -> PipelineSpec:
-    """``module.configure_pipeline()``, checked against ``stages``."""
+def resolve_spec(module: nn.Module, stages: int, chunks: int = 1) -> PipelineSpec:
+    """``module.configure_pipeline()``, checked against ``stages`` x ``chunks`` virtual stages."""
     hook = getattr(module, "configure_pipeline", None)
     if not callable(hook):
         raise ValueError(
@@ -98,10 +98,10 @@ def resolve_spec(module: nn.Module, stages: int) -> PipelineSpec:
     spec = hook()
     if not isinstance(spec, PipelineSpec):
         raise ValueError(f"configure_pipeline() returned {type(spec).__name__}; it must return a PipelineSpec")
-    if stages > len(spec.layers):
+    if stages * chunks > len(spec.layers):
         raise ValueError(
-            f"pipeline_parallel_size={stages} exceeds the model's {len(spec.layers)} pipeline layers; "
-            f"use at most {len(spec.layers)} stages (every stage needs at least one layer)"
+            f"pipeline_parallel_size={stages} x pipeline_chunks={chunks} = {stages * chunks} virtual stages exceed "
+            f"the model's {len(spec.layers)} pipeline layers; every virtual stage needs at least one layer"
         )
     return spec
 
@@ -194,17 +194,19 @@ class TiedParameter:
 
 @dataclass
 class StagePlan:
-    """What :func:`split_stages` decided: the boundaries, this stage's layers, the tied parameters."""
+    """What :func:`plan_stages` decided: the boundaries of the ``stages * chunks`` virtual stages
+    (virtual stage ``k`` runs on stage ``k % stages``), this stage's chunks of layers, the tied
+    parameters."""
 
     bounds: list[int]
     stage: int
-    layers: list[nn.Module]
+    stages: int
+    chunks: list[list[nn.Module]]
     layer_names: list[str]
     tied: list[TiedParameter]
 
-    @property
-    def stages(self) -> int:
-        return len(self.bounds) - 1
+    def stage_of(self, virtual: int) -> int:
+        return virtual % self.stages
 
 
 def _qualified_names(root: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
@@ -218,12 +220,16 @@ def _qualified_names(root: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
     return [where[id(layer)] for layer in layers]
 
 
-def plan_stages(root: nn.Module, spec: PipelineSpec, stages: int, stage: int, partition: str) -> StagePlan:
-    """Decide the split without changing ``root`` (pure; every rank computes the same plan)."""
+def plan_stages(
+    root: nn.Module, spec: PipelineSpec, stages: int, stage: int, partition: str, chunks: int = 1
+) -> StagePlan:
+    """Decide the split without changing ``root`` (pure; every rank computes the same plan). With
+    ``chunks > 1`` the layers form ``stages * chunks`` balanced virtual stages, dealt round-robin."""
     layers = list(spec.layers)
     names = _qualified_names(root, layers)
-    bounds = balance(layer_weights(layers, partition), stages)
-    stage_of = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+    virtual = stages * chunks
+    bounds = balance(layer_weights(layers, partition), virtual)
+    stage_of = [k % stages for k in range(virtual) for _ in range(bounds[k], bounds[k + 1])]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     outside = [n for n, p in root.named_parameters() if p.requires_grad and id(p) not in in_layers]
     if outside:
@@ -236,18 +242,20 @@ def plan_stages(root: nn.Module, spec: PipelineSpec, stages: int, stage: int, pa
         for pname, param in layer.named_parameters(remove_duplicate=False):
             seen.setdefault(id(param), {}).setdefault(stage_of[index], f"{name}.{pname}")
     tied = [TiedParameter(names=by_stage) for by_stage in seen.values() if len(by_stage) > 1]
-    local = range(bounds[stage], bounds[stage + 1])
-    return StagePlan(bounds, stage, [layers[i] for i in local], [names[i] for i in local], tied)
+    mine = range(stage, virtual, stages)
+    local_chunks = [layers[bounds[k] : bounds[k + 1]] for k in mine]
+    local_names = [names[i] for k in mine for i in range(bounds[k], bounds[k + 1])]
+    return StagePlan(bounds, stage, stages, local_chunks, local_names, tied)
 
 
 def split_stages(root: nn.Module, spec: PipelineSpec, plan: StagePlan) -> None:
     """Replace every layer of another stage by a :class:`RemoteLayer` in ``root`` (in place)."""
     layers = list(spec.layers)
     names = _qualified_names(root, layers)
-    for s in range(plan.stages):
-        if s == plan.stage:
+    for k in range(len(plan.bounds) - 1):
+        if plan.stage_of(k) == plan.stage:
             continue
-        for i in range(plan.bounds[s], plan.bounds[s + 1]):
+        for i in range(plan.bounds[k], plan.bounds[k + 1]):
             parent_name, _, child = names[i].rpartition(".")
             parent = root.get_submodule(parent_name) if parent_name else root
-            setattr(parent, child, RemoteLayer(names[i], s, plan.stage))
+            setattr(parent, child, RemoteLayer(names[i], plan.stage_of(k), plan.stage))

@@ -14,9 +14,11 @@ Per training batch on stage ``s`` of ``P`` (group ranks of the pipeline group ar
 * the row-weighted mean of the micro-batch losses is broadcast from the last stage, so every rank
   returns (and logs) the batch's loss.
 
-Messages: every send is a fixed-size int64 header (count, and per tensor its dtype, whether it
-needs a gradient, its shape) followed by the tensors, so stages need not know shapes in advance
-and a batch may change its sequence length. Sends are asynchronous and receives block; with the
+Messages: every send is a fixed-size int64 header (count, the micro-batch and virtual stage it
+comes from, checked by the receiver, and per tensor its dtype, whether it needs a gradient, its
+shape) followed by the tensors, so stages need not know shapes in advance and a batch may change its
+sequence length. Activations and gradients travel under different tags: with interleaving (model
+chunks, a ring of stages) one neighbour may get both. Sends are asynchronous and receives block; with the
 schedules of :mod:`.schedules` every receive is matched by a send that does not wait on it, so no
 stage can deadlock. Only floating tensors that need a gradient on the sending side get one back.
 """
@@ -32,7 +34,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.parallel.pipeline import PipelineSpec
-from lightning_zero.parallel.schedules import forward_only, schedule
+from lightning_zero.parallel.schedules import forward_only, interleavable, schedule
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8]
 _HEADER = 64  # int64 slots: enough for 8 tensors of up to 5 dims
@@ -100,6 +102,10 @@ class StageTimes:
         return self.waiting_s / self.total_s if self.total_s > 0 else 0.0
 
 
+ACTIVATION, GRADIENT = 0, 1
+"""Message tags: a stage may send both kinds to the same neighbour (interleaved, two stages)."""
+
+
 class Peer:
     """Messages to and from one neighbouring stage (group rank ``rank`` of the pipeline ``group``)."""
 
@@ -108,8 +114,10 @@ class Peer:
         self.pending: list[tuple[comm.Handle, list[torch.Tensor]]] = []
         self.waiting_s = 0.0  # time blocked in recv() since the runner last reset it
 
-    def send(self, tensors: Sequence[torch.Tensor], grads: Sequence[bool]) -> None:
-        header = [len(tensors)]
+    def send(self, tensors: Sequence[torch.Tensor], grads: Sequence[bool], tag: int, ident: tuple[int, int]) -> None:
+        """Send ``tensors`` (``grads``: which need a gradient back) labelled ``ident`` =
+        (micro-batch, sending virtual stage), without waiting."""
+        header = [len(tensors), *ident]
         for t, g in zip(tensors, grads):
             if t.dtype not in _DTYPES:
                 raise ValueError(f"cannot send a {t.dtype} tensor between pipeline stages; use one of {_DTYPES}")
@@ -119,21 +127,27 @@ class Peer:
         header_t = torch.tensor(header + [-1] * (_HEADER - len(header)), dtype=torch.int64, device=self.device)
         payload = [header_t] + [t.detach().contiguous() for t in tensors]
         for t in payload:
-            self.pending.append((comm.send(t, self.rank, self.group), [t]))
+            self.pending.append((comm.send(t, self.rank, self.group, tag), [t]))
 
-    def recv(self) -> tuple[list[torch.Tensor], list[bool]]:
+    def recv(self, tag: int, ident: tuple[int, int]) -> tuple[list[torch.Tensor], list[bool]]:
+        """The next message with ``tag``; it must be labelled ``ident`` (a schedule bug otherwise)."""
         header_t = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         start = time.perf_counter()
-        comm.recv(header_t, self.rank, self.group)  # the wait for the other stage is here
+        comm.recv(header_t, self.rank, self.group, tag)  # the wait for the other stage is here
         self.waiting_s += time.perf_counter() - start
         header = header_t.tolist()
-        tensors, grads, at = [], [], 1
+        if tuple(header[1:3]) != ident:
+            raise RuntimeError(
+                f"pipeline message from stage {self.rank}: expected micro-batch {ident[0]} of virtual stage {ident[1]}, "
+                f"got micro-batch {header[1]} of virtual stage {header[2]} (the stages run different schedules)"
+            )
+        tensors, grads, at = [], [], 3
         for _ in range(header[0]):
             dtype, grad, ndim = _DTYPES[header[at]], bool(header[at + 1]), header[at + 2]
             shape = header[at + 3 : at + 3 + ndim]
             at += 3 + ndim
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            comm.recv(t, self.rank, self.group)
+            comm.recv(t, self.rank, self.group, tag)
             tensors.append(t)
             grads.append(grad)
         return tensors, grads
@@ -149,7 +163,8 @@ class PipelineRunner:
     """Executes the schedule of one stage.
 
     Args:
-        layers: this stage's layers, in order.
+        chunks: this stage's model chunks (one without interleaving), each a list of layers in
+            order; chunk ``c`` is virtual stage ``c * stages + stage``.
         spec: the model's :class:`~lightning_zero.parallel.pipeline.PipelineSpec`.
         stage, stages: this stage and P.
         group: the pipeline-parallel group (group rank = stage).
@@ -160,7 +175,7 @@ class PipelineRunner:
 
     def __init__(
         self,
-        layers: Sequence[nn.Module],
+        chunks: Sequence[Sequence[nn.Module]],
         spec: PipelineSpec,
         stage: int,
         stages: int,
@@ -169,19 +184,22 @@ class PipelineRunner:
         schedule_name: str,
         device: torch.device,
     ) -> None:
-        self.layers, self.spec = list(layers), spec
+        self.chunks = [list(layers) for layers in chunks]
+        self.spec = spec
         self.stage, self.stages, self.group = stage, stages, group
         self.micro_batches, self.schedule_name = micro_batches, schedule_name
-        self.first, self.last = stage == 0, stage == stages - 1
-        self.prev = None if self.first else Peer(group, stage - 1, device)
-        self.next = None if self.last else Peer(group, stage + 1, device)
+        self.last_virtual = stages * len(self.chunks) - 1
+        self.peers = {r: Peer(group, r, device) for r in {(stage - 1) % stages, (stage + 1) % stages} if r != stage}
         self.device = device
         self.train_actions: list = []  # the schedule of the latest training batch (tests and reports)
-        self.times = StageTimes()  # of the latest run (benchmarks/pipeline.py reads it)
+        self.times = StageTimes()  # of the latest run (benchmarks/parallel3d.py reads it)
 
-    def _forward(self, args: tuple[torch.Tensor, ...]) -> Any:
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.stages + self.stage
+
+    def _forward(self, chunk: int, args: tuple[torch.Tensor, ...]) -> Any:
         out: Any = args
-        for layer in self.layers:
+        for layer in self.chunks[chunk]:
             out = layer(*(out if isinstance(out, tuple) else (out,)))
         return out
 
@@ -193,76 +211,77 @@ class PipelineRunner:
         scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         after_backward: Optional[Callable[[], None]] = None,
     ) -> torch.Tensor:
-        """Forward (and with ``train`` backward) every micro-batch of ``batch``; returns the mean
-        micro-batch loss (fp32 scalar, the same on every stage). Call on all stages."""
+        """Forward (and with ``train`` backward) every micro-batch of ``batch``; returns the batch's
+        loss (fp32 scalar, the same on every stage). Call on all stages."""
         micro, weights = split_batch(batch, self.micro_batches)
-        m = len(micro)  # the same on every stage: the ranks of one pipeline read the same batch
-        actions = schedule(self.schedule_name, self.stage, self.stages, m) if train else forward_only(self.stage, self.stages, m)
+        m, v = len(micro), len(self.chunks)  # the same on every stage: they read the same batch
         if train:
+            name = self.schedule_name
+            if v > 1 and not interleavable(self.stages, m):
+                name = "gpipe"  # a short batch that cannot fill groups of P micro-batches
+            actions = schedule(name, self.stage, self.stages, m, v)
             self.train_actions = actions
-        live: dict[int, tuple[tuple[torch.Tensor, ...], list[bool], Any]] = {}
+        else:
+            actions = forward_only(self.stage, self.stages, m, v)
+        live: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], list[bool], Any]] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        peers = [p for p in (self.prev, self.next) if p is not None]
-        for peer in peers:
+        for peer in self.peers.values():
             peer.waiting_s = 0.0
         start = time.perf_counter()
         try:
             for action in actions:
-                i = action.micro_batch
+                i, c = action.micro_batch, action.chunk
                 if action.kind == "F":
-                    total += weights[i] * self._run_forward(i, micro[i], train, live)
+                    total += weights[i] * self._run_forward(i, c, micro[i], train, live)
                 else:
-                    self._run_backward(i, weights[i] * scale, scale_loss, live)
+                    self._run_backward(i, c, weights[i] * scale, scale_loss, live)
                     if after_backward is not None:
                         after_backward()
         finally:
-            for peer in peers:
+            for peer in self.peers.values():
                 peer.wait()
         # (on a GPU these are host times: a blocked recv also covers kernels still queued before it)
-        self.times = StageTimes(time.perf_counter() - start, sum(p.waiting_s for p in peers))
-        loss = total
-        comm.broadcast(loss, self.stages - 1, self.group, label="pipeline loss")
-        return loss
+        self.times = StageTimes(time.perf_counter() - start, sum(p.waiting_s for p in self.peers.values()))
+        comm.broadcast(total, self.last_virtual % self.stages, self.group, label="pipeline loss")
+        return total
 
-    def _run_forward(self, i: int, micro_batch: Any, train: bool, live: dict) -> torch.Tensor:
-        if self.first:
+    def _run_forward(self, i: int, c: int, micro_batch: Any, train: bool, live: dict) -> torch.Tensor:
+        k = self._virtual(c)
+        if k == 0:
             args = _as_tuple(self.spec.inputs(micro_batch), "PipelineSpec.inputs(batch)")
             wants: list[bool] = [False] * len(args)
         else:
-            assert self.prev is not None
-            received, wants = self.prev.recv()
+            received, wants = self.peers[(self.stage - 1) % self.stages].recv(ACTIVATION, (i, k - 1))
             args = tuple(t.requires_grad_() if w and train else t for t, w in zip(received, wants))
         with torch.set_grad_enabled(train):
-            out = self._forward(args)
-            if self.last:
+            out = self._forward(c, args)
+            if k == self.last_virtual:
                 loss = self.spec.loss(out, micro_batch)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"PipelineSpec.loss must return a scalar tensor, got {loss!r}")
                 if train:
-                    live[i] = (args, wants, loss)
+                    live[(i, c)] = (args, wants, loss)
                 return loss.detach().float().reshape(())
-        outs = _as_tuple(out, f"the output of stage {self.stage}'s last layer")
+        outs = _as_tuple(out, f"the output of virtual stage {k}'s last layer")
         grads = [train and t.requires_grad and t.is_floating_point() for t in outs]
-        assert self.next is not None
-        self.next.send(outs, grads)
+        self.peers[(self.stage + 1) % self.stages].send(outs, grads, ACTIVATION, (i, k))
         if train:
-            live[i] = (args, wants, outs)
+            live[(i, c)] = (args, wants, outs)
         return torch.zeros((), dtype=torch.float32, device=self.device)
 
-    def _run_backward(self, i: int, scale: float, scale_loss: Optional[Callable], live: dict) -> None:
-        args, wants, out = live.pop(i)
-        if self.last:
+    def _run_backward(self, i: int, c: int, scale: float, scale_loss: Optional[Callable], live: dict) -> None:
+        args, wants, out = live.pop((i, c))
+        k = self._virtual(c)
+        if k == self.last_virtual:
             loss = out * scale
             torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
         else:
-            assert self.next is not None
-            grads, _ = self.next.recv()
+            grads, _ = self.peers[(self.stage + 1) % self.stages].recv(GRADIENT, (i, k + 1))
             needing = [t for t in out if t.requires_grad and t.is_floating_point()]
             if len(grads) != len(needing):
-                raise RuntimeError(f"stage {self.stage}: received {len(grads)} output gradients for {len(needing)} outputs")
+                raise RuntimeError(f"virtual stage {k}: received {len(grads)} output gradients for {len(needing)} outputs")
             if needing:
                 torch.autograd.backward(needing, grads)
-        if not self.first:
-            assert self.prev is not None
+        if k > 0:
             back = [a.grad if a.grad is not None else torch.zeros_like(a) for a, w in zip(args, wants) if w]
-            self.prev.send(back, [False] * len(back))
+            self.peers[(self.stage - 1) % self.stages].send(back, [False] * len(back), GRADIENT, (i, k))

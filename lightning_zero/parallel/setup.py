@@ -117,8 +117,10 @@ class ParallelSetup:
             return
         plan = self.resolve_plan(module) if self.tensor > 1 else None
         if self.pipelined:
-            spec = resolve_spec(module, self.pipeline.stages)
-            stage_plan = plan_stages(module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition)
+            spec = resolve_spec(module, self.pipeline.stages, self.pipeline.chunks)
+            stage_plan = plan_stages(
+                module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition, self.pipeline.chunks
+            )
         # Replicated parameters must be equal on the ranks of a tensor-parallel group, tied copies on
         # their stages, and the splits must come from one whole model: start from global rank 0's weights.
         comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
@@ -134,10 +136,10 @@ class ParallelSetup:
         if self.pipelined:
             self._tie(module)
             self.runner = PipelineRunner(
-                stage_plan.layers,
+                stage_plan.chunks,
                 spec,
                 stage_plan.stage,
-                stage_plan.stages,
+                self.pipeline.stages,
                 self.groups.pp,
                 self.pipeline.num_micro_batches,
                 self.pipeline.schedule,

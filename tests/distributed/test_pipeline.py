@@ -115,7 +115,9 @@ def _reference(data_parallel: int) -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "val_loss": val_loss}
 
 
-def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str, accumulate: int = 1) -> dict:
+def _fit(
+    world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str, accumulate: int = 1, chunks: int = 1
+) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -126,7 +128,7 @@ def _fit(world: int, tensor: int, pipeline: int, stage: int, micro_batches: int,
     model = _make_module()
     strategy = ZeroStrategy(
         stage=stage, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
-        pipeline_micro_batches=micro_batches, pipeline_schedule=schedule, reduce_bucket_size=3000,
+        pipeline_micro_batches=micro_batches, pipeline_schedule=schedule, pipeline_chunks=chunks, reduce_bucket_size=3000,
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
@@ -207,6 +209,18 @@ def test_pp2_with_gradient_accumulation_matches_one_process():
     for res in results:
         res["losses"] = [sum(pair) for pair in zip(res["losses"][::2], res["losses"][1::2])]
     _check(results, reference, tensor=1, pipeline=2)
+
+
+def _pp2_interleaved_worker(rank: int) -> dict:
+    return _fit(world=2, tensor=1, pipeline=2, stage=1, micro_batches=4, schedule="1f1b", chunks=2)
+
+
+def test_pp2_interleaved_two_chunks_matches_one_process():
+    # 5 layers in 4 virtual stages: stage 0 runs the embedding and h1, stage 1 h0 and h2 + head;
+    # every micro-batch crosses the stages three times (0 -> 1 -> 0 -> 1).
+    results = run_ranks(_pp2_interleaved_worker, world_size=2)
+    _check(results, _reference(data_parallel=1), tensor=1, pipeline=2)
+    assert results[0]["schedule"][:6] == ["F0", "F1", "F0.1", "F1.1", "F2", "B0.1"], results[0]["schedule"]
 
 
 def _pp2_dp2_worker(rank: int) -> dict:

@@ -18,11 +18,14 @@ from lightning_zero.parallel.pipeline import (
 )
 from lightning_zero.parallel.runner import split_batch
 from lightning_zero.parallel.schedules import (
+    Action,
     bubble_fraction,
+    forward_only,
     gpipe,
     max_in_flight,
     one_f_one_b,
     schedule,
+    simulate,
 )
 
 
@@ -52,6 +55,48 @@ def test_1f1b_runs_each_micro_batch_once_and_bounds_activations(stages, micro_ba
         # 1F1B's point: at most P - s micro-batches alive, whatever m is; GPipe keeps all m
         assert max_in_flight(actions) == min(stages - stage, micro_batches)
         assert max_in_flight(gpipe(stage, stages, micro_batches)) == micro_batches
+
+
+def test_interleaved_order_for_two_stages_two_chunks():
+    # Megatron-LM's interleaved 1F1B: groups of P micro-batches through chunk 0, then chunk 1;
+    # backwards start with the last chunk. Stage 0 warms up with 2 (P-1) + (v-1) P = 4 forwards.
+    assert _names(one_f_one_b(0, 2, 4, 2)) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3".split()
+    assert _names(one_f_one_b(1, 2, 4, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3".split()
+    # a micro-batch passes every stage v times: the bubble shrinks by v
+    assert bubble_fraction(4, 8, chunks=2) == pytest.approx(3 / 19)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3, 4, 6, 8, 12])
+def test_every_schedule_runs_to_the_end_with_matching_messages(stages, chunks, micro_batches):
+    # simulate() plays all stages against each other as the runner does (sends never wait, receives
+    # wait, one FIFO per kind and pair) and fails on a deadlock or on a mismatched message.
+    if chunks > 1 and micro_batches % stages:
+        with pytest.raises(ValueError, match="groups of the"):
+            one_f_one_b(0, stages, micro_batches, chunks)
+        # what the runner falls back to for such a (short) batch
+        simulate([gpipe(s, stages, micro_batches, chunks) for s in range(stages)], chunks)
+        simulate([forward_only(s, stages, micro_batches, chunks) for s in range(stages)], chunks)
+        return
+    for name in ("1f1b", "gpipe"):
+        actions = [schedule(name, s, stages, micro_batches, chunks) for s in range(stages)]
+        for stage_actions in actions:  # every (micro-batch, chunk) forwarded and backwarded once
+            assert sorted(_names(stage_actions)) == sorted(
+                _names([Action(k, i, c) for k in "FB" for i in range(micro_batches) for c in range(chunks)])
+            )
+        simulate(actions, chunks)
+    simulate([forward_only(s, stages, micro_batches, chunks) for s in range(stages)], chunks)
+
+
+def test_simulate_catches_deadlocks_and_mixed_up_messages():
+    # stage 0 waits for B0's gradient before sending F0's activation: nobody can move
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[Action("B", 0), Action("F", 0)], [Action("F", 0), Action("B", 0)]])
+    # stage 1 takes micro-batch 1 first: it would compute on micro-batch 0's activation
+    bad = [one_f_one_b(0, 2, 2), [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
+    with pytest.raises(RuntimeError, match=r"would receive \(0, 0\) instead of \(1, 0\)"):
+        simulate(bad)
 
 
 def test_schedule_names_and_bad_arguments():
@@ -159,11 +204,27 @@ def test_resolve_spec_checks_the_hook_and_the_stage_count():
             return PipelineSpec(layers=self.layers(), loss=lambda out, batch: out.sum())
 
     assert len(resolve_spec(Hooked(), 6).layers) == 6
-    with pytest.raises(ValueError, match="pipeline_parallel_size=7 exceeds the model's 6 pipeline layers"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=7 x pipeline_chunks=1 = 7 virtual stages exceed the model's 6"):
         resolve_spec(Hooked(), 7)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 x pipeline_chunks=4 = 8 virtual stages"):
+        resolve_spec(Hooked(), 2, chunks=4)
     with pytest.raises(ValueError, match="lists the same module twice"):
         m = _Model()
         PipelineSpec(layers=[m.embed, m.embed], loss=lambda out, batch: out.sum())
+
+
+def test_chunks_are_dealt_round_robin():
+    model = _Model()
+    spec = PipelineSpec(layers=model.layers(), loss=lambda out, batch: out.sum())
+    plan = plan_stages(model, spec, 2, 0, "uniform", chunks=2)  # 6 layers, 4 virtual stages
+    # at most 2 layers per virtual stage; among those splits the largest parameter count is smallest
+    assert plan.bounds == [0, 1, 3, 5, 6]
+    assert [[type(layer).__name__ for layer in chunk] for chunk in plan.chunks] == [["Embedding"], ["_Block", "_Block"]]
+    # the embedding (virtual stage 0) and the head (virtual stage 3) sit on stages 0 and 1
+    assert [t.names for t in plan.tied] == [{0: "embed.weight", 1: "head.weight"}]
+    split_stages(model, spec, plan)
+    kept = [n for n in ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head") if not isinstance(model.get_submodule(n), RemoteLayer)]
+    assert kept == plan.layer_names
 
 
 def test_pipeline_config_validation():
@@ -175,6 +236,10 @@ def test_pipeline_config_validation():
         PipelineConfig(stages=2, schedule="zb")
     with pytest.raises(ValueError, match="pipeline_partition='balanced'"):
         PipelineConfig(stages=2, partition="balanced")
+    with pytest.raises(ValueError, match="pipeline_chunks=2 interleaves the chunks of a pipeline"):
+        PipelineConfig(stages=1, chunks=2)
+    with pytest.raises(ValueError, match="pipeline_micro_batches=3 must be a multiple of 2"):
+        PipelineConfig(stages=2, chunks=2, micro_batches=3)
 
 
 # -- micro-batches ------------------------------------------------------------------------------
