@@ -36,12 +36,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.parallel.mappings import copy_to_tensor_parallel, gather_last_dim, reduce_from_tensor_parallel
+from lightning_zero.parallel import sequence
+from lightning_zero.parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence_parallel,
+    gather_last_dim,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence_parallel,
+)
 from lightning_zero.parallel.vocab import vocab_parallel_cross_entropy  # noqa: F401 (its former home)
 
-STYLES = ("column", "row", "vocab", "replicate")
+STYLES = ("column", "row", "vocab", "replicate", "sequence", "sequence_scatter")
 """What a plan may ask of a module: split a Linear by output or input features, split an Embedding
-by rows (vocabulary), or keep it whole on every tensor-parallel rank."""
+by rows (vocabulary), or keep it whole on every tensor-parallel rank. The last two keep it whole too
+and matter under sequence parallelism only (:mod:`~lightning_zero.parallel.sequence`): ``"sequence"``
+runs on this rank's sequence chunk (LayerNorm), ``"sequence_scatter"`` splits its output along the
+sequence (the embedding, where the region starts); without it both mean ``"replicate"``."""
+_SEQUENCE_STYLES = ("sequence", "sequence_scatter")
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
@@ -73,22 +84,38 @@ class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` (out, in) split by rows: weight (out/T, in), bias (out/T).
 
     Input (..., in) replicated; output (..., out/T) sharded, or (..., out) with ``gather_output``.
+    With ``sequence_parallel`` the input is this rank's sequence chunk (batch, seq/T, in), all-gathered
+    to (batch, seq, in) first.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup, gather_output: bool = False) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: Optional[nn.Parameter],
+        group: comm.ProcessGroup,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.weight, self.bias, self.group, self.gather_output = weight, bias, group, gather_output
+        self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup, gather_output: bool = False) -> "ColumnParallelLinear":
+    def from_linear(
+        cls, linear: nn.Linear, group: comm.ProcessGroup, gather_output: bool = False, sequence_parallel: bool = False
+    ) -> "ColumnParallelLinear":
         """This rank's rows of ``linear`` (whose weights must be equal on every rank of ``group``)."""
         start, length = _split(linear.out_features, group, f"out_features of {linear}")
         bias = None if linear.bias is None else _shard(linear.bias, 0, start, length)
-        return cls(_shard(linear.weight, 0, start, length), bias, group, gather_output)
+        return cls(_shard(linear.weight, 0, start, length), bias, group, gather_output, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., in) -> (..., out/T), or (..., out) when gathering."""
-        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel(x, self.group, sequence.SEQUENCE_DIM)
+        else:
+            x = copy_to_tensor_parallel(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_last_dim(y, self.group) if self.gather_output else y
 
 
@@ -96,22 +123,32 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` (out, in) split by columns: weight (out, in/T); bias (out) whole.
 
     Input (..., in/T) sharded (the output of a :class:`ColumnParallelLinear`); output (..., out)
-    replicated after one all-reduce; the bias is added after it, once.
+    replicated after one all-reduce; the bias is added after it, once. With ``sequence_parallel`` a
+    reduce-scatter along the sequence replaces the all-reduce: output (batch, seq/T, out), and the
+    bias, added to one chunk per rank, has its gradient summed over the group.
     """
 
-    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup) -> None:
+    def __init__(
+        self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
+        self.weight, self.bias, self.group, self.sequence_parallel = weight, bias, group, sequence_parallel
+        if sequence_parallel and bias is not None:
+            sequence.mark_sequence_parallel(bias, group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup, sequence_parallel: bool = False) -> "RowParallelLinear":
         """This rank's columns of ``linear``; the bias Parameter is kept (replicated)."""
         start, length = _split(linear.in_features, group, f"in_features of {linear}")
-        return cls(_shard(linear.weight, 1, start, length), linear.bias, group)
+        return cls(_shard(linear.weight, 1, start, length), linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in/T) -> (..., out)."""
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        """(..., in/T) -> (..., out), or (batch, seq/T, out) under sequence parallelism."""
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel(y, self.group, sequence.SEQUENCE_DIM)
+        else:
+            y = reduce_from_tensor_parallel(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -150,7 +187,7 @@ def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _partition_dim(style: str, attr: str) -> Optional[int]:
     """The dimension of parameter ``attr`` that ``style`` splits; ``None``: kept whole."""
-    if style == "replicate" or (style == "row" and attr == "bias"):
+    if style in ("replicate", *_SEQUENCE_STYLES) or (style == "row" and attr == "bias"):
         return None
     return 1 if style == "row" else 0
 
@@ -189,20 +226,31 @@ def _retie(root: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
 
 
 def _check_fits(module: nn.Module, style: str, name: str) -> None:
+    if style in _SEQUENCE_STYLES:
+        return  # any module
     expected = nn.Embedding if style == "vocab" else nn.Linear
     if type(module) is not expected:
         raise ValueError(f"plan asks {style!r} for {name}, a {type(module).__name__}; {style!r} applies to nn.{expected.__name__}")
 
 
-def _convert(module: nn.Module, style: str, group: comm.ProcessGroup) -> nn.Module:
+def _convert(module: nn.Module, style: str, group: comm.ProcessGroup, sequence_parallel: bool) -> nn.Module:
+    """The module that replaces ``module`` (the same one, with hooks, for the sequence styles)."""
     if style == "column":
-        return ColumnParallelLinear.from_linear(module, group)
+        return ColumnParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel)
     if style == "row":
-        return RowParallelLinear.from_linear(module, group)
+        return RowParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel)
+    if style == "sequence":
+        sequence.sequence_region(module, group)
+        return module
+    if style == "sequence_scatter":
+        sequence.scatter_output(module, group)
+        return module
     return VocabParallelEmbedding.from_embedding(module, group)
 
 
-def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: comm.ProcessGroup) -> list[str]:
+def apply_tensor_parallel(
+    module: nn.Module, plan: Mapping[str, str], group: comm.ProcessGroup, sequence_parallel: bool = False
+) -> list[str]:
     """Split the modules of an existing ``module`` in place as ``plan`` says; returns the converted names.
 
     Args:
@@ -210,6 +258,11 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: com
         plan: module-name pattern (``fnmatch``, e.g. ``"h.*.attn.c_attn"``) -> one of :data:`STYLES`;
             the first matching pattern decides. Every pattern must match at least one module.
         group: the tensor-parallel group.
+        sequence_parallel: Megatron sequence parallelism (:mod:`~lightning_zero.parallel.sequence`):
+            column-parallel layers all-gather their input along the sequence, row-parallel ones
+            reduce-scatter their output, ``"sequence"`` modules sum their parameters' gradients over
+            the group, and the output of the ``"sequence_scatter"`` module (which the plan must name)
+            is split along the sequence. Without it the two sequence styles mean ``"replicate"``.
 
     Converted modules are replaced (new Parameters holding this rank's shard), so build the
     optimizer afterwards. A Parameter tied between modules that are all split along the same
@@ -230,7 +283,14 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: com
                 f"(names look like {names[:4]}); patterns are relative to the module the plan is applied to"
             )
     chosen = {name: next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate") for name in names}
-    chosen = {name: style for name, style in chosen.items() if style != "replicate"}
+    idle = ("replicate",) if sequence_parallel else ("replicate", *_SEQUENCE_STYLES)
+    chosen = {name: style for name, style in chosen.items() if style not in idle}
+    if sequence_parallel and "sequence_scatter" not in chosen.values():
+        raise ValueError(
+            "sequence_parallel=True needs the plan to name where the sequence is split: the module whose "
+            "output enters the first column-parallel layer (e.g. the embedding: {'embed': 'sequence_scatter'}), "
+            "and the LayerNorms between row- and column-parallel layers as 'sequence'"
+        )
     for name, style in chosen.items():  # every check before the first split, also with one rank
         _check_fits(module.get_submodule(name), style, name)
     ties = _ties(module, chosen)
@@ -238,6 +298,6 @@ def apply_tensor_parallel(module: nn.Module, plan: Mapping[str, str], group: com
         return []
     for name, style in chosen.items():
         parent, child = _parent(module, name)
-        setattr(parent, child, _convert(module.get_submodule(name), style, group))
+        setattr(parent, child, _convert(module.get_submodule(name), style, group, sequence_parallel))
     _retie(module, ties)
     return list(chosen)

@@ -4,10 +4,11 @@ The model is built as a sequence ``embed -> h[0] ... h[n_layer-1] -> head``, whi
 form (``to_layers``). Attention columns are laid out head by head with (q, k, v) inside each head and
 the forward infers the number of heads from the tensor shapes, so a column-parallel split of
 ``c_attn``/``c_fc`` followed by a row-parallel ``c_proj`` (``TENSOR_PARALLEL_PLAN``) runs the same
-code on a shard holding whole heads. The plan splits the tied token embedding and LM head by the
-vocabulary, as Megatron-LM does: the two keep sharing one shard Parameter, the model then returns
-logits sharded over the vocabulary, and :meth:`GPT.loss` takes the vocabulary-parallel cross entropy
-of them, so the (batch, seq, vocab_size) logits are never gathered.
+code on a shard holding whole heads, and under sequence parallelism on a chunk of the sequence. The
+plan splits the tied token embedding and LM head by the vocabulary, as Megatron-LM does: the two keep
+sharing one shard Parameter, the model then returns logits sharded over the vocabulary, and
+:meth:`GPT.loss` takes the vocabulary-parallel cross entropy of them, so the (batch, seq, vocab_size)
+logits are never gathered.
 
 Shapes: ``input_ids`` (batch, seq) int64 -> logits (batch, seq, vocab_size) in the compute dtype, or
 (batch, seq, vocab_size / T) under tensor parallelism (rank r holds vocabulary ids [r V/T, (r+1) V/T)).
@@ -63,15 +64,19 @@ TENSOR_PARALLEL_PLAN = {
     "h.*.mlp.c_fc": "column",
     "h.*.mlp.c_proj": "row",
     "embed.wte": "vocab",
+    "embed": "sequence_scatter",
     "embed.*": "replicate",
-    "h.*.ln_*": "replicate",
-    "head.ln_f": "replicate",
+    "h.*.ln_*": "sequence",
+    "head.ln_f": "sequence",
     "head.lm_head": "column",
 }
 """Megatron-style plan, module-name pattern (fnmatch, first match wins) -> "column" | "row" | "vocab" |
-"replicate": one all-reduce per column/row pair in forward and one in backward. The tied ``embed.wte``
-("vocab") and ``head.lm_head`` ("column") split the same vocabulary rows and stay one Parameter;
-``vocab_size`` must then be divisible by the tensor-parallel size (50,304 is, by 2 to 64)."""
+"replicate" | "sequence" | "sequence_scatter": one all-reduce per column/row pair in forward and one in
+backward. The tied ``embed.wte`` ("vocab") and ``head.lm_head`` ("column") split the same vocabulary
+rows and stay one Parameter; ``vocab_size`` must then be divisible by the tensor-parallel size (50,304
+is, by 2 to 64). The two sequence styles act only under sequence parallelism (otherwise they mean
+"replicate"): the embedding's output is split along the sequence, the LayerNorms run on one chunk
+of it per rank, and the column-parallel LM head gathers it back."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -87,9 +92,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, seq, n_embd) -> (batch, seq, n_embd)."""
-        batch, seq, _ = x.shape
-        # (batch, seq, heads, 3, head_dim): heads from the shape, so a tensor-parallel shard works too
-        qkv = self.c_attn(x).view(batch, seq, -1, 3, self.head_dim)
+        qkv = self.c_attn(x)
+        # (batch, seq, heads, 3, head_dim): heads and sequence from the projection's shape, so a
+        # tensor-parallel shard works too, and so does a sequence-parallel chunk x (c_attn gathers it)
+        batch, seq = qkv.shape[:2]
+        qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True

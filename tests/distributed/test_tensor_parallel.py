@@ -120,11 +120,17 @@ def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw") -> dict:
+def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False) -> dict:
+    import functools
+
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
+    from lightning_zero.parallel import setup, tensor
+
+    # Until ZeroStrategy takes sequence_parallel itself: the strategy's plan application with it on.
+    setup.apply_tensor_parallel = functools.partial(tensor.apply_tensor_parallel, sequence_parallel=sequence_parallel)
 
     pl.seed_everything(SEED, verbose=False)  # the sampler's shuffling seed
     model = _TinyGPT2.make(optimizer)
@@ -376,3 +382,56 @@ def test_dp2_tp2_adamw_stage1_and_lamb_stage2_match_one_process():
                     )
             _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"{what} losses")
             _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"{what} grad norms")
+
+
+def _sequence_parallel_worker(rank: int) -> dict:
+    """GPT-2 under tp=2 with sequence parallelism vs the whole model: forward, gradients, training."""
+    import torch.distributed as dist
+
+    from lightning_zero.layout import ParallelLayout, build_groups
+    from lightning_zero.parallel import apply_tensor_parallel
+    from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
+
+    dist.init_process_group("gloo")
+    groups = build_groups(ParallelLayout(1, tensor=2))
+    whole = _gpt()
+    split = copy.deepcopy(whole)
+    apply_tensor_parallel(split, TENSOR_PARALLEL_PLAN, groups.tp, sequence_parallel=True)
+    out = {"marked": sorted(n for n, p in split.named_parameters() if getattr(p, "tensor_parallel", False))}
+    out["sequence"] = sorted(n for n, p in split.named_parameters() if getattr(p, "sequence_parallel", False))
+    chunks = {}
+    split.h[0].ln_1.register_forward_hook(lambda m, a, y: chunks.update(ln_1=tuple(y.shape)))
+    rows = _tokens(3)
+    for name, model in (("whole", whole), ("split", split)):
+        logits = model(rows[:, :-1])
+        loss = model.loss(logits, rows[:, 1:])
+        loss.backward()
+        out[name] = {
+            "logits": logits.detach(),
+            "loss": loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        }
+    out["ln_1 output"] = chunks["ln_1"]
+    out["tied"] = split.head.lm_head.weight is split.embed.wte.weight
+    out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2, sequence_parallel=True)
+    return out
+
+
+def test_tp2_sequence_parallel_matches_one_process():
+    """Sequence parallelism changes the order of summation only where tensor parallelism already does
+    (the reduce-scatter sums the same two partial products as the all-reduce), plus the LayerNorm and
+    row-bias gradients, now sums of two sequence halves (8 + 8 positions x 3 rows instead of 16 x 3):
+    the same 1e-5 tolerances. A missing gradient sum over the group halves those gradients (order 1)."""
+    results = run_ranks(_sequence_parallel_worker, world_size=2)
+    reference = _reference(data_parallel=1)
+    for rank, res in enumerate(results):
+        assert res["ln_1 output"] == (3, SEQ // 2, 32)  # the LayerNorms run on half of the sequence
+        # 2 blocks x (ln_1, ln_2: weight + bias; attn.c_proj, mlp.c_proj: bias), ln_f weight + bias
+        assert len(res["sequence"]) == 2 * (4 + 2) + 2, res["sequence"]
+        logits = res["split"]["logits"]
+        assert logits.shape == (3, SEQ, VOCAB // 2)  # the LM head gathered the whole sequence back
+        _assert_close(logits, _shard_of(res["whole"]["logits"], logits, rank), "logits")
+        _check_split(res, rank, "gpt2 sequence-parallel")
+        fit = res["fit"]
+        _assert_close(torch.tensor(fit["losses"]), torch.tensor(reference["losses"][0]), "losses")
+        _assert_close(torch.tensor(fit["norms"]), torch.tensor(reference["norms"]), "grad norms")

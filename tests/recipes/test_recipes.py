@@ -149,7 +149,7 @@ def test_bert_layers_tied_decoder_and_tensor_parallel_plan():
 
 def _check_plan(model: nn.Module, plan: dict[str, str]) -> None:
     names = [n for n, _ in model.named_modules() if n]
-    assert set(plan.values()) <= {"column", "row", "vocab", "replicate"}
+    assert set(plan.values()) <= {"column", "row", "vocab", "replicate", "sequence", "sequence_scatter"}
     for pattern in plan:  # every pattern names real modules
         assert fnmatch.filter(names, pattern), pattern
     for name, module in model.named_modules():  # every Linear is planned, and only once
