@@ -254,6 +254,7 @@ class ZeroStrategy(DDPStrategy):
                 f"this strategy runs stage {self.zero_config.stage}. Use stage=3 or build the model on a real device."
             )
         if not on_meta:
+            self._parallel.split(module)  # pipeline: only this stage's layers go to the device
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin

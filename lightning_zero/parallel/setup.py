@@ -1,11 +1,13 @@
 """What :class:`~lightning_zero.ZeroStrategy` does for tensor and pipeline parallelism, kept out of the strategy.
 
 Order inside the strategy: the arguments are validated at construction; ``setup_distributed``
-builds the layout's process groups once (the world size is known there); ``setup`` makes the model
-equal on every rank (one broadcast from global rank 0), keeps this rank's pipeline stage (the other
-stages' layers become placeholders), splits what is left by the tensor-parallel plan (before
-``configure_optimizers`` sees the parameters), and after the ZeRO engine exists hands it the
-tensor- and pipeline-parallel groups (global gradient norm) and the parameters tied across stages.
+builds the layout's process groups once (the world size is known there); ``setup`` keeps this
+rank's pipeline stage while the model is still on the host (the other stages' layers become
+placeholders, so they never reach the device), moves it to the device, makes replicas equal
+(broadcasts over the data- and tensor-parallel groups and between the stages sharing a tied
+weight), splits the layers by the tensor-parallel plan (before ``configure_optimizers`` sees the
+parameters), and after the ZeRO engine exists hands it the tensor- and pipeline-parallel groups
+(global gradient norm) and the parameters tied across stages.
 ZeRO itself shards over the data-parallel group only, and the sampler shards data over it too.
 """
 
@@ -24,6 +26,7 @@ from lightning_zero.parallel.pipeline import (
     PipelineSpec,
     RemoteLayer,
     StagePlan,
+    TiedParameter,
     plan_stages,
     resolve_spec,
     split_stages,
@@ -110,35 +113,47 @@ class ParallelSetup:
             )
         return plan
 
+    def split(self, module: nn.Module) -> None:
+        """Pipeline: keep this rank's stage of ``module`` (the others' layers become placeholders).
+        Pure, no communication: call before the model moves to the device, so that only the stage's
+        own layers ever reach it."""
+        if not self.pipelined or self.groups is None or self.stage_plan is not None:
+            return
+        spec = resolve_spec(module, self.pipeline.stages, self.pipeline.chunks)
+        stage_plan = plan_stages(
+            module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition, self.pipeline.chunks
+        )
+        if self.tensor > 1:
+            _check_plan(module, self.resolve_plan(module))  # against the whole model, the same on every rank
+        split_stages(module, spec, stage_plan)
+        self.spec, self.stage_plan = spec, stage_plan
+
     def apply(self, module: nn.Module, device: torch.device) -> None:
-        """Make ``module`` equal on every rank, keep this rank's stage, split it by the plan (once).
-        Call on all ranks."""
+        """After :meth:`split` and the move to the device: make replicas equal, split the layers by
+        the tensor-parallel plan, tie the copies shared across stages (once). Call on all ranks."""
         if self.groups is None or getattr(module, _APPLIED, False):
             return
-        plan = self.resolve_plan(module) if self.tensor > 1 else None
+        self.split(module)
+        tied_groups = self._tied_groups() if self.pipelined else []
+        # The splits must come from one whole layer, replicas must be equal: every rank of a stage
+        # takes the weights of its first data- and tensor-parallel rank (global rank 0's without a
+        # pipeline), and the copies of a tied weight those of the first stage holding it.
+        tensors = [p.data for p in module.parameters()] + list(module.buffers())
+        comm.broadcast_tensors(tensors, self.groups.dp)
+        comm.broadcast_tensors(tensors, self.groups.tp)
+        for tied, group in tied_groups:
+            if self.groups.coords.pp in tied.names:
+                comm.broadcast_tensors([module.get_parameter(tied.names[self.groups.coords.pp]).data], group)
+        if self.tensor > 1:
+            plan = self.resolve_plan(module)
+            apply_tensor_parallel(module, _local_plan(module, plan) if self.pipelined else plan, self.groups.tp)
         if self.pipelined:
-            spec = resolve_spec(module, self.pipeline.stages, self.pipeline.chunks)
-            stage_plan = plan_stages(
-                module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition, self.pipeline.chunks
-            )
-        # Replicated parameters must be equal on the ranks of a tensor-parallel group, tied copies on
-        # their stages, and the splits must come from one whole model: start from global rank 0's weights.
-        comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
-        if self.pipelined:
-            if plan is not None:
-                _check_plan(module, plan)
-            split_stages(module, spec, stage_plan)
-            if plan is not None:
-                plan = _local_plan(module, plan)
-            self.spec, self.stage_plan = spec, stage_plan
-        if plan is not None:
-            apply_tensor_parallel(module, plan, self.groups.tp)
-        if self.pipelined:
-            self._tie(module)
+            assert self.spec is not None and self.stage_plan is not None
+            self._tie(module, tied_groups)
             self.runner = PipelineRunner(
-                stage_plan.chunks,
-                spec,
-                stage_plan.stage,
+                self.stage_plan.chunks,
+                self.spec,
+                self.stage_plan.stage,
                 self.pipeline.stages,
                 self.groups.pp,
                 self.pipeline.num_micro_batches,
@@ -147,10 +162,12 @@ class ParallelSetup:
             )
         setattr(module, _APPLIED, True)
 
-    def _tie(self, module: nn.Module) -> None:
-        """One group per tied parameter over the stages holding it (made on every rank, in order)."""
+    def _tied_groups(self) -> list[tuple[TiedParameter, comm.ProcessGroup]]:
+        """For every tied parameter, this rank's group over the stages holding it (the same data- and
+        tensor-parallel coordinates). Every rank makes every group, in the same order."""
         assert self.stage_plan is not None and self.layout is not None and self.groups is not None
         layout, here = self.layout, self.groups.coords
+        out = []
         for tied in self.stage_plan.tied:
             mine = None
             for d in range(layout.data):
@@ -159,18 +176,26 @@ class ParallelSetup:
                     group = comm.new_group(ranks)
                     if d == here.dp and t == here.tp:
                         mine = group
-            if here.pp not in tied.names:
+            out.append((tied, mine))
+        return out
+
+    def _tie(self, module: nn.Module, tied_groups: list[tuple[TiedParameter, comm.ProcessGroup]]) -> None:
+        """Record this stage's copies of tied parameters (after the tensor-parallel split) for the reducer."""
+        assert self.groups is not None
+        here = self.groups.coords.pp
+        for tied, group in tied_groups:
+            if here not in tied.names:
                 continue
-            param = module.get_parameter(tied.names[here.pp])
-            shapes = comm.all_gather_object(tuple(param.shape), mine)
+            param = module.get_parameter(tied.names[here])
+            shapes = comm.all_gather_object(tuple(param.shape), group)
             if len(set(shapes)) != 1:
                 raise ValueError(
                     f"parameter {tied.names} is tied across pipeline stages {tied.stages} but has shapes {shapes} "
                     "there (a tensor-parallel plan splits one side only); split both tied modules alike or neither"
                 )
             # Its names on the other stages: a checkpoint stores the weight once, under every name.
-            param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here.pp)  # type: ignore[attr-defined]
-            self.tied.append((param, mine, here.pp == tied.stages[0]))
+            param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here)  # type: ignore[attr-defined]
+            self.tied.append((param, group, here == tied.stages[0]))
 
     def attach(self, engine: Any) -> None:
         """Give every ZeRO optimizer the model-parallel groups (global gradient norm) and the reducer
