@@ -90,6 +90,9 @@ class ZeroStrategy(DDPStrategy):
         pipeline_partition: "parameters" (default), "uniform" or "type:<regex>" (see
             :class:`~lightning_zero.config.PipelineConfig`).
         pipeline_chunks: v, chunks of layers per stage; above 1 the interleaved 1F1B schedule.
+        sequence_parallel: Megatron sequence parallelism between the tensor-parallel layers (LayerNorm,
+            dropout and residual activations hold seq / T positions); needs a plan with the
+            "sequence_scatter" and "sequence" styles (:mod:`lightning_zero.parallel.sequence`).
         tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
             to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
             takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
@@ -129,6 +132,7 @@ class ZeroStrategy(DDPStrategy):
         pipeline_schedule: str = "1f1b",
         pipeline_partition: str = "parameters",
         pipeline_chunks: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage,
@@ -164,7 +168,9 @@ class ZeroStrategy(DDPStrategy):
             partition=pipeline_partition,
             chunks=pipeline_chunks,
         )
-        self._parallel = ParallelSetup(tensor_parallel_size, self.pipeline_config, tensor_parallel_plan, stage)
+        self._parallel = ParallelSetup(
+            tensor_parallel_size, self.pipeline_config, tensor_parallel_plan, stage, sequence_parallel
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -32,7 +32,7 @@ from lightning_zero.parallel.pipeline import (
     split_stages,
 )
 from lightning_zero.parallel.runner import PipelineRunner
-from lightning_zero.parallel.tensor import apply_tensor_parallel
+from lightning_zero.parallel.tensor import apply_tensor_parallel, check_plan
 
 _APPLIED = "_lightning_zero_model_parallel"  # marks a LightningModule already converted
 
@@ -45,11 +45,27 @@ class ParallelSetup:
         pipeline: the pipeline options; ``pipeline.stages`` is P (1: no pipeline).
         plan: module-name pattern -> style, or ``None`` for the LightningModule's own plan.
         stage: the ZeRO stage (model parallelism composes with stages 1 and 2).
+        sequence_parallel: Megatron-SP inside the tensor-parallel layers (:mod:`.sequence`).
     """
 
-    def __init__(self, tensor: int, pipeline: PipelineConfig, plan: Optional[Mapping[str, str]], stage: int) -> None:
+    def __init__(
+        self,
+        tensor: int,
+        pipeline: PipelineConfig,
+        plan: Optional[Mapping[str, str]],
+        stage: int,
+        sequence_parallel: bool = False,
+    ) -> None:
         if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
             raise ValueError(f"tensor_parallel_size is {tensor!r}; it must be an integer of at least 1")
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False.")
+        if sequence_parallel and tensor == 1:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over the tensor-parallel ranks; it needs "
+                "tensor_parallel_size > 1 (got 1)"
+            )
+        self.sequence_parallel = sequence_parallel
         if tensor > 1 and stage == 3:
             raise ValueError(
                 f"tensor_parallel_size={tensor} with stage=3 is not supported: stage 3 builds models on the meta "
@@ -123,8 +139,8 @@ class ParallelSetup:
         stage_plan = plan_stages(
             module, spec, self.pipeline.stages, self.groups.coords.pp, self.pipeline.partition, self.pipeline.chunks
         )
-        if self.tensor > 1:
-            _check_plan(module, self.resolve_plan(module))  # against the whole model, the same on every rank
+        if self.tensor > 1:  # against the whole model, the same on every rank
+            check_plan(module, self.resolve_plan(module), self.sequence_parallel)
         split_stages(module, spec, stage_plan)
         self.spec, self.stage_plan = spec, stage_plan
 
@@ -146,7 +162,13 @@ class ParallelSetup:
                 comm.broadcast_tensors([module.get_parameter(tied.names[self.groups.coords.pp]).data], group)
         if self.tensor > 1:
             plan = self.resolve_plan(module)
-            apply_tensor_parallel(module, _local_plan(module, plan) if self.pipelined else plan, self.groups.tp)
+            apply_tensor_parallel(
+                module,
+                _local_plan(module, plan) if self.pipelined else plan,
+                self.groups.tp,
+                sequence_parallel=self.sequence_parallel,
+                check=not self.pipelined,  # a stage's modules: split() checked the whole plan
+            )
         if self.pipelined:
             assert self.spec is not None and self.stage_plan is not None
             self._tie(module, tied_groups)
@@ -209,17 +231,6 @@ class ParallelSetup:
             sharded.counted_elsewhere = elsewhere
         for param, group, _ in self.tied:
             engine.reducer.tie(param, group)
-
-
-def _check_plan(module: nn.Module, plan: Mapping[str, str]) -> None:
-    """Every pattern of ``plan`` must match a module of the whole model (before the pipeline split)."""
-    names = [name for name, _ in module.named_modules() if name]
-    for pattern in plan:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            raise ValueError(
-                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__} "
-                f"(names look like {names[:4]}); patterns are relative to the LightningModule"
-            )
 
 
 def _local_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

@@ -248,8 +248,45 @@ def _convert(module: nn.Module, style: str, group: comm.ProcessGroup, sequence_p
     return VocabParallelEmbedding.from_embedding(module, group)
 
 
+def _chosen(module: nn.Module, plan: Mapping[str, str], sequence_parallel: bool) -> dict[str, str]:
+    """name -> style of the modules ``plan`` acts on (the first matching pattern decides)."""
+    names = [name for name, _ in module.named_modules() if name]
+    chosen = {name: next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate") for name in names}
+    idle = ("replicate",) if sequence_parallel else ("replicate", *_SEQUENCE_STYLES)
+    return {name: style for name, style in chosen.items() if style not in idle}
+
+
+def check_plan(module: nn.Module, plan: Mapping[str, str], sequence_parallel: bool = False) -> dict[str, str]:
+    """Validate ``plan`` against ``module`` (no communication) and return the modules it splits:
+    name -> style. Raises ``ValueError`` for an unknown style, a pattern that matches nothing, or
+    ``sequence_parallel`` without a ``"sequence_scatter"`` module. A pipeline checks the plan against
+    the whole model before keeping its stage (whose modules a pattern may then miss)."""
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"tensor-parallel plan: {pattern!r} -> {style!r}; styles are {STYLES}")
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(
+                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__} "
+                f"(names look like {names[:4]}); patterns are relative to the module the plan is applied to"
+            )
+    chosen = _chosen(module, plan, sequence_parallel)
+    if sequence_parallel and "sequence_scatter" not in chosen.values():
+        raise ValueError(
+            "sequence_parallel=True needs the plan to name where the sequence is split: the module whose "
+            "output enters the first column-parallel layer (e.g. the embedding: {'embed': 'sequence_scatter'}), "
+            "and the LayerNorms between row- and column-parallel layers as 'sequence'"
+        )
+    return chosen
+
+
 def apply_tensor_parallel(
-    module: nn.Module, plan: Mapping[str, str], group: comm.ProcessGroup, sequence_parallel: bool = False
+    module: nn.Module,
+    plan: Mapping[str, str],
+    group: comm.ProcessGroup,
+    sequence_parallel: bool = False,
+    check: bool = True,
 ) -> list[str]:
     """Split the modules of an existing ``module`` in place as ``plan`` says; returns the converted names.
 
@@ -263,6 +300,8 @@ def apply_tensor_parallel(
             reduce-scatter their output, ``"sequence"`` modules sum their parameters' gradients over
             the group, and the output of the ``"sequence_scatter"`` module (which the plan must name)
             is split along the sequence. Without it the two sequence styles mean ``"replicate"``.
+        check: validate the plan against ``module`` first (:func:`check_plan`); ``False`` for one
+            pipeline stage of a model whose whole plan was checked before the split.
 
     Converted modules are replaced (new Parameters holding this rank's shard), so build the
     optimizer afterwards. A Parameter tied between modules that are all split along the same
@@ -272,25 +311,7 @@ def apply_tensor_parallel(
     does not fit the module, sizes not divisible by the group size, or tied weights that the plan
     splits differently (or splits in one holder and replicates in another).
     """
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"tensor-parallel plan: {pattern!r} -> {style!r}; styles are {STYLES}")
-    names = [name for name, _ in module.named_modules() if name]
-    for pattern in plan:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            raise ValueError(
-                f"tensor-parallel plan pattern {pattern!r} matches no module of {type(module).__name__} "
-                f"(names look like {names[:4]}); patterns are relative to the module the plan is applied to"
-            )
-    chosen = {name: next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), "replicate") for name in names}
-    idle = ("replicate",) if sequence_parallel else ("replicate", *_SEQUENCE_STYLES)
-    chosen = {name: style for name, style in chosen.items() if style not in idle}
-    if sequence_parallel and "sequence_scatter" not in chosen.values():
-        raise ValueError(
-            "sequence_parallel=True needs the plan to name where the sequence is split: the module whose "
-            "output enters the first column-parallel layer (e.g. the embedding: {'embed': 'sequence_scatter'}), "
-            "and the LayerNorms between row- and column-parallel layers as 'sequence'"
-        )
+    chosen = check_plan(module, plan, sequence_parallel) if check else _chosen(module, plan, sequence_parallel)
     for name, style in chosen.items():  # every check before the first split, also with one rank
         _check_fits(module.get_submodule(name), style, name)
     ties = _ties(module, chosen)

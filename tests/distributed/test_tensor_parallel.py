@@ -121,20 +121,16 @@ def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
 
 
 def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False) -> dict:
-    import functools
-
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
-    from lightning_zero.parallel import setup, tensor
-
-    # Until ZeroStrategy takes sequence_parallel itself: the strategy's plan application with it on.
-    setup.apply_tensor_parallel = functools.partial(tensor.apply_tensor_parallel, sequence_parallel=sequence_parallel)
 
     pl.seed_everything(SEED, verbose=False)  # the sampler's shuffling seed
     model = _TinyGPT2.make(optimizer)
-    strategy = ZeroStrategy(stage=stage, tensor_parallel_size=tensor_parallel, reduce_bucket_size=3000)
+    strategy = ZeroStrategy(
+        stage=stage, tensor_parallel_size=tensor_parallel, reduce_bucket_size=3000, sequence_parallel=sequence_parallel
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=tensor_parallel * data_parallel, strategy=strategy, precision="32-true",
         max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
