@@ -1,6 +1,6 @@
 """The recipes under 3D layouts from the command line alone (LightningCLI arguments, no code change).
 
-GPT-2 (tiny sizes of tests/recipes) under tp2 x pp2 on 4 ranks and BERT under pp2 x dp2 on 4 ranks,
+GPT-2 (tiny sizes of tests/recipes) under tp2 x pp2 with sequence parallelism on 4 ranks and BERT under pp2 x dp2 on 4 ranks,
 3 steps and one validation each, through the recipes' own ``main(args)``. Checked: the runs finish,
 every rank of a data-parallel replica logs the same ``train_loss`` (the true loss, sent from the last
 stage), the first loss is
@@ -54,7 +54,7 @@ def _recipe_worker(rank: int, recipe: str, tmp: str, cache: str, extra: list[str
     "recipe, extra, vocab",
     [
         ("gpt2", [*TINY_GPT, "--trainer.strategy.stage=1", "--trainer.strategy.tensor_parallel_size=2",
-                  "--trainer.strategy.pipeline_parallel_size=2"], 50257),
+                  "--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.sequence_parallel=true"], 50257),
         ("bert", [*TINY_BERT, "--trainer.strategy.stage=2", "--trainer.strategy.pipeline_parallel_size=2",
                   "--trainer.strategy.pipeline_micro_batches=2"], 30522),
     ],

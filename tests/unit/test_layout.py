@@ -45,6 +45,8 @@ def test_megatron_rank_order():
     [
         ({"pipeline_parallel_size": 2, "stage": 3}, "pipeline_parallel_size=2 with stage=3 is not supported"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size=0 must be an integer of at least 1"),
+        ({"sequence_parallel": True}, "sequence_parallel=True splits the sequence over the tensor-parallel ranks"),
+        ({"pipeline_parallel_size": 2, "pipeline_chunks": 2, "pipeline_micro_batches": 3}, "must be a multiple of 2"),
         ({"pipeline_parallel_size": 2, "pipeline_micro_batches": -1}, "pipeline_micro_batches=-1"),
         ({"tensor_parallel_size": 2, "stage": 3}, "tensor_parallel_size=2 with stage=3 is not supported"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size is 0"),
