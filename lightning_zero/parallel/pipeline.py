@@ -130,7 +130,9 @@ def layer_weights(layers: Sequence[nn.Module], method: str) -> list[tuple[int, .
 
 def balance(weights: Sequence[tuple[int, ...]], stages: int) -> list[int]:
     """Stage boundaries ``[0, b1, ..., len(weights)]`` of contiguous, non-empty stages whose largest
-    total weight is the smallest possible (tuples compare lexicographically). Dynamic programming
+    total weight is the smallest possible (tuples compare lexicographically) and, among those, whose
+    totals are the most even (smallest sum of squares): the largest stage (say, the embedding)
+    often fixes the maximum alone, and the others should still split evenly. Two dynamic programs
     over (stages, prefix): O(stages * n^2) for n layers."""
     n = len(weights)
     if not 1 <= stages <= n:
@@ -143,17 +145,25 @@ def balance(weights: Sequence[tuple[int, ...]], stages: int) -> list[int]:
     def cost(i: int, j: int) -> tuple[int, ...]:  # total weight of layers [i, j)
         return tuple(b - a for a, b in zip(prefix[i], prefix[j]))
 
-    # best[k][j]: smallest largest-stage weight of the first j layers in k stages; cut[k][j] its last start
-    infinite = (float("inf"),) * width
-    best = [[infinite] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0,) * width
-    for k in range(1, stages + 1):
-        for j in range(k, n - (stages - k) + 1):
-            for i in range(k - 1, j):
-                candidate = max(best[k - 1][i], cost(i, j))
-                if candidate < best[k][j]:
-                    best[k][j], cut[k][j] = candidate, i
+    def solve(combine, start, limit=None) -> tuple[list[list], list[list[int]]]:
+        # best[k][j]: the best value for the first j layers in k stages; cut[k][j] its last start
+        best: list[list] = [[None] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = start
+        for k in range(1, stages + 1):
+            for j in range(k, n - (stages - k) + 1):
+                for i in range(k - 1, j):
+                    c = cost(i, j)
+                    if best[k - 1][i] is None or (limit is not None and c > limit):
+                        continue
+                    candidate = combine(best[k - 1][i], c)
+                    if best[k][j] is None or candidate < best[k][j]:
+                        best[k][j], cut[k][j] = candidate, i
+        return best, cut
+
+    best, _ = solve(max, (0,) * width)
+    largest = best[stages][n]
+    _, cut = solve(lambda acc, c: tuple(a + b * b for a, b in zip(acc, c)), (0,) * width, limit=largest)
     bounds = [n]
     for k in range(stages, 0, -1):
         bounds.append(cut[k][bounds[-1]])

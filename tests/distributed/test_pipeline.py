@@ -27,18 +27,16 @@ from harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-VOCAB, SEQ, BATCH, STEPS, LR, CLIP, SEED, EPS = 64, 16, 4, 4, 1e-2, 0.05, 3, 1e-6
+from gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens  # noqa: E402
+
+EPS = 1e-6  # AdamW's eps: see the module docstring
 
 
 def _gpt():
-    from recipes.gpt2.model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=2, n_embd=32))
+    return tiny_gpt(n_layer=3)
 
 
-def _tokens(n: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(5))
+_tokens = tokens
 
 
 def _make_module():
@@ -84,36 +82,17 @@ def _make_module():
 
 
 def _reference(data_parallel: int) -> dict:
-    """One process, whole model: per-step losses of each data-parallel shard, norms, final weights,
-    and the loss on the validation rows."""
-    from torch.utils.data import DistributedSampler
-
-    from recipes.gpt2.model import GPT
-
-    model = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=EPS)
-    rows = _tokens(BATCH * STEPS * data_parallel)
-    shards = [
-        rows[list(DistributedSampler(range(len(rows)), num_replicas=data_parallel, rank=r, shuffle=True, seed=SEED))]
-        for r in range(data_parallel)
-    ]
-    losses, norms = [[] for _ in range(data_parallel)], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(data_parallel):
-            batch = shards[r][step * BATCH : (step + 1) * BATCH]
-            loss = GPT.loss_fn(model(batch[:, :-1]), batch[:, 1:])
-            losses[r].append(loss.item())
-            total = total + loss / data_parallel
-        total.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-    val = _tokens(BATCH)
-    with torch.no_grad():
-        val_loss = GPT.loss_fn(model(val[:, :-1]), val[:, 1:]).item()
-    weights = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "norms": norms, "weights": weights, "val_loss": val_loss}
+    """One process, whole model (3 blocks): per-step losses of each data-parallel shard, norms, final
+    weights under every name (the tied LM head's too), and the loss on the validation rows."""
+    ref = reference_run(
+        3,
+        lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=EPS),
+        data_parallel,
+        val_rows=_tokens(BATCH),
+        alias_names=True,
+    )
+    ref["weights"] = {f"model.{n}": p for n, p in ref.pop("params").items()}
+    return ref
 
 
 def _fit(

@@ -34,18 +34,16 @@ from harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-VOCAB, SEQ, BATCH, STEPS, LR, CLIP, SEED = 64, 16, 4, 4, 1e-2, 0.05, 3
+from gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens  # noqa: E402
 
 
 def _gpt():
-    from recipes.gpt2.model import GPT, GPTConfig
+    from gpt_reference import tiny_gpt
 
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+    return tiny_gpt(n_layer=2)
 
 
-def _tokens(n: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n, SEQ + 1), generator=torch.Generator().manual_seed(5))
+_tokens = tokens
 
 
 def _optimizer(name: str, params):
@@ -92,32 +90,7 @@ class _TinyGPT2:
 
 def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
     """One process, whole model: per-step losses of each data-parallel half, gradient norms, final weights."""
-    from torch.utils.data import DistributedSampler
-
-    from recipes.gpt2.model import GPT
-
-    model = _gpt()
-    opt = _optimizer(optimizer, model.parameters())
-    rows = _tokens(BATCH * STEPS * data_parallel)
-    # Lightning gives a training loader DistributedSampler(shuffle=True, seed=PL_GLOBAL_SEED) with the
-    # strategy's num_replicas/rank: data-parallel rank r reads these rows.
-    shards = [
-        rows[list(DistributedSampler(range(len(rows)), num_replicas=data_parallel, rank=r, shuffle=True, seed=SEED))]
-        for r in range(data_parallel)
-    ]
-    losses, norms = [[] for _ in range(data_parallel)], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for r in range(data_parallel):
-            batch = shards[r][step * BATCH : (step + 1) * BATCH]
-            loss = GPT.loss_fn(model(batch[:, :-1]), batch[:, 1:])
-            losses[r].append(loss.item())
-            total = total + loss / data_parallel  # equal halves: the mean over the global batch
-        total.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return reference_run(2, lambda params: _optimizer(optimizer, params), data_parallel)
 
 
 def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False) -> dict:

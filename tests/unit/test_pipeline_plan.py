@@ -124,6 +124,9 @@ def test_balance_minimizes_the_largest_stage():
     bounds = balance([(1,)] * 7, 3)
     assert max(b - a for a, b in zip(bounds, bounds[1:])) == 3 and len(bounds) == 4
     assert balance([(0,), (0,), (9,)], 3) == [0, 1, 2, 3]  # every stage non-empty
+    # the embedding and the head fix the largest stage; the blocks between still split evenly
+    # (GPT-2 cpu-tiny on 4 stages: [embed] [h0 h1] [h2 h3] [head], not [embed] [h0] [h1 h2 h3] [head])
+    assert balance([(10,), (1,), (1,), (1,), (1,), (10,)], 4) == [0, 1, 3, 5, 6]
     with pytest.raises(ValueError, match="cannot split 2 layers into 3 non-empty stages"):
         balance([(1,), (1,)], 3)
 
