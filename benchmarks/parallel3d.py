@@ -1,8 +1,8 @@
 """3D parallelism on CPU/gloo: step time of tensor x pipeline x data layouts of the GPT-2 cpu-tiny
-model on 4 ranks, and the measured pipeline bubble against (P - 1) / (m + P - 1).
+model on 4 ranks, and the measured pipeline bubble against (P - 1) / (v m + P - 1).
 
     python benchmarks/parallel3d.py --quick       # 2 rounds x 3 steps: 4.3 min measured on 2 busy cores
-    python benchmarks/parallel3d.py               # 3 rounds x 6 steps; benchmarks/results/parallel3d.json
+    python benchmarks/parallel3d.py               # 3 rounds x 6 steps (9.8 min idle); benchmarks/results/parallel3d.json
     python benchmarks/parallel3d.py --smoke       # tiny GPT, 1 round, no JSON: does everything run?
 
 Workload: ``recipes.gpt2.module.GPT2LM`` with the model and optimizer of
@@ -37,7 +37,10 @@ are used as they are; the schedule is 1F1B.
    updated parameters (to the batch end).
 
 2. **Pipeline bubble**: P = 2 on 2 ranks and P = 4 on 4 ranks (data-parallel size 1), a batch of 8
-   sequences cut into m in {1, 2, 4, 8} micro-batches. Each stage's
+   sequences cut into m in {1, 2, 4, 8} micro-batches; and P = 2 interleaved over v = 2 chunks per
+   stage (m in {2, 4, 8}), whose formula is (P - 1) / (v m + P - 1). The same P = 2 rows run for
+   :class:`BalancedStack` too, a model whose stages are equal by construction (the case the formula
+   describes; the GPT's are not, see below). Each stage's
    ``strategy._parallel.runner.times`` (:class:`lightning_zero.parallel.runner.StageTimes`) holds the
    wall time of the latest schedule and the part of it spent blocked in receives; its
    ``idle_fraction`` is averaged over the kept steps and then over the stages, and set against
@@ -87,7 +90,7 @@ import common  # noqa: E402 - also puts the repository root (``recipes``) on sys
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
 
 from recipes.common.optim import OptimizerConfig  # noqa: E402
 from recipes.gpt2.model import GPTConfig  # noqa: E402
@@ -98,6 +101,7 @@ MICRO_SEQS = 2  # sequences per pipeline micro-batch (step-time table)
 BUBBLE_BATCH = 8  # sequences per step of the bubble rows, cut into m micro-batches
 BUBBLE_MICRO = (1, 2, 4, 8)
 ZERO_STAGE = 1
+STACK_BLOCKS, STACK_WIDTH, STACK_ROWS = 8, 512, 256  # BalancedStack: 8 blocks, 256 rows per step
 SMOKE_MODEL = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=2, n_embd=32)
 
 
@@ -112,6 +116,8 @@ class Layout:
     data: int = 1
     micro_batches: int = 1
     batch: int = GLOBAL_BATCH
+    chunks: int = 1  # pipeline_chunks: above 1 the interleaved 1F1B schedule
+    model: str = "gpt"  # "gpt": GPT-2 cpu-tiny; "stack": BalancedStack (equal stages)
 
     @property
     def world(self) -> int:
@@ -130,9 +136,57 @@ STEP_LAYOUTS = (
 )
 
 
-def bubble_layouts(stages: int) -> list[Layout]:
-    """P = ``stages`` on ``stages`` ranks, one replica, ``BUBBLE_BATCH`` sequences in m micro-batches."""
-    return [Layout(f"pp{stages}_m{m}", pipeline=stages, micro_batches=m, batch=BUBBLE_BATCH) for m in BUBBLE_MICRO]
+def bubble_layouts(stages: int, chunks: int = 1) -> list[Layout]:
+    """P = ``stages`` on ``stages`` ranks, one replica, ``BUBBLE_BATCH`` sequences in m micro-batches;
+    with ``chunks`` > 1 interleaved (m a multiple of P only)."""
+    tag = f"_v{chunks}" if chunks > 1 else ""
+    return [
+        Layout(f"pp{stages}{tag}_m{m}", pipeline=stages, micro_batches=m, batch=BUBBLE_BATCH, chunks=chunks)
+        for m in BUBBLE_MICRO
+        if chunks == 1 or m % stages == 0
+    ]
+
+
+def stack_layouts() -> list[Layout]:
+    """BalancedStack on P = 2 (2 ranks), m in BUBBLE_MICRO, plain (v = 1) and interleaved (v = 2)."""
+    return [
+        Layout(f"stack_pp2{'_v2' if v > 1 else ''}_m{m}", pipeline=2, micro_batches=m, batch=STACK_ROWS, chunks=v, model="stack")
+        for v in (1, 2)
+        for m in BUBBLE_MICRO
+        if v == 1 or m % 2 == 0
+    ]
+
+
+class BalancedStack(pl.LightningModule):
+    """``STACK_BLOCKS`` identical residual MLP blocks (width ``STACK_WIDTH``, hidden 4x) and the mean
+    square of the output as the loss: every stage of a pipeline does the same work per micro-batch
+    and the loss is negligible, which is what the bubble formula assumes."""
+
+    def __init__(self, smoke: bool) -> None:
+        super().__init__()
+        width = 32 if smoke else STACK_WIDTH
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+            for _ in range(STACK_BLOCKS)
+        )
+        self.width = width
+
+    def _loss(self, out: torch.Tensor, batch) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    def configure_pipeline(self):
+        from lightning_zero import PipelineSpec
+
+        return PipelineSpec(layers=list(self.blocks), loss=self._loss, inputs=lambda batch: batch[0])
+
+    def training_step(self, batch, batch_idx):  # the pipeline's schedule runs instead
+        x = batch[0]
+        for block in self.blocks:
+            x = x + block(x)
+        return self._loss(x, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def recipe(smoke: bool) -> tuple[GPTConfig, OptimizerConfig, float]:
@@ -202,6 +256,7 @@ def _fit(layout: Layout, model: GPTConfig, optimizer: OptimizerConfig, clip: flo
         pipeline_micro_batches=layout.micro_batches,
         pipeline_schedule="1f1b",
         pipeline_partition=partition,
+        pipeline_chunks=layout.chunks,
     )
     probe = Probe()
     # The process group survives Trainers (torchelastic variables from common.run_ranks).
@@ -212,8 +267,13 @@ def _fit(layout: Layout, model: GPTConfig, optimizer: OptimizerConfig, clip: flo
     )
     # Lightning's DistributedSampler, with the strategy's data-parallel rank: the ranks of a
     # tensor-parallel group and the stages of a pipeline read the same rows.
-    rows = RandomTokens(layout.batch * steps, model.block_size, model.vocab_size)
-    trainer.fit(GPT2LM(model, optimizer), train_dataloaders=DataLoader(rows, batch_size=layout.per_replica))
+    if layout.model == "stack":
+        module = BalancedStack(smoke=model == SMOKE_MODEL)
+        rows = TensorDataset(torch.randn(layout.batch * steps, module.width, generator=torch.Generator().manual_seed(0)))
+    else:
+        module = GPT2LM(model, optimizer)
+        rows = RandomTokens(layout.batch * steps, model.block_size, model.vocab_size)
+    trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=layout.per_replica))
     return {"stamps": probe.stamps, "parts": probe.parts, "stage": probe.stage, "layers": probe.layers,
             "stage_times": probe.stage_times}
 
@@ -237,6 +297,7 @@ def _summarize(layout: Layout, per_rank: list[dict], warmup: int) -> dict:
         steps += [b - a for a, b in zip(run["stamps"], run["stamps"][1:])][max(warmup - 1, 0):]
         parts += run["parts"][warmup:]
     record = {"layout": layout.name, "tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
+              "chunks": layout.chunks, "model": layout.model,
               "micro_batches": layout.micro_batches if layout.pipeline > 1 else None,
               "sequences_per_replica": layout.per_replica, "steps_s": steps, "median_s": statistics.median(steps),
               "compute_median_s": statistics.median(p[0] for p in parts),
@@ -257,7 +318,7 @@ def _summarize(layout: Layout, per_rank: list[dict], warmup: int) -> dict:
         record["stages"] = [[name.removeprefix("model.") for name in layers[s]] for s in sorted(layers)]
         record["idle_per_stage"] = [statistics.mean(idle[s]) for s in sorted(idle)]
         record["idle_measured"] = statistics.mean(record["idle_per_stage"])
-        record["idle_formula"] = bubble_fraction(layout.pipeline, layout.micro_batches)
+        record["idle_formula"] = bubble_fraction(layout.pipeline, layout.micro_batches, layout.chunks)
         record["schedule_median_s"] = statistics.median(schedule)
     return record
 
@@ -282,12 +343,12 @@ def _step_table(records: list[dict]) -> str:
 
 def _bubble_table(records: list[dict]) -> str:
     rows = [[
-        f"{r['pipeline']}", r["micro_batches"], r["sequences_per_replica"] // r["micro_batches"],
+        f"{r['pipeline']}", r.get("chunks", 1), r["micro_batches"], r["sequences_per_replica"] // r["micro_batches"],
         f"{r['idle_formula']:.3f}", f"{r['idle_measured']:.3f}", " / ".join(f"{x:.2f}" for x in r["idle_per_stage"]),
         f"{r['idle_measured'] - r['idle_formula']:+.3f}", f"{r['median_s'] * 1e3:.0f}",
         f"{r['schedule_median_s'] * 1e3:.0f}",
     ] for r in records]
-    headers = ["P (ranks)", "m", "seqs/micro", "formula (P-1)/(m+P-1)", "measured idle", "per stage 0..P-1",
+    headers = ["P (ranks)", "v", "m", "rows per micro-batch", "formula (P-1)/(vm+P-1)", "measured idle", "per stage 0..P-1",
                "measured - formula", "step ms (median)", "schedule ms (stage 0)"]
     return common.format_table(headers, rows)
 
@@ -325,7 +386,7 @@ def main() -> None:
     start = time.perf_counter()
     total = args.warmup + steps
     # 2 ranks first (P = 2 alone on the 2 cores), then every 4-rank configuration interleaved.
-    two = bubble_layouts(2)
+    two = [*bubble_layouts(2), *bubble_layouts(2, chunks=2), *stack_layouts()]
     four = [*STEP_LAYOUTS, *bubble_layouts(4)]
     per_rank_2 = common.run_ranks(_worker, two, rounds, total, setup, world_size=2)
     per_rank_4 = common.run_ranks(_worker, four, rounds, total, setup, world_size=4)
@@ -333,9 +394,14 @@ def main() -> None:
     uptime_after, load_after = _uptime(), os.getloadavg()
 
     step_records = [_summarize(layout, per_rank_4, args.warmup) for layout in STEP_LAYOUTS]
-    bubble_records = [_summarize(layout, per_rank_2, args.warmup) for layout in two]
+    bubble_records = [_summarize(layout, per_rank_2, args.warmup) for layout in two if layout.model == "gpt"]
     bubble_records += [_summarize(layout, per_rank_4, args.warmup) for layout in bubble_layouts(4)]
-    tables = {"step_time": _step_table(step_records), "bubble": _bubble_table(bubble_records)}
+    balanced_records = [_summarize(layout, per_rank_2, args.warmup) for layout in stack_layouts()]
+    tables = {
+        "step_time": _step_table(step_records),
+        "bubble": _bubble_table(bubble_records),
+        "bubble_balanced": _bubble_table(balanced_records),
+    }
 
     model = setup[0]
     print(f"\nGPT-2 cpu-tiny ({model.n_layer} layers, width {model.n_embd}, vocab {model.vocab_size}, seq "
@@ -344,9 +410,13 @@ def main() -> None:
     print(f"Step time on 4 ranks, global batch {GLOBAL_BATCH} sequences, pipeline micro-batches of {MICRO_SEQS} "
           f"sequences, 1F1B; idle = mean over stages of the time blocked in receives / schedule time:\n")
     print(tables["step_time"])
-    print(f"\nPipeline bubble, 1F1B, one replica, batch {BUBBLE_BATCH} sequences (P=2 on 2 ranks, P=4 on 4 ranks):\n")
+    print(f"\nPipeline bubble, 1F1B (v > 1: interleaved over v chunks per stage), one replica, batch {BUBBLE_BATCH} "
+          "sequences (P=2 on 2 ranks, P=4 on 4 ranks):\n")
     print(tables["bubble"])
-    splits = {f"P={r['pipeline']}": " ".join("[" + " ".join(s) + "]" for s in r["stages"]) for r in bubble_records}
+    print(f"\nPipeline bubble with equal stages: BalancedStack ({STACK_BLOCKS} residual MLP blocks of width "
+          f"{STACK_WIDTH}, {STACK_ROWS} rows per step, mean-square loss), P=2 on 2 ranks:\n")
+    print(tables["bubble_balanced"])
+    splits = {f"P={r['pipeline']},v={r.get('chunks', 1)}": " ".join("[" + " ".join(s) + "]" for s in r["stages"]) for r in bubble_records}
     print(f"\nStages (pipeline_partition={args.partition!r}): " + "; ".join(f"{k}: {v}" for k, v in splits.items()))
     machine = {**common.machine(), "ranks": "4 gloo ranks (2 for the P=2 bubble rows), 1 thread each"}
     print("\n" + "; ".join(f"{k}: {v}" for k, v in machine.items()) + f"; wall time {wall_s / 60:.1f} min")
@@ -359,7 +429,7 @@ def main() -> None:
         "global_batch": GLOBAL_BATCH, "micro_batch_sequences": MICRO_SEQS, "bubble_batch": BUBBLE_BATCH,
         "zero_stage": ZERO_STAGE, "partition": args.partition, "uptime_before": uptime_before, "uptime_after": uptime_after,
         "load_before": list(load_before), "load_after": list(load_after), "wall_s": wall_s,
-        "step_time": step_records, "bubble": bubble_records, "tables": tables,
+        "step_time": step_records, "bubble": bubble_records, "bubble_balanced": balanced_records, "tables": tables,
     })
     print(f"wrote {path}")
 
