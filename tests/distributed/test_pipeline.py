@@ -223,3 +223,55 @@ def test_tp2_pp2_matches_one_process(sequence_parallel):
     # same tensor-parallel rank of the next stage; the LM head's all-gather makes it whole again.
     results = run_ranks(_tp2_pp2_worker, sequence_parallel, world_size=4, timeout=300)
     _check(results, _reference(data_parallel=1), tensor=2, pipeline=2)
+
+
+def _failing_worker(rank: int) -> dict:
+    """The last stage's loss raises at the third micro-batch: the other stage waits in a receive."""
+    import time
+
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import PipelineSpec, ZeroStrategy
+
+    calls = []
+
+    class Failing(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt()
+
+        def _loss(self, logits, batch):
+            calls.append(1)
+            if len(calls) == 3:
+                raise ValueError("bad batch in the loss")
+            return self.model.loss(logits, batch[0][:, 1:])
+
+        def configure_pipeline(self) -> PipelineSpec:
+            return PipelineSpec(layers=self.model.to_layers(), loss=self._loss, inputs=lambda batch: batch[0][:, :-1])
+
+        def training_step(self, batch, batch_idx):  # pragma: no cover - the pipeline runs instead
+            raise AssertionError
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_micro_batches=2),
+        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    try:
+        trainer.fit(Failing(), DataLoader(TensorDataset(_tokens(16)), batch_size=4))
+    except BaseException as error:  # noqa: BLE001 - returned for the parent to check
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def test_a_failing_stage_stops_every_stage_without_a_hang():
+    # Stage 1 raises in its loss during the second step; stage 0, blocked in a receive from it,
+    # must fail as soon as stage 1's process is gone (gloo closes the connection), not after the
+    # 10-minute collective timeout. 120 s bounds two processes importing Lightning on busy cores.
+    results = run_ranks(_failing_worker, world_size=2, timeout=180)
+    assert "ValueError: bad batch in the loss" in results[1]["error"], results[1]
+    assert "rank 1 of 2 is gone" in results[0]["error"] and results[0]["seconds"] < 120, results[0]  # measured 1.7 s
