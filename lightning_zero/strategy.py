@@ -250,6 +250,11 @@ class ZeroStrategy(DDPStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
+        if trainer.state.fn == TrainerFn.PREDICTING and self._parallel.pipelined:
+            raise NotImplementedError(
+                "predict under pipeline_parallel_size > 1 is not available: the outputs live on the last stage only; "
+                "predict with pipeline_parallel_size=1 (a checkpoint converts to any layout)"
+            )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         stage3 = self.zero_config.stage == 3
@@ -355,11 +360,6 @@ class ZeroStrategy(DDPStrategy):
             self._end_pass()
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._parallel.pipelined:
-            raise NotImplementedError(
-                "predict under pipeline_parallel_size > 1 is not available: the outputs live on the last stage only; "
-                "predict with pipeline_parallel_size=1 (a checkpoint converts to any layout)"
-            )
         try:
             return super().predict_step(*args, **kwargs)
         finally:

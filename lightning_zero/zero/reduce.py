@@ -148,18 +148,14 @@ class GradReducer:
         if grad.is_sparse:
             raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
         tied = self._tied.get(id(param))
-        if tied is not None:  # summed over its stages at the step (add_tied), not bucketed
-            tied[0].add_(grad.reshape(-1))
-            param.grad = None
-            buffer.arrived.add(p_index)
-            if self.stage >= 2 and self.overlap_comm:
-                self._launch(only_complete=True)
-            return
         slot = buffer.layout.slots[p_index]
         with self.side.enter():
-            if buffer.grad_bucket is None:
-                buffer.grad_bucket = self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device)
-            buffer.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+            if tied is not None:  # summed over its stages at the step (add_tied), not bucketed
+                tied[0].add_(grad.reshape(-1))
+            else:
+                if buffer.grad_bucket is None:
+                    buffer.grad_bucket = self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device)
+                buffer.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
             self.side.keep_alive(grad)
         param.grad = None
         buffer.arrived.add(p_index)

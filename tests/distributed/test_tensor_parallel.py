@@ -148,6 +148,21 @@ def _bert_check(groups) -> dict:
     return out
 
 
+def _forward_backward(whole, split, rows) -> dict:
+    """Logits, loss and gradients of the whole and the split model on ``rows``."""
+    out = {}
+    for name, model in (("whole", whole), ("split", split)):
+        logits = model(rows[:, :-1])
+        loss = model.loss(logits, rows[:, 1:])
+        loss.backward()
+        out[name] = {
+            "logits": logits.detach(),
+            "loss": loss.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        }
+    return out
+
+
 def _function_worker(rank: int) -> dict:
     """Forward and gradients of the converted GPT-2 and BERT vs the whole ones; vocab-parallel pieces too."""
     import torch.distributed as dist
@@ -171,15 +186,7 @@ def _function_worker(rank: int) -> dict:
     assert len(converted) == 10, converted
     rows = _tokens(3)
     out = {"tied": split.head.lm_head.weight is split.embed.wte.weight}
-    for name, model in (("whole", whole), ("split", split)):
-        logits = model(rows[:, :-1])
-        loss = model.loss(logits, rows[:, 1:])
-        loss.backward()
-        out[name] = {
-            "logits": logits.detach(),
-            "loss": loss.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        }
+    out.update(_forward_backward(whole, split, rows))
     out["marked"] = sorted(n for n, p in split.named_parameters() if getattr(p, "tensor_parallel", False))
     out["bert"] = _bert_check(groups)
 
@@ -371,15 +378,7 @@ def _sequence_parallel_worker(rank: int) -> dict:
     chunks = {}
     split.h[0].ln_1.register_forward_hook(lambda m, a, y: chunks.update(ln_1=tuple(y.shape)))
     rows = _tokens(3)
-    for name, model in (("whole", whole), ("split", split)):
-        logits = model(rows[:, :-1])
-        loss = model.loss(logits, rows[:, 1:])
-        loss.backward()
-        out[name] = {
-            "logits": logits.detach(),
-            "loss": loss.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        }
+    out.update(_forward_backward(whole, split, rows))
     out["ln_1 output"] = chunks["ln_1"]
     out["tied"] = split.head.lm_head.weight is split.embed.wte.weight
     out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2, sequence_parallel=True)
