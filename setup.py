@@ -11,12 +11,12 @@
 Build with ``pip install --no-build-isolation -e .`` so the extension is compiled against the torch
 already installed (an isolated build would download another torch).
 """
+
 import glob
 import os
 import sys
 
 from setuptools import setup
-from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,8 +44,7 @@ def _extensions():
         and cpp_extension.CUDA_HOME is not None
         and os.environ.get("LIGHTNING_ZERO_NO_CUDA", "0") != "1"
     )
-    kwargs = dict(name="lightning_zero._C", sources=sources, extra_compile_args={"cxx": cxx},
-                  py_limited_api=False)
+    kwargs = dict(name="lightning_zero._C", sources=sources, extra_compile_args={"cxx": cxx}, py_limited_api=False)
     if use_cuda:
         kwargs["sources"] = sources + _sources("csrc/cuda/*.cu")
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo"]
@@ -64,8 +63,10 @@ def _optional(base):
             try:
                 super().run()
             except Exception as exc:  # noqa: BLE001 - any compiler failure must not fail the install
-                _warn(f"compiling lightning_zero._C failed ({exc}); "
-                      "lightning_zero.ops will use the PyTorch reference implementations")
+                _warn(
+                    f"compiling lightning_zero._C failed ({exc}); "
+                    "lightning_zero.ops will use the PyTorch reference implementations"
+                )
 
         def build_extension(self, ext):
             try:
@@ -73,7 +74,9 @@ def _optional(base):
             except Exception as exc:  # noqa: BLE001
                 _warn(f"compiling {ext.name} failed ({exc}); continuing without it")
 
-    return OptionalBuildExtension.with_options(use_ninja=True) if hasattr(base, "with_options") else OptionalBuildExtension
+    return (
+        OptionalBuildExtension.with_options(use_ninja=True) if hasattr(base, "with_options") else OptionalBuildExtension
+    )
 
 
 ext_modules, cmdclass = _extensions()

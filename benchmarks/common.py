@@ -20,8 +20,9 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # ``recipes`` is a plain package at the repository root, not part of the installed wheel.
@@ -45,8 +46,9 @@ SEQ = 128
 MICRO_BATCH = 4
 #: The BERT of recipes/bert/model.py at the GPT's width and depth (~13M parameters, no dropout so
 #: every system computes the same thing); masked-LM loss on 15% of the positions.
-BERT_MODEL = BertConfig(vocab_size=8192, max_position=SEQ, n_layer=6, n_head=6, hidden=384,
-                        intermediate=1536, dropout=0.0)
+BERT_MODEL = BertConfig(
+    vocab_size=8192, max_position=SEQ, n_layer=6, n_head=6, hidden=384, intermediate=1536, dropout=0.0
+)
 MASK_FRACTION = 0.15
 
 
@@ -54,8 +56,9 @@ def use_tiny_models() -> None:
     """Shrink both workloads to a few thousand parameters: for checking the scripts, not for numbers."""
     global MODEL, BERT_MODEL
     MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
-    BERT_MODEL = BertConfig(vocab_size=256, max_position=SEQ, n_layer=2, n_head=2, hidden=32, intermediate=64,
-                            dropout=0.0)
+    BERT_MODEL = BertConfig(
+        vocab_size=256, max_position=SEQ, n_layer=2, n_head=2, hidden=32, intermediate=64, dropout=0.0
+    )
 
 
 # -- ranks --------------------------------------------------------------------------------------
@@ -219,12 +222,14 @@ def ensure_process_group() -> None:
 
 
 #: ZeroStrategy arguments of the offload names, as lightning_zero registers them
-OFFLOAD = {"zero2_offload": {"offload_optimizer": True},
-           "zero3_offload": {"offload_optimizer": True, "offload_parameters": True}}
+OFFLOAD = {
+    "zero2_offload": {"offload_optimizer": True},
+    "zero3_offload": {"offload_optimizer": True, "offload_parameters": True},
+}
 
 
 def build_strategy(name: str, **options: Any) -> Any:
-    """"ddp" -> Lightning's ``DDPStrategy(**options)``; "zero1"/"zero2"/"zero3"/"zero2_offload"/
+    """ "ddp" -> Lightning's ``DDPStrategy(**options)``; "zero1"/"zero2"/"zero3"/"zero2_offload"/
     "zero3_offload" -> ``ZeroStrategy(stage, **offload arguments, **options)``."""
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -270,8 +275,12 @@ def machine() -> dict[str, str]:
         cpu = platform.processor() or "unknown"
     try:
         git = ["git", "-C", str(ROOT)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "lightning_zero"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "lightning_zero"], capture_output=True, text=True
+        ).stdout.strip()
         revision = commit + (" + uncommitted changes to lightning_zero/" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         revision = "unknown (not a git checkout)"

@@ -12,6 +12,7 @@ gradient, step, write a bf16 copy of the parameters for the device. Ours does it
 (28 + 2 bytes per parameter); torch needs grad.mul_, the fused AdamW step, and a copy (the bytes
 those passes move are counted as the same 30 so the times compare directly).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,20 @@ def ours(n, p, g, repeats, isa, fused_pass=False):
 
     def step():
         state["step"] += 1
-        F.cpu_adam_step(p, g, m, v, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                        step=state["step"], grad_scale=0.5 if fused_pass else 1.0, param_copy=copy)
+        F.cpu_adam_step(
+            p,
+            g,
+            m,
+            v,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            step=state["step"],
+            grad_scale=0.5 if fused_pass else 1.0,
+            param_copy=copy,
+        )
 
     return timed(step, repeats)
 
@@ -91,11 +104,21 @@ def measure(sizes: str, repeats: int) -> list[dict]:
         n = int(float(size.rstrip("M")) * 1e6)
         bw = bandwidth(n, repeats)
         p, g = torch.randn(n), torch.randn(n) * 1e-3
-        records.append({"size": size, "what": "memory bandwidth (a += b)", "ms": None, "gbs": bw,
-                        "vs_torch": None, "of_bandwidth": 1.0})
+        records.append(
+            {
+                "size": size,
+                "what": "memory bandwidth (a += b)",
+                "ms": None,
+                "gbs": bw,
+                "vs_torch": None,
+                "of_bandwidth": 1.0,
+            }
+        )
         base = torch_adamw(p.clone(), g, repeats, fused=True)
-        timings = [("torch AdamW fused=True", base, ADAM_BYTES),
-                   ("torch AdamW foreach=True", torch_adamw(p.clone(), g, repeats, foreach=True), ADAM_BYTES)]
+        timings = [
+            ("torch AdamW fused=True", base, ADAM_BYTES),
+            ("torch AdamW foreach=True", torch_adamw(p.clone(), g, repeats, foreach=True), ADAM_BYTES),
+        ]
         ds = deepspeed_adam(p.clone(), g, repeats)
         if ds is not None:
             timings.append(("DeepSpeedCPUAdam", ds, ADAM_BYTES))
@@ -109,8 +132,9 @@ def measure(sizes: str, repeats: int) -> list[dict]:
         for what, t, nbytes in timings:
             ref = fused_base if what.startswith("fused pass") else base
             gbs = nbytes * n / t / 1e9
-            records.append({"size": size, "what": what, "ms": t * 1e3, "gbs": gbs, "vs_torch": ref / t,
-                            "of_bandwidth": gbs / bw})
+            records.append(
+                {"size": size, "what": what, "ms": t * 1e3, "gbs": gbs, "vs_torch": ref / t, "of_bandwidth": gbs / bw}
+            )
         del p, g
     os.environ.pop(ISA_ENV, None)
     return records
@@ -129,8 +153,10 @@ def main() -> None:
         if r["ms"] is None:
             print(f"{r['size']:>6} {r['what']:<34} {'':>9} {r['gbs']:7.1f}")
         else:
-            print(f"{r['size']:>6} {r['what']:<34} {r['ms']:9.1f} {r['gbs']:7.1f} {r['vs_torch']:14.2f}x "
-                  f"{r['of_bandwidth']:12.2f}")
+            print(
+                f"{r['size']:>6} {r['what']:<34} {r['ms']:9.1f} {r['gbs']:7.1f} {r['vs_torch']:14.2f}x "
+                f"{r['of_bandwidth']:12.2f}"
+            )
 
 
 if __name__ == "__main__":

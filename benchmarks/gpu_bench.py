@@ -101,29 +101,56 @@ def train(config_name: str, steps: int, warmup: int, batch: int, smoke: bool) ->
         strategy = "auto"  # one device: Lightning's SingleDeviceStrategy, the baseline without ZeRO
     else:
         name = config_name.replace("_fusedadam", "")
-        offload = {"offload_optimizer": True, "offload_parameters": name == "zero3_offload"} if "offload" in name else {}
+        offload = (
+            {"offload_optimizer": True, "offload_parameters": name == "zero3_offload"} if "offload" in name else {}
+        )
         strategy = lightning_zero.ZeroStrategy(stage=int(name[4]), **offload)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     clock = Clock()
-    trainer = pl.Trainer(accelerator="cpu" if smoke else "gpu", devices=1, strategy=strategy, precision="bf16-mixed",
-                         max_steps=total, callbacks=[clock], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu" if smoke else "gpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=total,
+        callbacks=[clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     module = Module(model_config, fused_adam=config_name.endswith("_fusedadam"))
     trainer.fit(module, train_dataloaders=loader)
-    times = sorted(b - a for a, b in zip(clock.stamps[warmup - 1:], clock.stamps[warmup:]))
+    times = sorted(b - a for a, b in zip(clock.stamps[warmup - 1 :], clock.stamps[warmup:]))
     median = times[len(times) // 2]
-    flops = transformer_training_flops(batch=batch, seq=seq, n_layer=model_config.n_layer, d_model=model_config.n_embd,
-                                       d_ff=4 * model_config.n_embd, vocab=model_config.vocab_size,
-                                       head_positions=batch * seq)
+    flops = transformer_training_flops(
+        batch=batch,
+        seq=seq,
+        n_layer=model_config.n_layer,
+        d_model=model_config.n_embd,
+        d_ff=4 * model_config.n_embd,
+        vocab=model_config.vocab_size,
+        head_positions=batch * seq,
+    )
     peak = _peak_tflops()
     tflops = flops / median / 1e12
-    return {"config": config_name, "params": sum(p.numel() for p in module.parameters()), "batch": batch, "seq": seq,
-            "median_step_s": median, "steps_s": times, "tokens_per_s": batch * seq / median, "tflops": tflops,
-            "mfu": tflops / peak if peak else None, "peak_tflops": peak,
-            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+    return {
+        "config": config_name,
+        "params": sum(p.numel() for p in module.parameters()),
+        "batch": batch,
+        "seq": seq,
+        "median_step_s": median,
+        "steps_s": times,
+        "tokens_per_s": batch * seq / median,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_tflops": peak,
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
 
 
 def optim(smoke: bool, repeats: int = 20) -> dict:
@@ -133,8 +160,10 @@ def optim(smoke: bool, repeats: int = 20) -> dict:
     device = "cpu" if smoke else "cuda"
     shapes = [(1000,)] * 4 if smoke else [(14_680_064,)] * 24
     out = {}
-    for name, cls, kwargs in (("torch AdamW fused=True", torch.optim.AdamW, {"fused": not smoke}),
-                              ("lightning_zero FusedAdam", FusedAdam, {})):
+    for name, cls, kwargs in (
+        ("torch AdamW fused=True", torch.optim.AdamW, {"fused": not smoke}),
+        ("lightning_zero FusedAdam", FusedAdam, {}),
+    ):
         params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
@@ -166,7 +195,9 @@ def table(out: Path) -> str:
         r = json.loads(path.read_text())
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['max_memory_allocated_gib']:.2f}" if r["max_memory_allocated_gib"] is not None else "-"
-        rows.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} |")
+        rows.append(
+            f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {mem} |"
+        )
     optim_path = out / "optim.json"
     if optim_path.exists():
         rows += ["", "| optimizer step, 350M fp32 | ms | GB/s |", "|---|---|---|"]

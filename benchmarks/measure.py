@@ -20,9 +20,23 @@ import warnings
 import torch
 
 #: system -> ZeRO stage whose formula applies; the dtype it keeps parameters in decides mixed vs fp32
-STAGE = {"ddp": 0, "zero_redundancy": 1, "fsdp2": 3, "fsdp2_no_reshard": 3,
-         "zero1": 1, "zero2": 2, "zero3": 3, "zero2_offload": 2, "zero3_offload": 3,
-         "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3, "ds2_offload": 2, "ds3_offload": 3}
+STAGE = {
+    "ddp": 0,
+    "zero_redundancy": 1,
+    "fsdp2": 3,
+    "fsdp2_no_reshard": 3,
+    "zero1": 1,
+    "zero2": 2,
+    "zero3": 3,
+    "zero2_offload": 2,
+    "zero3_offload": 3,
+    "ds0": 0,
+    "ds1": 1,
+    "ds2": 2,
+    "ds3": 3,
+    "ds2_offload": 2,
+    "ds3_offload": 3,
+}
 #: systems that keep fp32 parameters and gradients under "bf16-mixed" (autocast), so their formula
 #: is the fp32 one: Lightning's DDP, torch's ZeroRedundancyOptimizer, FSDP2 (fp32 shards)
 FP32_STATES = {"ddp", "zero_redundancy", "fsdp2", "fsdp2_no_reshard"}
@@ -103,4 +117,4 @@ class Clock:
 
     def steps(self, warmup: int) -> list[float]:
         """Step durations after ``warmup`` steps (the first stamp only opens the first interval)."""
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][max(warmup - 1, 0):]
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][max(warmup - 1, 0) :]

@@ -35,10 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-
-import common  # noqa: E402
 
 #: (strategy, precision, options). The extra zero2 row with small buckets shows how much of the
 #: transient bucket memory is alive at once when the model spans several buckets.
@@ -124,8 +123,15 @@ def _worker(rank: int, steps: int) -> list[dict]:
             options = {"gradient_as_bucket_view": True}
         trainer = common.make_trainer(common.build_strategy(strategy, **options), precision, steps, [probe])
         trainer.fit(module, train_dataloaders=common.make_loader(steps, rank))
-        out.append({"strategy": strategy, "precision": precision, "psi": psi, "bytes": probe.bytes,
-                    "peak_buckets": probe.peak_buckets})
+        out.append(
+            {
+                "strategy": strategy,
+                "precision": precision,
+                "psi": psi,
+                "bytes": probe.bytes,
+                "peak_buckets": probe.peak_buckets,
+            }
+        )
     return out
 
 
@@ -155,15 +161,44 @@ def main() -> None:
         formula = formula_bytes(strategy, precision, psi, n)
         ratio = total / formula
         rows.append(
-            [_label(strategy, precision, options), *(_mb(got[k]) for k in MODEL_STATES), _mb(total),
-             _mb(measured["peak_buckets"]), _mb(formula), f"{total / psi:.2f}", f"{ratio:.3f}",
-             "ok" if ratio <= TARGET else "OVER"]
+            [
+                _label(strategy, precision, options),
+                *(_mb(got[k]) for k in MODEL_STATES),
+                _mb(total),
+                _mb(measured["peak_buckets"]),
+                _mb(formula),
+                f"{total / psi:.2f}",
+                f"{ratio:.3f}",
+                "ok" if ratio <= TARGET else "OVER",
+            ]
         )
-        records.append({"strategy": strategy, "precision": precision, "options": options, "psi": psi, "bytes": got,
-                        "peak_buckets": measured["peak_buckets"], "model_states": total, "formula": formula, "ratio": ratio})
+        records.append(
+            {
+                "strategy": strategy,
+                "precision": precision,
+                "options": options,
+                "psi": psi,
+                "bytes": got,
+                "peak_buckets": measured["peak_buckets"],
+                "model_states": total,
+                "formula": formula,
+                "ratio": ratio,
+            }
+        )
 
-    headers = ["config", "params MiB", "grads MiB", "master MiB", "states MiB", "total MiB",
-               "peak buckets MiB", "formula MiB", "bytes/Ψ", "measured/formula", f"<= {TARGET}"]
+    headers = [
+        "config",
+        "params MiB",
+        "grads MiB",
+        "master MiB",
+        "states MiB",
+        "total MiB",
+        "peak buckets MiB",
+        "formula MiB",
+        "bytes/Ψ",
+        "measured/formula",
+        f"<= {TARGET}",
+    ]
     print(f"\nModel-state bytes per rank (N={n} gloo ranks, AdamW, Ψ={psi:,} parameters), after the last step.")
     print("total = params + grads + master + states (the model states). Not in total: 'peak buckets', the most")
     print("bytes of transient communication buckets seen during the last backward (stage 2's full-size gradient")

@@ -86,7 +86,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402 - also puts the repository root (``recipes``) on sys.path
-
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -150,7 +149,14 @@ def bubble_layouts(stages: int, chunks: int = 1) -> list[Layout]:
 def stack_layouts() -> list[Layout]:
     """BalancedStack on P = 2 (2 ranks), m in BUBBLE_MICRO, plain (v = 1) and interleaved (v = 2)."""
     return [
-        Layout(f"stack_pp2{'_v2' if v > 1 else ''}_m{m}", pipeline=2, micro_batches=m, batch=STACK_ROWS, chunks=v, model="stack")
+        Layout(
+            f"stack_pp2{'_v2' if v > 1 else ''}_m{m}",
+            pipeline=2,
+            micro_batches=m,
+            batch=STACK_ROWS,
+            chunks=v,
+            model="stack",
+        )
         for v in (1, 2)
         for m in BUBBLE_MICRO
         if v == 1 or m % 2 == 0
@@ -261,21 +267,38 @@ def _fit(layout: Layout, model: GPTConfig, optimizer: OptimizerConfig, clip: flo
     probe = Probe()
     # The process group survives Trainers (torchelastic variables from common.run_ranks).
     trainer = pl.Trainer(
-        accelerator="cpu", devices=layout.world, strategy=strategy, precision="bf16-mixed", max_steps=steps,
-        gradient_clip_val=clip, callbacks=[probe], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=layout.world,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=steps,
+        gradient_clip_val=clip,
+        callbacks=[probe],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     # Lightning's DistributedSampler, with the strategy's data-parallel rank: the ranks of a
     # tensor-parallel group and the stages of a pipeline read the same rows.
     if layout.model == "stack":
         module = BalancedStack(smoke=model == SMOKE_MODEL)
-        rows = TensorDataset(torch.randn(layout.batch * steps, module.width, generator=torch.Generator().manual_seed(0)))
+        rows = TensorDataset(
+            torch.randn(layout.batch * steps, module.width, generator=torch.Generator().manual_seed(0))
+        )
     else:
         module = GPT2LM(model, optimizer)
         rows = RandomTokens(layout.batch * steps, model.block_size, model.vocab_size)
     trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=layout.per_replica))
-    return {"stamps": probe.stamps, "parts": probe.parts, "stage": probe.stage, "layers": probe.layers,
-            "stage_times": probe.stage_times}
+    return {
+        "stamps": probe.stamps,
+        "parts": probe.parts,
+        "stage": probe.stage,
+        "layers": probe.layers,
+        "stage_times": probe.stage_times,
+    }
 
 
 def _worker(rank: int, layouts: list[Layout], rounds: int, total: int, setup: tuple) -> dict:
@@ -294,15 +317,23 @@ def _summarize(layout: Layout, per_rank: list[dict], warmup: int) -> dict:
     steps: list[float] = []
     parts: list[tuple[float, float, float]] = []
     for run in runs[0]:  # the first stamp only opens the first interval
-        steps += [b - a for a, b in zip(run["stamps"], run["stamps"][1:])][max(warmup - 1, 0):]
+        steps += [b - a for a, b in zip(run["stamps"], run["stamps"][1:])][max(warmup - 1, 0) :]
         parts += run["parts"][warmup:]
-    record = {"layout": layout.name, "tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
-              "chunks": layout.chunks, "model": layout.model,
-              "micro_batches": layout.micro_batches if layout.pipeline > 1 else None,
-              "sequences_per_replica": layout.per_replica, "steps_s": steps, "median_s": statistics.median(steps),
-              "compute_median_s": statistics.median(p[0] for p in parts),
-              "reduce_median_s": statistics.median(p[1] for p in parts),
-              "step_median_s": statistics.median(p[2] for p in parts)}
+    record = {
+        "layout": layout.name,
+        "tensor": layout.tensor,
+        "pipeline": layout.pipeline,
+        "data": layout.data,
+        "chunks": layout.chunks,
+        "model": layout.model,
+        "micro_batches": layout.micro_batches if layout.pipeline > 1 else None,
+        "sequences_per_replica": layout.per_replica,
+        "steps_s": steps,
+        "median_s": statistics.median(steps),
+        "compute_median_s": statistics.median(p[0] for p in parts),
+        "reduce_median_s": statistics.median(p[1] for p in parts),
+        "step_median_s": statistics.median(p[2] for p in parts),
+    }
     if layout.pipeline > 1:
         idle: dict[int, list[float]] = {}
         schedule: list[float] = []
@@ -327,29 +358,73 @@ def _step_table(records: list[dict]) -> str:
     base = next(r for r in records if r["layout"] == "dp4")
     rows = []
     for r in records:
-        micro = f"{r['micro_batches']} x {r['sequences_per_replica'] // r['micro_batches']}" if r["micro_batches"] else "-"
+        micro = (
+            f"{r['micro_batches']} x {r['sequences_per_replica'] // r['micro_batches']}" if r["micro_batches"] else "-"
+        )
         idle = f"{r['idle_measured']:.2f} / {r['idle_formula']:.2f}" if "idle_measured" in r else "-"
-        rows.append([
-            r["layout"], f"{r['tensor']}x{r['pipeline']}x{r['data']}", r["sequences_per_replica"], micro,
-            f"{r['median_s'] * 1e3:.0f}", f"{min(r['steps_s']) * 1e3:.0f}-{max(r['steps_s']) * 1e3:.0f}",
-            len(r["steps_s"]), f"{r['median_s'] / base['median_s']:.2f}",
-            f"{min(r['steps_s']) / min(base['steps_s']):.2f}", f"{r['compute_median_s'] * 1e3:.0f}",
-            f"{r['reduce_median_s'] * 1e3:.0f}", f"{r['step_median_s'] * 1e3:.0f}", idle,
-        ])
-    headers = ["layout", "T x P x D", "seqs/replica", "micro-batches", "median ms", "min-max ms", "steps",
-               "x dp4", "x dp4 (minima)", "fwd+bwd ms", "reduce ms", "clip+step+gather ms", "idle measured / formula"]
+        rows.append(
+            [
+                r["layout"],
+                f"{r['tensor']}x{r['pipeline']}x{r['data']}",
+                r["sequences_per_replica"],
+                micro,
+                f"{r['median_s'] * 1e3:.0f}",
+                f"{min(r['steps_s']) * 1e3:.0f}-{max(r['steps_s']) * 1e3:.0f}",
+                len(r["steps_s"]),
+                f"{r['median_s'] / base['median_s']:.2f}",
+                f"{min(r['steps_s']) / min(base['steps_s']):.2f}",
+                f"{r['compute_median_s'] * 1e3:.0f}",
+                f"{r['reduce_median_s'] * 1e3:.0f}",
+                f"{r['step_median_s'] * 1e3:.0f}",
+                idle,
+            ]
+        )
+    headers = [
+        "layout",
+        "T x P x D",
+        "seqs/replica",
+        "micro-batches",
+        "median ms",
+        "min-max ms",
+        "steps",
+        "x dp4",
+        "x dp4 (minima)",
+        "fwd+bwd ms",
+        "reduce ms",
+        "clip+step+gather ms",
+        "idle measured / formula",
+    ]
     return common.format_table(headers, rows)
 
 
 def _bubble_table(records: list[dict]) -> str:
-    rows = [[
-        f"{r['pipeline']}", r.get("chunks", 1), r["micro_batches"], r["sequences_per_replica"] // r["micro_batches"],
-        f"{r['idle_formula']:.3f}", f"{r['idle_measured']:.3f}", " / ".join(f"{x:.2f}" for x in r["idle_per_stage"]),
-        f"{r['idle_measured'] - r['idle_formula']:+.3f}", f"{r['median_s'] * 1e3:.0f}",
-        f"{r['schedule_median_s'] * 1e3:.0f}",
-    ] for r in records]
-    headers = ["P (ranks)", "v", "m", "rows per micro-batch", "formula (P-1)/(vm+P-1)", "measured idle", "per stage 0..P-1",
-               "measured - formula", "step ms (median)", "schedule ms (stage 0)"]
+    rows = [
+        [
+            f"{r['pipeline']}",
+            r.get("chunks", 1),
+            r["micro_batches"],
+            r["sequences_per_replica"] // r["micro_batches"],
+            f"{r['idle_formula']:.3f}",
+            f"{r['idle_measured']:.3f}",
+            " / ".join(f"{x:.2f}" for x in r["idle_per_stage"]),
+            f"{r['idle_measured'] - r['idle_formula']:+.3f}",
+            f"{r['median_s'] * 1e3:.0f}",
+            f"{r['schedule_median_s'] * 1e3:.0f}",
+        ]
+        for r in records
+    ]
+    headers = [
+        "P (ranks)",
+        "v",
+        "m",
+        "rows per micro-batch",
+        "formula (P-1)/(vm+P-1)",
+        "measured idle",
+        "per stage 0..P-1",
+        "measured - formula",
+        "step ms (median)",
+        "schedule ms (stage 0)",
+    ]
     return common.format_table(headers, rows)
 
 
@@ -372,7 +447,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="interleaved repetitions (default 3; --quick 2)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 3)")
     parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
-    parser.add_argument("--partition", default="parameters", help="pipeline_partition (default: the strategy's, parameters)")
+    parser.add_argument(
+        "--partition", default="parameters", help="pipeline_partition (default: the strategy's, parameters)"
+    )
     parser.add_argument("--wait-load", type=float, metavar="L", help="first wait (up to 5 min) for a 1-min load <= L")
     parser.add_argument("--json", help="output (default benchmarks/results/parallel3d[_quick].json; none with --smoke)")
     args = parser.parse_args()
@@ -404,19 +481,30 @@ def main() -> None:
     }
 
     model = setup[0]
-    print(f"\nGPT-2 cpu-tiny ({model.n_layer} layers, width {model.n_embd}, vocab {model.vocab_size}, seq "
-          f"{model.block_size}), bf16-mixed, ZeRO stage {ZERO_STAGE}, AdamW; CPU/gloo ranks, 1 thread each; median "
-          f"of {steps} steps x {rounds} rounds after {args.warmup} warm-up steps per run.\n")
-    print(f"Step time on 4 ranks, global batch {GLOBAL_BATCH} sequences, pipeline micro-batches of {MICRO_SEQS} "
-          f"sequences, 1F1B; idle = mean over stages of the time blocked in receives / schedule time:\n")
+    print(
+        f"\nGPT-2 cpu-tiny ({model.n_layer} layers, width {model.n_embd}, vocab {model.vocab_size}, seq "
+        f"{model.block_size}), bf16-mixed, ZeRO stage {ZERO_STAGE}, AdamW; CPU/gloo ranks, 1 thread each; median "
+        f"of {steps} steps x {rounds} rounds after {args.warmup} warm-up steps per run.\n"
+    )
+    print(
+        f"Step time on 4 ranks, global batch {GLOBAL_BATCH} sequences, pipeline micro-batches of {MICRO_SEQS} "
+        f"sequences, 1F1B; idle = mean over stages of the time blocked in receives / schedule time:\n"
+    )
     print(tables["step_time"])
-    print(f"\nPipeline bubble, 1F1B (v > 1: interleaved over v chunks per stage), one replica, batch {BUBBLE_BATCH} "
-          "sequences (P=2 on 2 ranks, P=4 on 4 ranks):\n")
+    print(
+        f"\nPipeline bubble, 1F1B (v > 1: interleaved over v chunks per stage), one replica, batch {BUBBLE_BATCH} "
+        "sequences (P=2 on 2 ranks, P=4 on 4 ranks):\n"
+    )
     print(tables["bubble"])
-    print(f"\nPipeline bubble with equal stages: BalancedStack ({STACK_BLOCKS} residual MLP blocks of width "
-          f"{STACK_WIDTH}, {STACK_ROWS} rows per step, mean-square loss), P=2 on 2 ranks:\n")
+    print(
+        f"\nPipeline bubble with equal stages: BalancedStack ({STACK_BLOCKS} residual MLP blocks of width "
+        f"{STACK_WIDTH}, {STACK_ROWS} rows per step, mean-square loss), P=2 on 2 ranks:\n"
+    )
     print(tables["bubble_balanced"])
-    splits = {f"P={r['pipeline']},v={r.get('chunks', 1)}": " ".join("[" + " ".join(s) + "]" for s in r["stages"]) for r in bubble_records}
+    splits = {
+        f"P={r['pipeline']},v={r.get('chunks', 1)}": " ".join("[" + " ".join(s) + "]" for s in r["stages"])
+        for r in bubble_records
+    }
     print(f"\nStages (pipeline_partition={args.partition!r}): " + "; ".join(f"{k}: {v}" for k, v in splits.items()))
     machine = {**common.machine(), "ranks": "4 gloo ranks (2 for the P=2 bubble rows), 1 thread each"}
     print("\n" + "; ".join(f"{k}: {v}" for k, v in machine.items()) + f"; wall time {wall_s / 60:.1f} min")
@@ -424,13 +512,30 @@ def main() -> None:
     if args.smoke and not args.json:
         return
     path = args.json or str(common.ROOT / "benchmarks" / "results" / f"parallel3d{'_quick' if args.quick else ''}.json")
-    common.write_json(path, {
-        "machine": machine, "quick": args.quick, "rounds": rounds, "steps": steps, "warmup": args.warmup,
-        "global_batch": GLOBAL_BATCH, "micro_batch_sequences": MICRO_SEQS, "bubble_batch": BUBBLE_BATCH,
-        "zero_stage": ZERO_STAGE, "partition": args.partition, "uptime_before": uptime_before, "uptime_after": uptime_after,
-        "load_before": list(load_before), "load_after": list(load_after), "wall_s": wall_s,
-        "step_time": step_records, "bubble": bubble_records, "bubble_balanced": balanced_records, "tables": tables,
-    })
+    common.write_json(
+        path,
+        {
+            "machine": machine,
+            "quick": args.quick,
+            "rounds": rounds,
+            "steps": steps,
+            "warmup": args.warmup,
+            "global_batch": GLOBAL_BATCH,
+            "micro_batch_sequences": MICRO_SEQS,
+            "bubble_batch": BUBBLE_BATCH,
+            "zero_stage": ZERO_STAGE,
+            "partition": args.partition,
+            "uptime_before": uptime_before,
+            "uptime_after": uptime_after,
+            "load_before": list(load_before),
+            "load_after": list(load_after),
+            "wall_s": wall_s,
+            "step_time": step_records,
+            "bubble": bubble_records,
+            "bubble_balanced": balanced_records,
+            "tables": tables,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -11,9 +11,17 @@ import common
 from measure import formula_bytes
 
 #: each system's counterpart in DeepSpeed (the "same stage") and, for offload, in our non-offloaded runs
-DEEPSPEED_TWIN = {"ddp": "ds0", "zero_redundancy": "ds1", "zero1": "ds1", "zero2": "ds2", "zero3": "ds3",
-                  "fsdp2": "ds3", "fsdp2_no_reshard": "ds3", "zero2_offload": "ds2_offload",
-                  "zero3_offload": "ds3_offload"}
+DEEPSPEED_TWIN = {
+    "ddp": "ds0",
+    "zero_redundancy": "ds1",
+    "zero1": "ds1",
+    "zero2": "ds2",
+    "zero3": "ds3",
+    "fsdp2": "ds3",
+    "fsdp2_no_reshard": "ds3",
+    "zero2_offload": "ds2_offload",
+    "zero3_offload": "ds3_offload",
+}
 NO_OFFLOAD = {"zero2_offload": "zero2", "zero3_offload": "zero3", "ds2_offload": "ds2", "ds3_offload": "ds3"}
 #: step-time targets of issue 10 (ratio to DDP; offload: ratio to the same stage without offload)
 TIME_TARGET = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.15, "zero2_offload": 0.99 * 1.05, "zero3_offload": 1.02 * 1.05}
@@ -29,14 +37,25 @@ def summarize(configs: list[tuple[str, str, str]], per_rank: list[dict], warmup:
         runs = per_rank[0][key]
         errors = [r["error"] for r in runs if "error" in r]
         steps = [s for r in runs if "error" not in r for s in r["steps"]]
-        record: dict[str, Any] = {"workload": workload, "precision": precision, "system": system,
-                                  "psi": per_rank[0]["psi"][workload], "errors": errors}
+        record: dict[str, Any] = {
+            "workload": workload,
+            "precision": precision,
+            "system": system,
+            "psi": per_rank[0]["psi"][workload],
+            "errors": errors,
+        }
         if steps:
             # the last successful run of each rank (a rank may have failed where rank 0 did not)
             ok = [good[-1] for rank in per_rank if (good := [r for r in rank[key] if "error" not in r])]
             largest = max(ok, key=lambda r: r["bytes"])
-            record.update(median_s=statistics.median(steps), min_s=min(steps), max_s=max(steps), steps_s=steps,
-                          bytes=largest["bytes"], split=_split(largest["split"]))
+            record.update(
+                median_s=statistics.median(steps),
+                min_s=min(steps),
+                max_s=max(steps),
+                steps_s=steps,
+                bytes=largest["bytes"],
+                split=_split(largest["split"]),
+            )
         record["formula"] = formula_bytes(system, precision, record["psi"], n)
         records.append(record)
     _ratios(records)
@@ -56,10 +75,15 @@ def _ratios(records: list[dict]) -> None:
     for r in records:
         if "median_s" not in r:
             continue
-        peers = {name: index.get((r["workload"], r["precision"], name)) for name in
-                 ("ddp", DEEPSPEED_TWIN.get(r["system"], r["system"]), NO_OFFLOAD.get(r["system"], ""))}
-        for label, name in (("ddp", "ddp"), ("ds", DEEPSPEED_TWIN.get(r["system"], r["system"])),
-                            ("no_offload", NO_OFFLOAD.get(r["system"], ""))):
+        peers = {
+            name: index.get((r["workload"], r["precision"], name))
+            for name in ("ddp", DEEPSPEED_TWIN.get(r["system"], r["system"]), NO_OFFLOAD.get(r["system"], ""))
+        }
+        for label, name in (
+            ("ddp", "ddp"),
+            ("ds", DEEPSPEED_TWIN.get(r["system"], r["system"])),
+            ("no_offload", NO_OFFLOAD.get(r["system"], "")),
+        ):
             peer = peers.get(name)
             if peer and "median_s" in peer:
                 r[f"time_vs_{label}"] = r["median_s"] / peer["median_s"]
@@ -99,17 +123,51 @@ def _formula(r: dict) -> str:
 
 def table(records: list[dict]) -> str:
     """The Markdown table: step time and bytes per rank, with their ratios, one row per configuration."""
-    headers = ["workload", "system", "precision", "step ms (median)", "x DDP", "x DS same stage", "x no offload",
-               "MiB/rank", "x DDP", "x DS", "formula MiB", "x formula", "target"]
+    headers = [
+        "workload",
+        "system",
+        "precision",
+        "step ms (median)",
+        "x DDP",
+        "x DS same stage",
+        "x no offload",
+        "MiB/rank",
+        "x DDP",
+        "x DS",
+        "formula MiB",
+        "x formula",
+        "target",
+    ]
     rows = []
     for r in records:
         if "median_s" not in r:
-            rows.append([r["workload"], r["system"], r["precision"], "failed: " + r["errors"][0].strip().splitlines()[-1][:60],
-                         *["-"] * 9])
+            rows.append(
+                [
+                    r["workload"],
+                    r["system"],
+                    r["precision"],
+                    "failed: " + r["errors"][0].strip().splitlines()[-1][:60],
+                    *["-"] * 9,
+                ]
+            )
             continue
-        rows.append([r["workload"], r["system"], r["precision"], f"{r['median_s'] * 1e3:.0f}", _x(r, "time_vs_ddp"),
-                     _x(r, "time_vs_ds"), _x(r, "time_vs_no_offload"), _mib(r), _x(r, "bytes_vs_ddp"),
-                     _x(r, "bytes_vs_ds"), _formula(r), _x(r, "bytes_vs_formula"), r["verdict"]])
+        rows.append(
+            [
+                r["workload"],
+                r["system"],
+                r["precision"],
+                f"{r['median_s'] * 1e3:.0f}",
+                _x(r, "time_vs_ddp"),
+                _x(r, "time_vs_ds"),
+                _x(r, "time_vs_no_offload"),
+                _mib(r),
+                _x(r, "bytes_vs_ddp"),
+                _x(r, "bytes_vs_ds"),
+                _formula(r),
+                _x(r, "bytes_vs_formula"),
+                r["verdict"],
+            ]
+        )
     return common.format_table(headers, rows)
 
 
@@ -135,9 +193,13 @@ def plots(out: Path, records: list[dict], cpu_adam: list[dict] | None) -> list[P
     paths = []
 
     fig, ax = plt.subplots(figsize=(max(6, len(done) * 0.7), 4))
-    ax.bar(range(len(done)), [r["median_s"] * 1e3 for r in done],
-           yerr=[[(r["median_s"] - r["min_s"]) * 1e3 for r in done], [(r["max_s"] - r["median_s"]) * 1e3 for r in done]],
-           color=[_colour(r["system"]) for r in done], capsize=2)
+    ax.bar(
+        range(len(done)),
+        [r["median_s"] * 1e3 for r in done],
+        yerr=[[(r["median_s"] - r["min_s"]) * 1e3 for r in done], [(r["max_s"] - r["median_s"]) * 1e3 for r in done]],
+        color=[_colour(r["system"]) for r in done],
+        capsize=2,
+    )
     ax.set_xticks(range(len(done)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("step time, ms (median; bar = min-max)")
     ax.set_title("Step time by system (2 CPU/gloo ranks)")
@@ -146,8 +208,12 @@ def plots(out: Path, records: list[dict], cpu_adam: list[dict] | None) -> list[P
     fig, ax = plt.subplots(figsize=(max(6, len(done) * 0.7), 4))
     xs = range(len(done))
     ax.bar([x - 0.2 for x in xs], [r["bytes"] / MIB for r in done], width=0.4, label="measured (live tensors)")
-    ax.bar([x + 0.2 for x in xs], [(r["formula"]["device"] + r["formula"]["host"]) / MIB for r in done], width=0.4,
-           label="ZeRO formula")
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [(r["formula"]["device"] + r["formula"]["host"]) / MIB for r in done],
+        width=0.4,
+        label="ZeRO formula",
+    )
     ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("model-state MiB per rank")
     ax.legend()

@@ -49,9 +49,9 @@ def deepspeed_available() -> bool:
 
 
 def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smoke: bool) -> dict:
-    import lightning_zero  # noqa: F401 - registers the strategy names
-
     from measure import Clock
+
+    import lightning_zero  # noqa: F401 - registers the strategy names
 
     if smoke:
         common.use_tiny_models()
@@ -71,8 +71,12 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
                     print(f"[run.py] {key} failed:\n{result['error']}", file=sys.stderr, flush=True)
             if rank == 0 and "steps" in result:
                 median = sorted(result["steps"])[len(result["steps"]) // 2] if result["steps"] else float("nan")
-                print(f"[run.py] {key}: {time.perf_counter() - began:.0f} s, median step {median * 1e3:.0f} ms, "
-                      f"{result['bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+                print(
+                    f"[run.py] {key}: {time.perf_counter() - began:.0f} s, median step {median * 1e3:.0f} ms, "
+                    f"{result['bytes'] / 2**20:.0f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
             out.setdefault(key, []).append(result)
     return out
 
@@ -80,9 +84,9 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
 def _profile_worker(rank: int, system: str, precision: str, workload: str, warmup: int, steps: int) -> dict:
     """rank 0's torch.profiler tables over the steps after the warm-up (setup and teardown excluded)."""
     import torch
+    from measure import Clock
 
     import lightning_zero  # noqa: F401
-    from measure import Clock
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
@@ -96,8 +100,11 @@ def _profile_worker(rank: int, system: str, precision: str, workload: str, warmu
     result = systems.run(rank, system, precision, workload, warmup + steps)
     averages = prof.key_averages()
     # self time finds the hot ops; total time shows the labelled regions (lightning_zero::*) with what they wait on
-    return {"self": averages.table(sort_by="self_cpu_time_total", row_limit=25),
-            "total": averages.table(sort_by="cpu_time_total", row_limit=25), "stamps": result["stamps"]}
+    return {
+        "self": averages.table(sort_by="self_cpu_time_total", row_limit=25),
+        "total": averages.table(sort_by="cpu_time_total", row_limit=25),
+        "stamps": result["stamps"],
+    }
 
 
 def main() -> None:
@@ -128,9 +135,11 @@ def main() -> None:
 
     if args.profile:
         prof = common.run_ranks(_profile_worker, args.profile, precisions[0], workloads[0], args.warmup, steps)[0]
-        durations = [b - a for a, b in zip(prof["stamps"][args.warmup - 1:], prof["stamps"][args.warmup:])]
-        print(f"{args.profile} {precisions[0]} {workloads[0]}: {steps} profiled steps, "
-              f"{', '.join(f'{d * 1e3:.0f}' for d in durations)} ms\n")
+        durations = [b - a for a, b in zip(prof["stamps"][args.warmup - 1 :], prof["stamps"][args.warmup :])]
+        print(
+            f"{args.profile} {precisions[0]} {workloads[0]}: {steps} profiled steps, "
+            f"{', '.join(f'{d * 1e3:.0f}' for d in durations)} ms\n"
+        )
         print(prof["self"], "\n", prof["total"])
         return
 
@@ -142,31 +151,45 @@ def main() -> None:
 
     cpu_adam = None
     if not args.no_cpu_adam:
-        import torch
-
         import cpu_adam as cpu_adam_bench
+        import torch
 
         torch.set_num_threads(common.WORLD_SIZE)
         cpu_adam = cpu_adam_bench.measure("50M" if args.quick else "100M", repeats=3 if args.quick else 5)
 
     psi = ", ".join(f"{w} {per_rank[0]['psi'][w]:,}" for w in workloads)
-    print(f"\nΨ = {psi} parameters; "
-          f"{common.WORLD_SIZE} CPU/gloo ranks, 1 thread each; seq {common.SEQ}, micro-batch {common.MICRO_BATCH} "
-          f"per rank, AdamW; median of {steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per run.")
+    print(
+        f"\nΨ = {psi} parameters; "
+        f"{common.WORLD_SIZE} CPU/gloo ranks, 1 thread each; seq {common.SEQ}, micro-batch {common.MICRO_BATCH} "
+        f"per rank, AdamW; median of {steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per run."
+    )
     if not with_deepspeed:
         print("DeepSpeed: not run (not importable with DS_ACCELERATOR=cpu, or --no-deepspeed).")
     print("\n" + report.table(records))
     if cpu_adam:
         bw = next(r["gbs"] for r in cpu_adam if r["ms"] is None)
-        best = max((r for r in cpu_adam if r["what"].startswith("ours") and "fused" not in r["what"]), key=lambda r: r["gbs"])
-        print(f"\nCPU Adam ({cpu_adam[0]['size']} parameters, {common.WORLD_SIZE} threads): {best['what']} "
-              f"{best['gbs']:.1f} GB/s = {best['of_bandwidth']:.2f} of the measured bandwidth {bw:.1f} GB/s, "
-              f"{best['vs_torch']:.2f}x torch fused AdamW")
+        best = max(
+            (r for r in cpu_adam if r["what"].startswith("ours") and "fused" not in r["what"]), key=lambda r: r["gbs"]
+        )
+        print(
+            f"\nCPU Adam ({cpu_adam[0]['size']} parameters, {common.WORLD_SIZE} threads): {best['what']} "
+            f"{best['gbs']:.1f} GB/s = {best['of_bandwidth']:.2f} of the measured bandwidth {bw:.1f} GB/s, "
+            f"{best['vs_torch']:.2f}x torch fused AdamW"
+        )
     total_s = time.perf_counter() - start
     print("\n" + "; ".join(f"{k}: {v}" for k, v in common.machine().items()) + f"; wall time {total_s / 60:.1f} min")
-    payload = {"quick": args.quick, "steps": steps, "warmup": args.warmup, "rounds": args.rounds,
-               "world_size": common.WORLD_SIZE, "train_wall_s": train_s, "wall_s": total_s,
-               "results": records, "cpu_adam": cpu_adam, "table": report.table(records)}
+    payload = {
+        "quick": args.quick,
+        "steps": steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "world_size": common.WORLD_SIZE,
+        "train_wall_s": train_s,
+        "wall_s": total_s,
+        "results": records,
+        "cpu_adam": cpu_adam,
+        "table": report.table(records),
+    }
     paths = [report.write(out, payload), *report.plots(out, records, cpu_adam)]
     print("wrote " + ", ".join(str(p) for p in paths))
 

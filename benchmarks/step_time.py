@@ -29,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # DeepSpeed picks its accelerator at import; the ranks inherit this.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import common  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-
-import common  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2")
 PRECISIONS = ("bf16-mixed", "32-true")
@@ -149,8 +148,10 @@ def _print_profile(profiles: dict, rows: int = 30) -> None:
     configs = list(profiles)
     names = {name for ops in profiles.values() for name in ops}
     top = sorted(names, key=lambda n: -max(p.get(n, (0, 0))[0] for p in profiles.values()))[:rows]
-    table = [[n[:58], *(f"{profiles[c].get(n, (0, 0))[0]:.1f} ({profiles[c].get(n, (0, 0))[1]})" for c in configs)]
-             for n in top]
+    table = [
+        [n[:58], *(f"{profiles[c].get(n, (0, 0))[0]:.1f} ({profiles[c].get(n, (0, 0))[1]})" for c in configs)]
+        for n in top
+    ]
     print("\nSelf CPU ms per step (calls per step), rank 0, sorted by the largest:\n")
     print(common.format_table(["op", *configs], table))
 
@@ -161,7 +162,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every configuration")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when installed")
-    parser.add_argument("--profile", metavar="S:P[,S:P]", help="profile configurations (e.g. ddp:32-true,zero2:32-true) instead")
+    parser.add_argument(
+        "--profile", metavar="S:P[,S:P]", help="profile configurations (e.g. ddp:32-true,zero2:32-true) instead"
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
     args = parser.parse_args()
 
@@ -182,19 +185,45 @@ def main() -> None:
         min_ratio = min(kept) / min(times[f"ddp {precision}"])
         spread = f"{min(kept) * 1e3:.0f}-{max(kept) * 1e3:.0f}"
         verdict = "" if name == "ddp" or name.startswith("deepspeed") else ("ok" if ratio <= TARGET else "OVER")
-        rows.append([f"{name} {precision}", f"{median * 1e3:.0f}", spread, len(kept), f"{ratio:.3f}", f"{min_ratio:.3f}", verdict])
-        records.append({"config": name, "precision": precision, "median_s": median, "ratio_to_ddp": ratio,
-                        "min_ratio_to_ddp": min_ratio, "steps_s": kept})
+        rows.append(
+            [
+                f"{name} {precision}",
+                f"{median * 1e3:.0f}",
+                spread,
+                len(kept),
+                f"{ratio:.3f}",
+                f"{min_ratio:.3f}",
+                verdict,
+            ]
+        )
+        records.append(
+            {
+                "config": name,
+                "precision": precision,
+                "median_s": median,
+                "ratio_to_ddp": ratio,
+                "min_ratio_to_ddp": min_ratio,
+                "steps_s": kept,
+            }
+        )
 
-    print(f"\nMedian step time, {common.WORLD_SIZE} CPU/gloo ranks, GPT {common.num_params(common.GPTModule()):,} "
-          f"parameters, seq {common.SEQ}, micro-batch {common.MICRO_BATCH} per rank, AdamW; "
-          f"{args.warmup} warm-up steps dropped per run, {args.rounds} interleaved rounds.")
+    print(
+        f"\nMedian step time, {common.WORLD_SIZE} CPU/gloo ranks, GPT {common.num_params(common.GPTModule()):,} "
+        f"parameters, seq {common.SEQ}, micro-batch {common.MICRO_BATCH} per rank, AdamW; "
+        f"{args.warmup} warm-up steps dropped per run, {args.rounds} interleaved rounds."
+    )
     if not with_deepspeed:
         print("DeepSpeed: not run (not importable with DS_ACCELERATOR=cpu, or --no-deepspeed).")
     print()
-    print(common.format_table(["config", "median ms", "min-max ms", "steps", "ratio to DDP", "ratio of minima", f"<= {TARGET}"], rows))
+    print(
+        common.format_table(
+            ["config", "median ms", "min-max ms", "steps", "ratio to DDP", "ratio of minima", f"<= {TARGET}"], rows
+        )
+    )
     print("\n" + "; ".join(f"{k}: {v}" for k, v in common.machine().items()))
-    common.write_json(args.json, {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "results": records})
+    common.write_json(
+        args.json, {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "results": records}
+    )
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import common
 import lightning.pytorch as pl
 import torch
-
-import common
 from measure import Baseline, Clock
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
@@ -71,8 +70,9 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(inner.h if hasattr(inner, "h") else inner.layer)
 
 
-def _plain_loop(step_model: Any, optimizer: Any, loader, baseline: Baseline, bf16_autocast: bool,
-                backward=None, step=None) -> dict:
+def _plain_loop(
+    step_model: Any, optimizer: Any, loader, baseline: Baseline, bf16_autocast: bool, backward=None, step=None
+) -> dict:
     """Train over ``loader``; ``backward``/``step`` default to ``loss.backward()``/``optimizer.step()``."""
     clock = Clock()
     batches = list(loader)
@@ -107,8 +107,9 @@ def _torch(rank: int, system: str, precision: str, workload: str, total: int) ->
     loader = common.make_loader(total, rank, workload=workload)
     if system == "zero_redundancy":
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
-                                            betas=BETAS, weight_decay=WEIGHT_DECAY)
+        optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY
+        )
         return _plain_loop(ddp, optimizer, loader, baseline, bf16_autocast=bf16)
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
@@ -124,8 +125,11 @@ def deepspeed_config(system: str, precision: str) -> dict:
     stage = int(system[2])
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 50_000_000}
     if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=50_000_000, stage3_param_persistence_threshold=100_000,
-                    stage3_max_live_parameters=1_000_000_000)
+        zero.update(
+            stage3_prefetch_bucket_size=50_000_000,
+            stage3_param_persistence_threshold=100_000,
+            stage3_max_live_parameters=1_000_000_000,
+        )
     config = {
         "train_micro_batch_size_per_gpu": common.MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -140,7 +144,10 @@ def deepspeed_config(system: str, precision: str) -> dict:
         if stage == 3:
             zero["offload_param"] = {"device": "cpu"}
         # ZeRO-Offload refuses a client optimizer other than its own CPU Adam.
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY},
+        }
     return config
 
 
@@ -154,8 +161,7 @@ def _deepspeed(rank: int, system: str, precision: str, workload: str, total: int
     client = None if "optimizer" in config else _adamw(model.parameters())
     # The process group is ours (gloo); DeepSpeed reuses an initialized one.
     deepspeed.init_distributed(dist_backend="gloo")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client, model_parameters=model.parameters(),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client, model_parameters=model.parameters(), config=config)
     loader = common.make_loader(total, rank, workload=workload)
     return _plain_loop(engine, None, loader, baseline, bf16_autocast=False, backward=engine.backward, step=engine.step)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate, to_lightning_checkpoint
 
@@ -52,7 +52,12 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         result = estimate(
-            parse_count(args.params), args.dp, args.stage, args.precision, args.offload_optimizer, args.offload_parameters
+            parse_count(args.params),
+            args.dp,
+            args.stage,
+            args.precision,
+            args.offload_optimizer,
+            args.offload_parameters,
         )
     except ValueError as error:
         print(f"lightning-zero report: error: {error}", file=sys.stderr)
@@ -61,7 +66,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lightning-zero`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "report":

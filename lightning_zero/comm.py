@@ -14,14 +14,14 @@ comparison's error message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class CheckedGroup:
     """``group`` whose collectives ``checker`` (a :class:`lightning_zero.debug.CollectiveChecker`)
     compares across ranks before they are issued."""
 
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     checker: Any  # not typed here: lightning_zero.debug imports this module
 
 
@@ -43,7 +43,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class Handle:
     """In-flight collectives; ``wait()`` blocks until the output may be read, then runs ``then``."""
 
-    def __init__(self, *works: Optional[dist.Work], then: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, *works: dist.Work | None, then: Callable[[], None] | None = None) -> None:
         self._works = [w for w in works if w is not None]
         self._then = then
 
@@ -63,11 +63,11 @@ class Handle:
 _DONE = Handle()
 
 
-def _plain(group: ProcessGroup) -> Optional[dist.ProcessGroup]:
+def _plain(group: ProcessGroup) -> dist.ProcessGroup | None:
     return group.group if isinstance(group, CheckedGroup) else group
 
 
-def _checked(group: ProcessGroup, op: str, label: str, *tensors: torch.Tensor) -> Optional[dist.ProcessGroup]:
+def _checked(group: ProcessGroup, op: str, label: str, *tensors: torch.Tensor) -> dist.ProcessGroup | None:
     """The plain group; for a :class:`CheckedGroup`, after comparing this call across its ranks."""
     if isinstance(group, CheckedGroup):
         group.checker.check(op, tensors, label)
@@ -159,7 +159,11 @@ def all_gather(
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, label: str = ""
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    async_op: bool = False,
+    label: str = "",
 ) -> Handle:
     """Reduce ``tensor`` in place over ``group`` (sum by default). Call on all ranks."""
     if world_size(group) == 1:
@@ -215,7 +219,7 @@ def recv(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup, tag:
         dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain, tag=tag).wait()
 
 
-def new_group(ranks: list[int], timeout: Optional[timedelta] = None) -> Optional[dist.ProcessGroup]:
+def new_group(ranks: list[int], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
     """A process group over the global ``ranks`` (default backend). Call on every rank of the default
     group, for every new group in the same order, even on ranks outside ``ranks``."""
     if not dist.is_available() or not dist.is_initialized():
@@ -241,7 +245,7 @@ def barrier(group: ProcessGroup) -> None:
         dist.barrier(group=group)
 
 
-def new_gloo_group(like: ProcessGroup, timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:
+def new_gloo_group(like: ProcessGroup, timeout: timedelta | None) -> dist.ProcessGroup | None:
     """A new gloo group over the ranks of ``like`` (``None``: all ranks), for small Python objects
     next to an NCCL group. Call on every rank of the default group (even ranks not in ``like``)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -251,7 +255,7 @@ def new_gloo_group(like: ProcessGroup, timeout: Optional[timedelta]) -> Optional
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
-def default_store() -> Optional[dist.Store]:
+def default_store() -> dist.Store | None:
     """The rendezvous store of the default process group, ``None`` without one. Not a collective."""
     if not dist.is_available() or not dist.is_initialized():
         return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Union
 
 import torch
 
@@ -49,7 +48,6 @@ class ZeroConfig:
 
     stage: int = 2
     """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
-
 
     reduce_bucket_size: int = 5_000_000
     """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
@@ -89,9 +87,7 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         if self.stage == 0 and type(self.stage) is int:
-            raise ValueError(
-                "stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead."
-            )
+            raise ValueError("stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead.")
         if type(self.stage) is not int or self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1, 2 or 3.")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
@@ -142,7 +138,9 @@ class LossScaleConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a finite number (see the defaults: 2**16, 2.0, 0.5, 1.0).")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
-            raise ValueError(f"growth_interval={self.growth_interval!r} must be a whole number of steps (usually 1000).")
+            raise ValueError(
+                f"growth_interval={self.growth_interval!r} must be a whole number of steps (usually 1000)."
+            )
         if not self.initial_scale > 0:
             raise ValueError(f"initial_scale={self.initial_scale} must be > 0 (DeepSpeed's default is 2**16).")
         if not self.growth_factor > 1:
@@ -152,16 +150,14 @@ class LossScaleConfig:
         if self.growth_interval < 1:
             raise ValueError(f"growth_interval={self.growth_interval} must be >= 1 (usually 1000).")
         if not 0 < self.min_scale <= self.initial_scale:
-            raise ValueError(
-                f"min_scale={self.min_scale} must be in (0, initial_scale={self.initial_scale}]."
-            )
+            raise ValueError(f"min_scale={self.min_scale} must be in (0, initial_scale={self.initial_scale}].")
 
 
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     """How a run notices a lost or stuck rank (see :mod:`lightning_zero.failures`)."""
 
-    timeout: Union[timedelta, int, float] = timedelta(minutes=10)
+    timeout: timedelta | int | float = timedelta(minutes=10)
     """Longest wait in one collective before it fails (a ``timedelta``, or seconds). A rank that dies
     closes its connections and gloo fails at once; the timeout bounds the silent cases (a host that
     vanished, a rank stuck in a loop, NCCL). Lightning's default is 30 minutes; raise this if a step,
@@ -244,12 +240,16 @@ class PipelineConfig:
             raise ValueError(f"pipeline_parallel_size={self.stages!r} must be an integer of at least 1.")
         m = self.micro_batches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(f"pipeline_micro_batches={m!r} must be a positive integer (or None for the number of stages).")
+            raise ValueError(
+                f"pipeline_micro_batches={m!r} must be a positive integer (or None for the number of stages)."
+            )
         v = self.chunks
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"pipeline_chunks={v!r} must be a positive integer (1: no interleaving).")
         if v > 1 and self.stages == 1:
-            raise ValueError(f"pipeline_chunks={v} interleaves the chunks of a pipeline; it needs pipeline_parallel_size > 1.")
+            raise ValueError(
+                f"pipeline_chunks={v} interleaves the chunks of a pipeline; it needs pipeline_parallel_size > 1."
+            )
         if v > 1 and m is not None and m % self.stages:
             raise ValueError(
                 f"pipeline_chunks={v} (interleaved 1F1B) runs micro-batches in groups of the {self.stages} stages: "

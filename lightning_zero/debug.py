@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
 
 import torch
 from torch.autograd.profiler import record_function
@@ -90,7 +89,7 @@ class CollectiveChecker:
             )
 
 
-def checked_group(group: comm.ProcessGroup, timeout: Optional[timedelta]) -> comm.CheckedGroup:
+def checked_group(group: comm.ProcessGroup, timeout: timedelta | None) -> comm.CheckedGroup:
     """``group`` with a :class:`CollectiveChecker` attached; makes the checker's gloo group. Call on
     all ranks, once per strategy (making a group is itself a collective)."""
     return comm.CheckedGroup(group, CollectiveChecker(comm.new_gloo_group(group, timeout)))

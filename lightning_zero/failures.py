@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -92,10 +92,12 @@ def is_communication_error(error: BaseException) -> bool:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """``torch.OutOfMemoryError`` or an allocator's "out of memory" RuntimeError (CPU or device)."""
-    return isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and bool(_OOM.search(str(error))))
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and bool(_OOM.search(str(error)))
+    )
 
 
-def _process_state(pid: int) -> Optional[str]:
+def _process_state(pid: int) -> str | None:
     """The state letter of ``pid`` from /proc (``None``: no such process)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -104,7 +106,7 @@ def _process_state(pid: int) -> Optional[str]:
         return None
 
 
-def _local_verdict(host: str, pid: int) -> Optional[bool]:
+def _local_verdict(host: str, pid: int) -> bool | None:
     """True: gone; False: running; None: on another host (cannot tell from here)."""
     if host != socket.gethostname() or not os.path.isdir("/proc"):
         return None
@@ -112,7 +114,7 @@ def _local_verdict(host: str, pid: int) -> Optional[bool]:
     return state is None or state in ("Z", "X")  # a zombie has exited, its parent just has not reaped it
 
 
-def _silent_ranks(rank: int, candidates: list[int], grace: timedelta) -> Optional[list[int]]:
+def _silent_ranks(rank: int, candidates: list[int], grace: timedelta) -> list[int] | None:
     """Of ``candidates``, the ranks that do not announce this failure in the store within ``grace``
     (every survivor announces itself); ``None`` when the store does not answer."""
     store = comm.default_store()
@@ -165,7 +167,7 @@ def find_lost_ranks(rank: int, processes: Processes, grace: timedelta = ANSWER_G
     return lost
 
 
-def lost_rank_message(error: BaseException, rank: int, world_size: int, processes: Processes) -> Optional[str]:
+def lost_rank_message(error: BaseException, rank: int, world_size: int, processes: Processes) -> str | None:
     """The error text naming the lost rank(s), or ``None`` if ``error`` is not a communication
     failure. Call on a rank whose collective just failed."""
     if world_size <= 1 or not is_communication_error(error):
@@ -182,7 +184,9 @@ def lost_rank_message(error: BaseException, rank: int, world_size: int, processe
     return f"{names}: stopping {below}. Look for the first error in the log of the lost rank."
 
 
-def oom_message(error: BaseException, breakdown: Optional[dict[str, dict[str, int]]], config: Any, registered: list[str]) -> str:
+def oom_message(
+    error: BaseException, breakdown: dict[str, dict[str, int]] | None, config: Any, registered: list[str]
+) -> str:
     """The text to put in front of an out-of-memory error: what this rank holds and what to try.
 
     ``config`` is the strategy's :class:`~lightning_zero.config.ZeroConfig`; ``registered`` the
@@ -196,14 +200,18 @@ def oom_message(error: BaseException, breakdown: Optional[dict[str, dict[str, in
                 lines.append(f"This rank holds on {where}: {parts} (total {sum(used.values()) / 2**20:.1f} MiB).")
     lines.append("Settings to try, cheapest first:")
     lines.append("- a smaller micro-batch with Trainer(accumulate_grad_batches=...) to keep the global batch;")
-    lines.append(f"- reduce_bucket_size={max(config.reduce_bucket_size // 4, 1):_} (now {config.reduce_bucket_size:_}): smaller gradient buckets;")
+    lines.append(
+        f"- reduce_bucket_size={max(config.reduce_bucket_size // 4, 1):_} (now {config.reduce_bucket_size:_}): smaller gradient buckets;"
+    )
     if config.stage == 3:
         lines.append(
             f"- prefetch_bucket_size={max(config.prefetch_bucket_size // 4, 1):_} (now {config.prefetch_bucket_size:_}) "
             f"and max_live_parameters={max(config.max_live_parameters // 4, 1):_}: fewer gathered parameters at once;"
         )
     else:
-        lines.append(f"- stage={config.stage + 1} (now {config.stage}): shard {'gradients' if config.stage == 1 else 'parameters'} too;")
+        lines.append(
+            f"- stage={config.stage + 1} (now {config.stage}): shard {'gradients' if config.stage == 1 else 'parameters'} too;"
+        )
     offload = [name for name in registered if name.startswith(f"zero{config.stage}_offload") or name == "zero3_offload"]
     if offload:
         lines.append(f"- strategy={offload[0]!r}: fp32 master weights and optimizer states in CPU memory;")
@@ -249,7 +257,7 @@ def explain(error: BaseException, strategy: Any) -> None:
                 breakdown = strategy.memory_breakdown()
             except Exception:  # noqa: BLE001 - no model or engine yet: the advice alone still helps
                 breakdown = None
-            text: Optional[str] = oom_message(error, breakdown, strategy.zero_config, list(StrategyRegistry))
+            text: str | None = oom_message(error, breakdown, strategy.zero_config, list(StrategyRegistry))
         else:
             text = lost_rank_message(error, strategy.global_rank, strategy.world_size, strategy.rank_processes)
         if text is not None:

@@ -60,7 +60,7 @@ class ParallelLayout:
                 raise ValueError(f"ParallelLayout.{name} is {value!r}; it must be an integer of at least 1")
 
     @classmethod
-    def for_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> "ParallelLayout":
+    def for_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> ParallelLayout:
         """The layout whose data-parallel size is what ``tensor * pipeline`` leaves of ``world_size``.
 
         Raises:
@@ -142,9 +142,7 @@ def build_groups(layout: ParallelLayout, device_type: str = "cpu") -> ProcessGro
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_groups needs an initialized default process group (the strategy creates it)")
     layout.check_world(dist.get_world_size())
-    mesh = init_device_mesh(
-        device_type, (layout.pipeline, layout.data, layout.tensor), mesh_dim_names=MESH_DIMS
-    )
+    mesh = init_device_mesh(device_type, (layout.pipeline, layout.data, layout.tensor), mesh_dim_names=MESH_DIMS)
     coords = layout.coordinates(dist.get_rank())
     groups = ProcessGroups(
         layout=layout,

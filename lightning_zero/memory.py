@@ -7,7 +7,7 @@ not the CPU (on a CPU-only run everything is "device").
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ class _Counter:
         self.seen: set[tuple[str, int]] = set()
         self.bytes = {where: dict.fromkeys(CATEGORIES, 0) for where in ("device", "host")}
 
-    def add(self, category: str, tensors: Iterable[Optional[torch.Tensor]]) -> None:
+    def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for tensor in tensors:
             if tensor is None or not torch.is_tensor(tensor) or tensor.device.type == "meta":
                 continue

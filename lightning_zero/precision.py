@@ -24,13 +24,14 @@ with the same precision string.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_zero.config import PRECISIONS, LossScaleConfig, OffloadConfig, normalize_precision
@@ -84,11 +85,11 @@ class OffloadPrecision(Precision):
 
     def __init__(
         self,
-        precision: Union[str, int] = "32-true",
+        precision: str | int = "32-true",
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         pin_memory: bool = True,
-        loss_scale: Optional[LossScaleConfig] = None,
+        loss_scale: LossScaleConfig | None = None,
     ) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
@@ -109,9 +110,9 @@ class OffloadPrecision(Precision):
         self.device_type = "cpu"
         #: optimizer steps skipped for non-finite gradients ("16-mixed" counts in ``scaler.skipped_steps``)
         self.nonfinite_steps = 0
-        self._engine: Optional["ZeroEngine"] = None
+        self._engine: ZeroEngine | None = None
 
-    def attach(self, engine: Optional["ZeroEngine"], device: torch.device) -> None:
+    def attach(self, engine: ZeroEngine | None, device: torch.device) -> None:
         """Called by the strategy in ``setup``: the engine that owns the gradients, and the device."""
         self._engine = engine
         self.device_type = device.type
@@ -140,8 +141,9 @@ class OffloadPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":
             return data
-        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
-
+        return apply_to_collection(
+            data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+        )
 
     # -- backward and step --------------------------------------------------------------------
 
@@ -149,18 +151,18 @@ class OffloadPrecision(Precision):
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
-    def post_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
+    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         if self._engine is not None:
             self._engine.finish_backward()
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
     def optimizer_step(  # type: ignore[override]
-        self, optimizer: torch.optim.Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+        self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Run the closure (forward + backward), expose this rank's unscaled gradient slices, call
         the user's ``on_before_optimizer_step`` hooks and clipping, then step the slices and publish."""
@@ -181,7 +183,7 @@ class OffloadPrecision(Precision):
             self._nonfinite(model, policy)
         return closure_result
 
-    def _nonfinite(self, model: "pl.LightningModule", policy: str) -> None:
+    def _nonfinite(self, model: pl.LightningModule, policy: str) -> None:
         """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""
         step = model.trainer.global_step
         self.nonfinite_steps += 1
@@ -199,7 +201,7 @@ class OffloadPrecision(Precision):
     def clip_gradients(
         self,
         optimizer: torch.optim.Optimizer,
-        clip_val: Union[int, float] = 0.0,
+        clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         """Clip over the shards: the norm is global across ranks, as in DDP."""

@@ -50,8 +50,12 @@ class Estimate:
 
 
 def estimate(
-    params: int, data_parallel: int, stage: int, precision: str = "bf16-mixed",
-    offload_optimizer: bool = False, offload_parameters: bool = False,
+    params: int,
+    data_parallel: int,
+    stage: int,
+    precision: str = "bf16-mixed",
+    offload_optimizer: bool = False,
+    offload_parameters: bool = False,
 ) -> Estimate:
     """Model-state bytes per rank for ``params`` parameters on ``data_parallel`` ranks."""
     precision = normalize_precision(precision)
@@ -88,8 +92,10 @@ def estimate(
 def format_estimate(e: Estimate) -> str:
     """A small table in GiB."""
     gib = 2.0**30
-    rows = [f"{e.params:,} parameters, {e.data_parallel} data-parallel ranks, stage {e.stage}, {e.precision}",
-            f"{'':18}{'device GiB':>12}{'host GiB':>12}"]
+    rows = [
+        f"{e.params:,} parameters, {e.data_parallel} data-parallel ranks, stage {e.stage}, {e.precision}",
+        f"{'':18}{'device GiB':>12}{'host GiB':>12}",
+    ]
     for key in e.device:
         rows.append(f"{key:18}{e.device[key] / gib:12.3f}{e.host[key] / gib:12.3f}")
     rows.append(f"{'total':18}{e.device_total / gib:12.3f}{e.host_total / gib:12.3f}")

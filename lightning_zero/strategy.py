@@ -24,9 +24,10 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 from __future__ import annotations
 
 import itertools
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -115,20 +116,20 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         pin_memory: bool = True,
-        loss_scale: Optional[LossScaleConfig] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[Union[timedelta, float]] = None,
+        loss_scale: LossScaleConfig | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        debug_collectives: Optional[bool] = None,
+        debug_collectives: bool | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        tensor_parallel_plan: Optional[dict[str, str]] = None,
-        pipeline_micro_batches: Optional[int] = None,
+        tensor_parallel_plan: dict[str, str] | None = None,
+        pipeline_micro_batches: int | None = None,
         pipeline_schedule: str = "1f1b",
         pipeline_partition: str = "parameters",
         pipeline_chunks: int = 1,
@@ -149,7 +150,7 @@ class ZeroStrategy(DDPStrategy):
             **({} if timeout is None else {"timeout": timeout}),
             debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
         )
-        self._checked_group: Optional[comm.CheckedGroup] = None
+        self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
         self._offload = OffloadConfig(
@@ -160,7 +161,7 @@ class ZeroStrategy(DDPStrategy):
                 f"offload_parameters=True shards parameters into host memory, which needs stage=3 (got stage={stage}); "
                 "use stage=3, or offload_optimizer=True alone."
             )
-        self._engine: Optional[ZeroEngine] = None
+        self._engine: ZeroEngine | None = None
         self.pipeline_config = PipelineConfig(
             stages=pipeline_parallel_size,
             micro_batches=pipeline_micro_batches,
@@ -191,10 +192,10 @@ class ZeroStrategy(DDPStrategy):
         return self._precision_plugin
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = self._as_offload_precision(plugin)
 
-    def _as_offload_precision(self, plugin: Optional[Precision]) -> Optional[OffloadPrecision]:
+    def _as_offload_precision(self, plugin: Precision | None) -> OffloadPrecision | None:
         """Lightning assigns a generic plugin to a strategy chosen by name: keep its precision string."""
         if plugin is None or isinstance(plugin, OffloadPrecision):
             return plugin
@@ -248,7 +249,7 @@ class ZeroStrategy(DDPStrategy):
         super().on_exception(exception)
         failures.explain(exception, self)
 
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         if trainer.state.fn == TrainerFn.PREDICTING and self._parallel.pipelined:
             raise NotImplementedError(
@@ -292,7 +293,9 @@ class ZeroStrategy(DDPStrategy):
             )
             self._parallel.attach(self._engine)
         else:
-            comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group)
+            comm.broadcast_tensors(
+                [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
+            )
         if on_meta:
             self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)
@@ -324,7 +327,7 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def gathered_parameters(
-        self, module: Optional[torch.nn.Module] = None, modifier_rank: Optional[int] = None
+        self, module: torch.nn.Module | None = None, modifier_rank: int | None = None
     ) -> Generator[None, None, None]:
         """Inside the block, ``module`` (default: the LightningModule) has its full parameters on every
         rank, under stage 3 too. Edits made on rank ``modifier_rank`` (e.g. loading pretrained
@@ -388,7 +391,7 @@ class ZeroStrategy(DDPStrategy):
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
         return loss
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._parallel.pipelined:
             return closure_loss  # the schedule ran every backward in training_step
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -441,10 +444,12 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         return ckpt_save.optimizer_groups(self.lightning_module, self._engine, optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`)."""
         if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO.")
+            raise TypeError(
+                "ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO."
+            )
         assert self.lightning_module is not None
         ckpt_save.save_sharded(
             checkpoint,
@@ -460,10 +465,12 @@ class ZeroStrategy(DDPStrategy):
         if self.is_global_zero:
             ckpt_save.remove_sharded(filepath)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
         plain = super().load_checkpoint
-        return ckpt_load.load_checkpoint(checkpoint_path, weights_only, self.global_rank, lambda p: plain(p, weights_only))
+        return ckpt_load.load_checkpoint(
+            checkpoint_path, weights_only, self.global_rank, lambda p: plain(p, weights_only)
+        )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
@@ -508,4 +515,3 @@ class ZeroStrategy(DDPStrategy):
             offload_optimizer=True,
             offload_parameters=True,
         )
-

@@ -20,8 +20,9 @@ import io
 import os
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def _open(path: fmt.PathLike) -> ShardedReader:
     return ShardedReader(directory, state.get("state_dict", {}))
 
 
-def _cast(value: Any, dtype: Optional[torch.dtype]) -> Any:
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     if dtype is not None and torch.is_tensor(value) and value.is_floating_point():
         return value.to(dtype)
     return value
@@ -72,7 +73,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=2)
         self.storages = storages
 
-    def persistent_id(self, obj: Any) -> Optional[tuple]:
+    def persistent_id(self, obj: Any) -> tuple | None:
         if isinstance(obj, torch.storage.TypedStorage):  # a tensor inside a non-tensor entry (extra state)
             numel = obj._size()
             tensor = torch.empty(0, dtype=obj.dtype).set_(obj._untyped_storage, 0, (numel,), (1,))
@@ -107,7 +108,7 @@ def stream_save(entries: dict[str, Any], out: fmt.PathLike) -> None:
     os.replace(tmp, out)
 
 
-def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: Optional[torch.dtype] = torch.float32) -> None:
+def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = torch.float32) -> None:
     """Write the LightningModule's whole state dict from a sharded checkpoint to ``out`` (``torch.save``
     format), one parameter in memory at a time. Floating tensors are cast to ``dtype`` (``None``: as
     saved, i.e. the fp32 masters under mixed precision). No process group or GPU needed."""
@@ -136,9 +137,7 @@ def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: Optional
     stream_save(entries, out)
 
 
-def to_lightning_checkpoint(
-    checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: Optional[torch.dtype] = None
-) -> None:
+def to_lightning_checkpoint(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write a plain Lightning checkpoint (one file) from a sharded one: the whole model, consolidated
     optimizer states (per original parameter, full shapes, as the optimizer without ZeRO writes them),
     and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory."""

@@ -53,7 +53,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
@@ -108,7 +108,7 @@ def is_sharded_checkpoint(path: PathLike) -> bool:
     return _read_format(Path(path)) is not None
 
 
-def _read_format(path: Path) -> Optional[dict[str, Any]]:
+def _read_format(path: Path) -> dict[str, Any] | None:
     marker = path / METADATA_FILE
     if not (path.is_dir() and marker.is_file()):
         return None
@@ -149,7 +149,7 @@ def write_metadata(path: Path, meta: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def resolve(path: PathLike) -> Optional[Path]:
+def resolve(path: PathLike) -> Path | None:
     """The sharded checkpoint directory that ``path`` names, or ``None`` when ``path`` is a plain file.
 
     Raises ``ValueError`` for a file inside a checkpoint directory and for a directory that is not a

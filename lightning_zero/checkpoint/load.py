@@ -13,8 +13,9 @@ engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,7 +24,6 @@ from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.merge import Placement, Split
-from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.pieces import (
     PartitionedParam,
     all_buffers,
@@ -31,6 +31,7 @@ from lightning_zero.checkpoint.pieces import (
     non_partitioned_state_dict,
     partitioned_params,
 )
+from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.tensor import is_tensor_parallel
@@ -42,14 +43,14 @@ SHARDED_KEY = "lightning_zero_sharded_checkpoint"
 """Key of the checkpoint dict that :func:`load_checkpoint` returns for a sharded checkpoint: its directory."""
 
 
-def reader_for(checkpoint: Mapping[str, Any]) -> "ShardedReader | FullReader":
+def reader_for(checkpoint: Mapping[str, Any]) -> ShardedReader | FullReader:
     if SHARDED_KEY in checkpoint:
         return ShardedReader(Path(checkpoint[SHARDED_KEY]), checkpoint["state_dict"])
     return FullReader(checkpoint["state_dict"])
 
 
 def load_checkpoint(
-    path: fmt.PathLike, weights_only: Optional[bool], rank: int, load_plain: Callable[[fmt.PathLike], dict[str, Any]]
+    path: fmt.PathLike, weights_only: bool | None, rank: int, load_plain: Callable[[fmt.PathLike], dict[str, Any]]
 ) -> dict[str, Any]:
     """Lightning's part of the checkpoint at ``path`` (a sharded directory, or a plain file through
     ``load_plain``), and this rank's random states restored when the checkpoint has them."""
@@ -69,14 +70,14 @@ def load_checkpoint(
     return checkpoint
 
 
-def _check_keys(reader: Any, local: dict[str, Optional[tuple]], strict: bool, where: str) -> set[str]:
+def _check_keys(reader: Any, local: dict[str, tuple | None], strict: bool, where: str) -> set[str]:
     """The keys to load here; ``ValueError`` listing what does not match (only shapes when not ``strict``).
 
     ``local`` maps this rank's keys to their whole (unsplit) shapes. The check is made against the
     keys of all ranks (each pipeline stage holds only some), so every rank raises the same error.
     Call on all ranks of the default group.
     """
-    expected: dict[str, Optional[tuple]] = {}
+    expected: dict[str, tuple | None] = {}
     for keys in comm.all_gather_object(local, None):
         for key, shape in keys.items():
             expected.setdefault(key, shape)
@@ -98,18 +99,18 @@ def _check_keys(reader: Any, local: dict[str, Optional[tuple]], strict: bool, wh
     if problems:
         raise ValueError(
             f"the checkpoint {where} does not fit this model: " + "; ".join(problems) + ". Load it into the "
-            "LightningModule that wrote it" + (" (or set model.strict_loading = False to skip missing and "
-            "unexpected keys)." if not shapes else ".")
+            "LightningModule that wrote it"
+            + (" (or set model.strict_loading = False to skip missing and unexpected keys)." if not shapes else ".")
         )
     return set(found) & set(local)
 
 
-def _match(p: PartitionedParam, keys: set[str]) -> Optional[str]:
+def _match(p: PartitionedParam, keys: set[str]) -> str | None:
     """The checkpoint's key for ``p``: its name, or an alias (a tied weight saved under another name)."""
     return next((k for k in (p.name, *p.aliases) if k in keys), None)
 
 
-def _publish(engine: "ZeroEngine") -> None:
+def _publish(engine: ZeroEngine) -> None:
     """Loaded master slices -> parameters (stages 1/2: all-gathered, as after a step). Call on all ranks."""
     from lightning_zero.zero.gather import publish
 
@@ -119,9 +120,9 @@ def _publish(engine: "ZeroEngine") -> None:
     publish(buffers, engine.group, engine.config.allgather_bucket_size)
 
 
-def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: Placement) -> dict[str, Optional[Split]]:
+def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: Placement) -> dict[str, Split | None]:
     """This rank's tensor-parallel part of each state-dict key (``None``: held whole)."""
-    out: dict[str, Optional[Split]] = {}
+    out: dict[str, Split | None] = {}
     for p in params.values():
         out.update({key: placement.split(p.partition_dim) for key in (p.name, *p.aliases)})
     for key, value in module.state_dict(keep_vars=True).items():
@@ -133,10 +134,10 @@ def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: P
 def load_model(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
-    engine: Optional["ZeroEngine"],
+    engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
-    layout: Optional[ParallelLayout] = None,
+    layout: ParallelLayout | None = None,
 ) -> None:
     """Load the parameters and buffers of ``checkpoint`` into ``module`` and the engine's slices.
 
@@ -151,7 +152,7 @@ def load_model(
     params = partitioned_params(module, engine, optimizers)
     splits = _splits(module, params, placement)
     rest = non_partitioned_state_dict(module, params)
-    local: dict[str, Optional[tuple]] = {}
+    local: dict[str, tuple | None] = {}
     for key, value in rest.items():
         dim = splits[key].dim if splits.get(key) is not None else None
         local[key] = tuple(placement.full_shape(value.shape, dim)) if torch.is_tensor(value) else None
@@ -188,7 +189,9 @@ def _load_sharded_optimizer(
             f"here has {len(here)}; load it into the same model and configure_optimizers that wrote it."
         )
     for index, (mine, saved_names) in enumerate(zip(here, there)):
-        outside = [p.name for p in mine if (key := _match(p, keys)) is not None and reader.primary(key) not in saved_names]
+        outside = [
+            p.name for p in mine if (key := _match(p, keys)) is not None and reader.primary(key) not in saved_names
+        ]
         if outside:
             raise ValueError(
                 f"parameter group {index} of {type(optimizer).__name__} holds {outside[:5]}, which the checkpoint's "
@@ -228,9 +231,9 @@ def _load_sharded_optimizer(
 def load_optimizers(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
-    engine: Optional["ZeroEngine"],
+    engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
-    layout: Optional[ParallelLayout] = None,
+    layout: ParallelLayout | None = None,
 ) -> None:
     """Load every optimizer's state: sharded (read per piece, each rank its tensor-parallel part)
     or consolidated (the earlier single-file format, or a plain optimizer's). Call on all ranks."""

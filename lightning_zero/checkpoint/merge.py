@@ -19,8 +19,9 @@ a tied weight that several pipeline stages hold, the pieces of the first such st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from lightning_zero.layout import Coordinates, ParallelLayout
 
@@ -66,7 +67,7 @@ class Placement:
     layout: ParallelLayout
 
     @classmethod
-    def of(cls, rank: int, world_size: int, layout: Optional[ParallelLayout]) -> "Placement":
+    def of(cls, rank: int, world_size: int, layout: ParallelLayout | None) -> Placement:
         """``layout`` (``None``: all ranks data-parallel), checked against ``world_size``."""
         layout = layout if layout is not None else ParallelLayout(world_size)
         layout.check_world(world_size)
@@ -76,13 +77,13 @@ class Placement:
     def coords(self) -> Coordinates:
         return self.layout.coordinates(self.rank)
 
-    def split(self, partition_dim: Optional[int]) -> Optional[Split]:
+    def split(self, partition_dim: int | None) -> Split | None:
         """This rank's part of a parameter split along ``partition_dim`` (``None``: a whole one)."""
         if partition_dim is None or self.layout.tensor == 1:
             return None
         return Split(partition_dim, self.coords.tp, self.layout.tensor)
 
-    def full_shape(self, local_shape: Iterable[int], partition_dim: Optional[int]) -> list[int]:
+    def full_shape(self, local_shape: Iterable[int], partition_dim: int | None) -> list[int]:
         """The unsplit shape of a parameter whose part here has ``local_shape``."""
         shape = list(local_shape)
         if self.split(partition_dim) is not None:
@@ -98,7 +99,7 @@ def ordered_union(lists: Iterable[Iterable[str]]) -> list[str]:
 _SAME = ("shape", "partition_dim", "tensor_parallel_size")
 
 
-def _conflict(name: str, kept: dict[str, Any], new: dict[str, Any], rank: int) -> Optional[str]:
+def _conflict(name: str, kept: dict[str, Any], new: dict[str, Any], rank: int) -> str | None:
     for field in _SAME:
         if kept[field] != new[field]:
             return f"{name}: {field} {kept[field]} on an earlier rank but {new[field]} on rank {rank}"
@@ -128,7 +129,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             kept = params[primary]
             problem = _conflict(primary, kept, entry, report["rank"])
             if problem:
-                raise ValueError(f"the ranks disagree about a parameter: {problem}; every rank must build the same model.")
+                raise ValueError(
+                    f"the ranks disagree about a parameter: {problem}; every rank must build the same model."
+                )
             for name in names:
                 alias_of.setdefault(name, primary)
                 if name != primary and name not in kept["aliases"]:
@@ -170,14 +173,14 @@ def check_coverage(name: str, entry: dict[str, Any]) -> None:
             )
 
 
-def merge_optimizer_names(reports: list[dict[str, Any]], alias_of: dict[str, str]) -> list[Optional[list[list[str]]]]:
+def merge_optimizer_names(reports: list[dict[str, Any]], alias_of: dict[str, str]) -> list[list[list[str]] | None]:
     """Per optimizer, per parameter group: the primary names of its parameters over all ranks (the
     stages of a pipeline each hold some), each once."""
     per_rank = [r["optimizer_names"] for r in sorted(reports, key=lambda r: r["rank"])]
     counts = {len(names) for names in per_rank}
     if len(counts) > 1:
         raise ValueError(f"the ranks have different numbers of optimizers: {[len(n) for n in per_rank]}")
-    merged: list[Optional[list[list[str]]]] = []
+    merged: list[list[list[str]] | None] = []
     for index in range(counts.pop() if counts else 0):
         groups = [names[index] for names in per_rank if names[index] is not None]
         if not groups:
@@ -185,8 +188,8 @@ def merge_optimizer_names(reports: list[dict[str, Any]], alias_of: dict[str, str
             continue
         sizes = {len(g) for g in groups}
         if len(sizes) > 1:
-            raise ValueError(f"optimizer {index} has different numbers of parameter groups across ranks: {sorted(sizes)}")
-        merged.append(
-            [ordered_union([alias_of.get(n, n) for n in g[i]] for g in groups) for i in range(sizes.pop())]
-        )
+            raise ValueError(
+                f"optimizer {index} has different numbers of parameter groups across ranks: {sorted(sizes)}"
+            )
+        merged.append([ordered_union([alias_of.get(n, n) for n in g[i]] for g in groups) for i in range(sizes.pop())])
     return merged

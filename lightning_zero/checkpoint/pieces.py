@@ -9,8 +9,9 @@ forward and backward); the tensors ZeRO does not partition (frozen parameters, b
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,13 +40,13 @@ class PartitionedParam:
     shape: torch.Size
     dtype: torch.dtype
     """The compute dtype (of the parameter in the module)."""
-    optimizer: Optional[int]
+    optimizer: int | None
     """Index of its optimizer in the strategy's optimizer list; ``None`` for a frozen parameter that
     stage 3 partitions without an optimizer."""
-    buffer: "FlatBuffer"
+    buffer: FlatBuffer
     slot: int
     """Its index in ``buffer.layout.slots`` and ``buffer.params``."""
-    partition_dim: Optional[int] = None
+    partition_dim: int | None = None
     """The dim along which tensor parallelism split it (``param.partition_dim``), ``None`` when whole."""
 
     def pieces(self) -> list[tuple[int, int, int]]:
@@ -56,7 +57,7 @@ class PartitionedParam:
             out.extend((rank, s.param_offset, s.numel) for s in layout.shards(rank) if s.param_index == self.slot)
         return out
 
-    def local_piece(self) -> Optional[tuple[int, int, int]]:
+    def local_piece(self) -> tuple[int, int, int] | None:
         """``(param_offset, shard_offset, numel)`` of its piece in this rank's slice, if any."""
         for s in self.buffer.shards:
             if s.param_index == self.slot:
@@ -64,13 +65,13 @@ class PartitionedParam:
         return None
 
 
-def all_buffers(engine: "ZeroEngine") -> list["FlatBuffer"]:
+def all_buffers(engine: ZeroEngine) -> list[FlatBuffer]:
     """The engine's flat buffers: those of its optimizers, then (stage 3) those of frozen parameters."""
     return list(engine.buffers) + list(getattr(engine, "frozen", []))
 
 
 def partitioned_params(
-    module: nn.Module, engine: Optional["ZeroEngine"], optimizers: list[torch.optim.Optimizer]
+    module: nn.Module, engine: ZeroEngine | None, optimizers: list[torch.optim.Optimizer]
 ) -> dict[str, PartitionedParam]:
     """Every parameter in the engine's flat buffers, by name, in the engine's buffer order (under
     stage 3 also frozen parameters, which are partitioned without an optimizer)."""
@@ -128,13 +129,13 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", copy=True).contiguous()
 
 
-def is_slice_state(value: Any, buffer: "FlatBuffer") -> bool:
+def is_slice_state(value: Any, buffer: FlatBuffer) -> bool:
     """True for an optimizer state with one element per master element (``exp_avg``), not a scalar (``step``)."""
     return torch.is_tensor(value) and value.shape == buffer.master.shape
 
 
 def local_shards(
-    params: dict[str, PartitionedParam], engine: "ZeroEngine", optimizers: list[torch.optim.Optimizer]
+    params: dict[str, PartitionedParam], engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
     """This rank's pieces: ``({name: master piece}, [{name: {"slices": {key: piece}, "scalars": {key: value}}}
     per optimizer])``; ``slices`` are states with one element per parameter element (``exp_avg``),
@@ -177,7 +178,7 @@ def iter_local_pieces(params: dict[str, PartitionedParam]) -> Iterator[tuple[Par
             yield (p, *piece)
 
 
-def _entry(names: list[str], tensor_shape: Any, partition_dim: Optional[int], placement: "Placement", **fields: Any) -> dict:
+def _entry(names: list[str], tensor_shape: Any, partition_dim: int | None, placement: Placement, **fields: Any) -> dict:
     split = placement.split(partition_dim)
     return {
         "names": names,
@@ -189,7 +190,7 @@ def _entry(names: list[str], tensor_shape: Any, partition_dim: Optional[int], pl
 
 
 def rank_report(
-    module: nn.Module, engine: Optional["ZeroEngine"], optimizers: list[torch.optim.Optimizer], placement: "Placement"
+    module: nn.Module, engine: ZeroEngine | None, optimizers: list[torch.optim.Optimizer], placement: Placement
 ) -> dict[str, Any]:
     """What this rank holds, for :func:`~lightning_zero.checkpoint.merge.merge_reports`. Local, no communication.
 
@@ -208,8 +209,14 @@ def rank_report(
         piece = None if local is None else [rank, coords.tp if split else 0, local[0], local[2]]
         saved = fmt.dtype_name(p.buffer.master.dtype)
         entries[p.name] = _entry(
-            [p.name, *p.aliases], p.shape, p.partition_dim, placement,
-            dtype=fmt.dtype_name(p.dtype), saved_dtype=saved, optimizer=p.optimizer, piece=piece,
+            [p.name, *p.aliases],
+            p.shape,
+            p.partition_dim,
+            placement,
+            dtype=fmt.dtype_name(p.dtype),
+            saved_dtype=saved,
+            optimizer=p.optimizer,
+            piece=piece,
         )
     names = tensor_names(module)
     skip = state_dict_keys(params)
@@ -222,7 +229,9 @@ def rank_report(
             continue
         dtype = fmt.dtype_name(tensor.dtype)
         piece = [rank, coords.tp if split else 0, 0, tensor.numel()]
-        entries[key] = _entry(names[id(tensor)], tensor.shape, dim, placement, dtype=dtype, saved_dtype=dtype, optimizer=None, piece=piece)
+        entries[key] = _entry(
+            names[id(tensor)], tensor.shape, dim, placement, dtype=dtype, saved_dtype=dtype, optimizer=None, piece=piece
+        )
     return {
         "rank": rank,
         "pp_rank": coords.pp,
@@ -232,7 +241,9 @@ def rank_report(
     }
 
 
-def _group_names(module: nn.Module, engine: Optional["ZeroEngine"], optimizer: torch.optim.Optimizer) -> Optional[list[list[str]]]:
+def _group_names(
+    module: nn.Module, engine: ZeroEngine | None, optimizer: torch.optim.Optimizer
+) -> list[list[str]] | None:
     sharded = engine.find(optimizer) if engine is not None else None
     if sharded is None:
         return None
@@ -244,7 +255,7 @@ def _group_names(module: nn.Module, engine: Optional["ZeroEngine"], optimizer: t
 
 def rank_payload(
     module: nn.Module,
-    engine: Optional["ZeroEngine"],
+    engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
     merged: dict[str, Any],
     rank: int,

@@ -10,8 +10,9 @@ time. :class:`FullReader` offers the same over a plain state dict of whole tenso
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint.merge import Split
 
 
-def _narrow(tensor: torch.Tensor, split: Optional[Split], what: str) -> torch.Tensor:
+def _narrow(tensor: torch.Tensor, split: Split | None, what: str) -> torch.Tensor:
     """``split``'s part of the whole ``tensor`` (all of it when ``split`` is ``None``)."""
     if split is None:
         return tensor
@@ -38,7 +39,7 @@ class ShardedReader:
         self.params = self.meta["params"]
         self._primary = {key: name for name, e in self.params.items() for key in (name, *e["aliases"])}
         self._files: dict[int, Any] = {}
-        self._block: tuple[Any, Optional[torch.Tensor]] = (None, None)  # the last part built by _part
+        self._block: tuple[Any, torch.Tensor | None] = (None, None)  # the last part built by _part
 
     def has(self, key: str) -> bool:
         return key in self._primary or key in self.state_dict
@@ -54,7 +55,7 @@ class ShardedReader:
     def keys(self) -> list[str]:
         return list(self._primary) + [k for k in self.state_dict if k not in self._primary]
 
-    def shape(self, key: str) -> Optional[torch.Size]:
+    def shape(self, key: str) -> torch.Size | None:
         """The whole (unsplit) shape of ``key``."""
         if key in self._primary:
             return torch.Size(self.params[self._primary[key]]["shape"])
@@ -66,12 +67,16 @@ class ShardedReader:
             self._files[rank] = fmt.load_file(self.path / self.meta["rank_files"][rank])
         return self._files[rank]
 
-    def _saved(self, name: str) -> Optional[Split]:
+    def _saved(self, name: str) -> Split | None:
         """How ``name`` was split when saved (``Split(dim, 0, T)``), ``None`` when saved whole."""
         entry = self.params[name]
-        return None if entry["tensor_parallel_size"] == 1 else Split(entry["partition_dim"], 0, entry["tensor_parallel_size"])
+        return (
+            None
+            if entry["tensor_parallel_size"] == 1
+            else Split(entry["partition_dim"], 0, entry["tensor_parallel_size"])
+        )
 
-    def _read_shard(self, name: str, tp_rank: int, start: int, numel: int, state_key: Optional[str]) -> torch.Tensor:
+    def _read_shard(self, name: str, tp_rank: int, start: int, numel: int, state_key: str | None) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of saved part ``tp_rank`` of ``name``, flattened."""
         entry = self.params[name]
         out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))
@@ -89,7 +94,7 @@ class ShardedReader:
             out[lo - start : hi - start] = piece[lo - offset : hi - offset]
         return out
 
-    def _part(self, name: str, split: Optional[Split], state_key: Optional[str]) -> torch.Tensor:
+    def _part(self, name: str, split: Split | None, state_key: str | None) -> torch.Tensor:
         """The whole tensor ``name`` (``split`` ``None``) or one part of it, assembled from the saved
         parts that overlap it. The last one is kept: a load reads one parameter after another."""
         cache_key = (name, split, state_key)
@@ -117,7 +122,7 @@ class ShardedReader:
         return part
 
     def read(
-        self, key: str, start: int, numel: int, state_key: Optional[str] = None, split: Optional[Split] = None
+        self, key: str, start: int, numel: int, state_key: str | None = None, split: Split | None = None
     ) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened tensor ``key`` (or of its optimizer state
         ``state_key``), or of its part ``split`` under tensor parallelism, as saved (the master dtype).
@@ -132,14 +137,14 @@ class ShardedReader:
             return self._read_shard(name, split.rank, start, numel, state_key)
         return self._part(name, split, state_key).reshape(-1)[start : start + numel]
 
-    def full(self, key: str, split: Optional[Split] = None, state_key: Optional[str] = None) -> Any:
+    def full(self, key: str, split: Split | None = None, state_key: str | None = None) -> Any:
         """The whole value of ``key`` (or its part ``split``): a tensor, or a non-tensor entry as saved."""
         if key not in self._primary:
             value = self.state_dict[key]
             return _narrow(value, split, key) if torch.is_tensor(value) else value
         return self._part(self._primary[key], split, state_key)
 
-    def optimizer_entry(self, key: str) -> Optional[dict[str, Any]]:
+    def optimizer_entry(self, key: str) -> dict[str, Any] | None:
         """``{"slices": {state_key: dtype}, "scalars": {...}}`` of parameter ``key``, or None without state."""
         name = self._primary[key]
         entry = self.params[name]
@@ -163,13 +168,13 @@ class FullReader:
     def keys(self) -> list[str]:
         return list(self.state_dict)
 
-    def shape(self, key: str) -> Optional[torch.Size]:
+    def shape(self, key: str) -> torch.Size | None:
         value = self.state_dict[key]
         return value.shape if torch.is_tensor(value) else None
 
-    def read(self, key: str, start: int, numel: int, split: Optional[Split] = None) -> torch.Tensor:
+    def read(self, key: str, start: int, numel: int, split: Split | None = None) -> torch.Tensor:
         return _narrow(self.state_dict[key], split, key).reshape(-1)[start : start + numel]
 
-    def full(self, key: str, split: Optional[Split] = None) -> Any:
+    def full(self, key: str, split: Split | None = None) -> Any:
         value = self.state_dict[key]
         return _narrow(value, split, key) if torch.is_tensor(value) else value

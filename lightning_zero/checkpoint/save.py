@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 import shutil
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
 
 
-def optimizer_groups(module: nn.Module, engine: "ZeroEngine", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
     parameter names (the states themselves are in the rank files). Local, no communication."""
     names = {}
@@ -121,7 +122,9 @@ def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict
         state["optimizer_states"] = []
         for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"]):
             if names is not None and saved.get("format") == SHARDED_OPTIMIZER_MARKER:
-                groups = [{**group, "param_names": group_names} for group, group_names in zip(saved["param_groups"], names)]
+                groups = [
+                    {**group, "param_names": group_names} for group, group_names in zip(saved["param_groups"], names)
+                ]
                 saved = {**saved, "param_groups": groups}
             state["optimizer_states"].append(saved)
     return state
@@ -131,10 +134,10 @@ def save_sharded(
     checkpoint: dict[str, Any],
     filepath: fmt.PathLike,
     module: nn.Module,
-    engine: Optional["ZeroEngine"],
+    engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
     precision: str,
-    layout: Optional[ParallelLayout] = None,
+    layout: ParallelLayout | None = None,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``.
 
@@ -175,7 +178,11 @@ def save_sharded(
             "version": fmt.FORMAT_VERSION,
             "stage": engine.config.stage if engine is not None else None,
             "world_size": world_size,
-            "layout": {"data": placement.layout.data, "tensor": placement.layout.tensor, "pipeline": placement.layout.pipeline},
+            "layout": {
+                "data": placement.layout.data,
+                "tensor": placement.layout.tensor,
+                "pipeline": placement.layout.pipeline,
+            },
             "precision": precision,
             "has_optimizer_states": has_optimizer_states,
             "rank_files": [fmt.rank_file(r) for r in range(world_size)],

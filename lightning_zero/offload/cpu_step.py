@@ -22,7 +22,7 @@ States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,7 +51,9 @@ def _hyper(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str,
             f"{type(optimizer).__name__}(amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}) has no "
             "offloaded CPU kernel; use amsgrad=False and maximize=False, or offload_optimizer=False."
         )
-    adamw = group.get("adamw_mode", isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False))
+    adamw = group.get(
+        "adamw_mode", isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+    )
     return {
         "lr": float(group["lr"]),
         "beta1": float(beta1),
@@ -66,7 +68,9 @@ def _hyper(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str,
 class KernelStep:
     """Steps one rewired optimizer's master slices with the ops kernels (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup, lamb: bool) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup, lamb: bool
+    ) -> None:
         self.optimizer = optimizer
         self.buffers = buffers
         self.group = group
@@ -79,7 +83,9 @@ class KernelStep:
             self._plan_lamb()
 
     @staticmethod
-    def for_optimizer(optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> Optional["KernelStep"]:
+    def for_optimizer(
+        optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup
+    ) -> KernelStep | None:
         """The kernel step ``optimizer`` needs under ZeRO, or None when its own ``step()`` is right."""
         if isinstance(optimizer, _lamb_family()):
             return KernelStep(optimizer, buffers, group, lamb=True)
@@ -96,7 +102,9 @@ class KernelStep:
         return KernelStep(optimizer, buffers, group, lamb=False)
 
     @staticmethod
-    def _for_host_masters(optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> Optional["KernelStep"]:
+    def _for_host_masters(
+        optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup
+    ) -> KernelStep | None:
         """Without offload, torch's Adam/AdamW on fp32 masters in host memory (CPU training) also runs
         the compiled kernel: one pass instead of torch's several over the slice (measured ~50 ms ->
         ~15 ms per step on a 14M-parameter GPT, 2 ranks), and it writes the 16-bit parameters in the
@@ -121,7 +129,7 @@ class KernelStep:
             state["exp_avg_sq"] = torch.zeros_like(master)
         return state
 
-    def _param_copy(self, b: FlatBuffer) -> Optional[torch.Tensor]:
+    def _param_copy(self, b: FlatBuffer) -> torch.Tensor | None:
         """Where the kernel writes the updated 16-bit parameters: the device slice itself when it is
         in host memory, else a (pinned) host staging buffer copied to the device afterwards."""
         if b.param_shard.dtype == torch.float32 or b.master.device.type != "cpu":
@@ -132,7 +140,7 @@ class KernelStep:
             self._copy_out[id(b)] = host_empty(b.layout.shard_numel, b.param_shard.dtype)
         return self._copy_out[id(b)]
 
-    def _write_back(self, b: FlatBuffer, copy: Optional[torch.Tensor]) -> None:
+    def _write_back(self, b: FlatBuffer, copy: torch.Tensor | None) -> None:
         if copy is not None and copy.data_ptr() == b.param_shard.data_ptr():
             return  # the kernel wrote the parameter slice itself
         if not b.offloaded:
@@ -160,8 +168,13 @@ class KernelStep:
                 state["step"] += 1
                 copy = self._param_copy(b)
                 F.cpu_adam_step(
-                    b.master, b.master.grad.contiguous(), state["exp_avg"], state["exp_avg_sq"],
-                    step=int(state["step"]), param_copy=copy, **hyper,
+                    b.master,
+                    b.master.grad.contiguous(),
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=int(state["step"]),
+                    param_copy=copy,
+                    **hyper,
                 )
                 self._write_back(b, copy)
         # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
@@ -208,7 +221,9 @@ class KernelStep:
         offsets = self.segments[id(b)][0]
         return F.cpu_lamb_moments(b.master, grad, state["exp_avg"], state["exp_avg_sq"], offsets, step=step, **phase1)
 
-    def _lamb_apply(self, b: FlatBuffer, state: dict[str, Any], ratio: torch.Tensor, step: int, hyper: dict[str, Any]) -> None:
+    def _lamb_apply(
+        self, b: FlatBuffer, state: dict[str, Any], ratio: torch.Tensor, step: int, hyper: dict[str, Any]
+    ) -> None:
         from lightning_zero.ops import functional as F
 
         offsets, owners = self.segments[id(b)]
@@ -216,14 +231,22 @@ class KernelStep:
             views = [self._segments(b, t) for t in (b.master, state["exp_avg"], state["exp_avg_sq"])]
             direct = b.separate_master and not b.offloaded and b.param_shard.device == b.master.device
             copies = self._segments(b, b.param_shard) if direct else []
-            F.fused_lamb_apply(*views, ratio[owners.to(ratio.device)].contiguous(), step=step, param_copies=copies, **hyper)
+            F.fused_lamb_apply(
+                *views, ratio[owners.to(ratio.device)].contiguous(), step=step, param_copies=copies, **hyper
+            )
             if not direct:
                 self._write_back(b, None)
             return
         copy = self._param_copy(b)
         F.cpu_lamb_apply(
-            b.master, state["exp_avg"], state["exp_avg_sq"], offsets, ratio[owners].contiguous(),
-            step=step, param_copy=copy, **hyper,
+            b.master,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            offsets,
+            ratio[owners].contiguous(),
+            step=step,
+            param_copy=copy,
+            **hyper,
         )
         self._write_back(b, copy)
 

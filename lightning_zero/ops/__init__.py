@@ -27,9 +27,9 @@ Fallback
     ``reference.py`` (the same numbers, several passes over memory) after a one-time
     RuntimeWarning saying how to build it.
 """
+
 from lightning_zero.ops import functional
 from lightning_zero.ops._load import ISA_ENV, available, compiled
 from lightning_zero.ops.optimizers import CPUAdam, CPULamb, FusedAdam, FusedLamb
 
-__all__ = ["CPUAdam", "CPULamb", "FusedAdam", "FusedLamb", "ISA_ENV", "available", "compiled",
-           "functional"]
+__all__ = ["CPUAdam", "CPULamb", "FusedAdam", "FusedLamb", "ISA_ENV", "available", "compiled", "functional"]

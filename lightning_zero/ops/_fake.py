@@ -2,6 +2,7 @@
 
 The ops return nothing but the LAMB moments ops, whose result is fp32 (segments, 2).
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Finding the compiled ops, choosing a CPU path, and falling back to the reference loudly, once."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,10 @@ def _warn_fallback() -> None:
             f"lightning_zero.ops: the compiled extension is not available ({_LOAD_ERROR}); using the "
             "PyTorch reference implementations, which are correct but make several passes over "
             "memory. Reinstall with `pip install --no-build-isolation -e .` on a machine with a C++ "
-            "compiler to build it.", RuntimeWarning, stacklevel=3)
+            "compiler to build it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def supported_isas() -> list[str]:
@@ -53,8 +57,10 @@ def cpu_path() -> str:
         return choice
     if not compiled():
         if choice != "auto":
-            raise ValueError(f"{ISA_ENV}={choice} asks for a compiled kernel but lightning_zero._C is "
-                             f"not built ({_LOAD_ERROR}); rebuild it or set {ISA_ENV}=reference")
+            raise ValueError(
+                f"{ISA_ENV}={choice} asks for a compiled kernel but lightning_zero._C is "
+                f"not built ({_LOAD_ERROR}); rebuild it or set {ISA_ENV}=reference"
+            )
         _warn_fallback()
         return "reference"
     isas = supported_isas()
@@ -67,12 +73,11 @@ def cpu_path() -> str:
 
 def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels."""
-    return compiled() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "lightning_zero::fused_adam_step", "CUDA")
+    return compiled() and torch._C._dispatch_has_kernel_for_dispatch_key("lightning_zero::fused_adam_step", "CUDA")
 
 
 def fused_path(device: torch.device) -> str:
-    """"cuda" or "cpu" (compiled kernels for that device) or "reference"."""
+    """ "cuda" or "cpu" (compiled kernels for that device) or "reference"."""
     if device.type == "cuda" and has_cuda_kernels():
         return "cuda"
     if device.type == "cpu" and compiled() and cpu_path() != "reference":
@@ -81,9 +86,13 @@ def fused_path(device: torch.device) -> str:
         global _warned
         if not _warned:
             _warned = True
-            warnings.warn("lightning_zero.ops: built without CUDA kernels; FusedAdam/FusedLamb use "
-                          "the PyTorch reference on the GPU. Rebuild where nvcc and a CUDA torch "
-                          "exist.", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                "lightning_zero.ops: built without CUDA kernels; FusedAdam/FusedLamb use "
+                "the PyTorch reference on the GPU. Rebuild where nvcc and a CUDA torch "
+                "exist.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     elif not compiled():
         _warn_fallback()
     return "reference"

@@ -8,6 +8,7 @@ flat range; ``fused_*`` take lists of tensors on one device. For LAMB on ZeRO sh
 3. ``trust = lamb_trust_ratio(per_param_sq)``, gathered back to this rank's segments
 4. ``cpu_lamb_apply(shard, m, v, segment_offsets, trust_per_segment, ...)``
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,19 +16,41 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.ops import _fake  # noqa: F401  (registers the fake kernels)
-from lightning_zero.ops import reference
+from lightning_zero.ops import (
+    _fake,  # noqa: F401  (registers the fake kernels)
+    reference,
+)
 from lightning_zero.ops._load import cpu_path, fused_path
 from lightning_zero.ops.reference import lamb_trust_ratio
 
-__all__ = ["cpu_adam_step", "cpu_lamb_moments", "cpu_lamb_apply", "lamb_trust_ratio",
-           "fused_adam_step", "fused_lamb_moments", "fused_lamb_apply"]
+__all__ = [
+    "cpu_adam_step",
+    "cpu_lamb_moments",
+    "cpu_lamb_apply",
+    "lamb_trust_ratio",
+    "fused_adam_step",
+    "fused_lamb_moments",
+    "fused_lamb_apply",
+]
 
 
-def cpu_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,
-                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  step: int, adamw_mode: bool = True, bias_correction: bool = True,
-                  grad_scale: float = 1.0, param_copy: Tensor | None = None) -> None:
+def cpu_adam_step(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_copy: Tensor | None = None,
+) -> None:
     """One Adam/AdamW step in a single pass, in place.
 
     param, grad: fp32 contiguous CPU tensors of n elements (any shape); exp_avg, exp_avg_sq: fp32
@@ -42,10 +65,21 @@ def cpu_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     torch.ops.lightning_zero.cpu_adam_step(param, grad, exp_avg, exp_avg_sq, param_copy, *args, path)
 
 
-def cpu_lamb_moments(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                     segment_offsets: Tensor, *, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, step: int, bias_correction: bool = True,
-                     grad_scale: float = 1.0) -> Tensor:
+def cpu_lamb_moments(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    segment_offsets: Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> Tensor:
     """LAMB phase 1 (see the module docstring): update the moments in place, return fp32 (S, 2).
 
     segment_offsets: int64 CPU (S + 1,) from 0 to param.numel(); row i of the result is
@@ -55,33 +89,56 @@ def cpu_lamb_moments(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: T
     path = cpu_path()
     if path == "reference":
         return reference.cpu_lamb_moments(param, grad, exp_avg, exp_avg_sq, segment_offsets, *args)
-    return torch.ops.lightning_zero.cpu_lamb_moments(param, grad, exp_avg, exp_avg_sq,
-                                                     segment_offsets, *args, path)
+    return torch.ops.lightning_zero.cpu_lamb_moments(param, grad, exp_avg, exp_avg_sq, segment_offsets, *args, path)
 
 
-def cpu_lamb_apply(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segment_offsets: Tensor,
-                   trust_ratio: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-                   weight_decay: float, step: int, bias_correction: bool = True,
-                   param_copy: Tensor | None = None) -> None:
+def cpu_lamb_apply(
+    param: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    segment_offsets: Tensor,
+    trust_ratio: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool = True,
+    param_copy: Tensor | None = None,
+) -> None:
     """LAMB phase 2: param -= lr * trust_ratio[segment] * update; trust_ratio fp32 (S,)."""
     args = (lr, beta1, beta2, eps, weight_decay, step, bias_correction)
     path = cpu_path()
     if path == "reference":
-        return reference.cpu_lamb_apply(param, exp_avg, exp_avg_sq, segment_offsets, trust_ratio,
-                                        param_copy, *args)
-    torch.ops.lightning_zero.cpu_lamb_apply(param, exp_avg, exp_avg_sq, segment_offsets,
-                                            trust_ratio, param_copy, *args, path)
+        return reference.cpu_lamb_apply(param, exp_avg, exp_avg_sq, segment_offsets, trust_ratio, param_copy, *args)
+    torch.ops.lightning_zero.cpu_lamb_apply(
+        param, exp_avg, exp_avg_sq, segment_offsets, trust_ratio, param_copy, *args, path
+    )
 
 
 def _impl(name: str, device: torch.device):
     return getattr(reference if fused_path(device) == "reference" else torch.ops.lightning_zero, name)
 
 
-def fused_adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                    exp_avg_sqs: Sequence[Tensor], *, lr: float, beta1: float, beta2: float,
-                    eps: float, weight_decay: float, step: int, adamw_mode: bool = True,
-                    bias_correction: bool = True, grad_scale: Tensor | None = None,
-                    param_copies: Sequence[Tensor] = ()) -> None:
+def fused_adam_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: Tensor | None = None,
+    param_copies: Sequence[Tensor] = (),
+) -> None:
     """Multi-tensor Adam/AdamW over lists on one device, in place.
 
     params, exp_avgs, exp_avg_sqs: fp32; grads: fp32, bf16 or fp16 on CUDA (fp32 on CPU);
@@ -91,25 +148,80 @@ def fused_adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs:
     if not params:
         return
     _impl("fused_adam_step", params[0].device)(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(param_copies),
-        grad_scale, lr, beta1, beta2, eps, weight_decay, step, adamw_mode, bias_correction)
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(param_copies),
+        grad_scale,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        adamw_mode,
+        bias_correction,
+    )
 
 
-def fused_lamb_moments(params: Sequence[Tensor], grads: Sequence[Tensor],
-                       exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], *,
-                       beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                       bias_correction: bool = True, grad_scale: Tensor | None = None) -> Tensor:
+def fused_lamb_moments(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool = True,
+    grad_scale: Tensor | None = None,
+) -> Tensor:
     """Multi-tensor LAMB phase 1: fp32 (len(params), 2) squared norms, one row per tensor."""
     return _impl("fused_lamb_moments", params[0].device)(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), grad_scale, beta1, beta2,
-        eps, weight_decay, step, bias_correction)
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        grad_scale,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        bias_correction,
+    )
 
 
-def fused_lamb_apply(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                     exp_avg_sqs: Sequence[Tensor], trust_ratio: Tensor, *, lr: float,
-                     beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-                     bias_correction: bool = True, param_copies: Sequence[Tensor] = ()) -> None:
+def fused_lamb_apply(
+    params: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    trust_ratio: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool = True,
+    param_copies: Sequence[Tensor] = (),
+) -> None:
     """Multi-tensor LAMB phase 2; trust_ratio: fp32 (len(params),) on the params' device."""
     _impl("fused_lamb_apply", params[0].device)(
-        list(params), list(exp_avgs), list(exp_avg_sqs), trust_ratio, list(param_copies), lr,
-        beta1, beta2, eps, weight_decay, step, bias_correction)
+        list(params),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        trust_ratio,
+        list(param_copies),
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        step,
+        bias_correction,
+    )

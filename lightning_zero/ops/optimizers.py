@@ -7,6 +7,7 @@ and ``param_copies`` (one bf16/fp16 tensor, or None, per parameter in param-grou
 the updated parameter in the same pass). State: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` in
 ``state_dtype`` (fp32, or bf16 for half the state traffic at the cost of state precision).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,8 +19,9 @@ from torch import Tensor
 from lightning_zero.ops import functional as F
 
 
-def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                   state_dtype: torch.dtype) -> None:
+def _check_hparams(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float, state_dtype: torch.dtype
+) -> None:
     if lr < 0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -35,11 +37,21 @@ class _AdamFamily(torch.optim.Optimizer):
 
     _device_type: str | None = None  # "cpu" for the CPU optimizers: checked at construction
 
-    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, bias_correction: bool, state_dtype: torch.dtype, **extra):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        state_dtype: torch.dtype,
+        **extra,
+    ):
         _check_hparams(lr, betas, eps, weight_decay, state_dtype)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, **extra)
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, **extra
+        )
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         for group in self.param_groups:
@@ -48,12 +60,16 @@ class _AdamFamily(torch.optim.Optimizer):
 
     def _check_param(self, p: Tensor) -> None:
         if p.dtype != torch.float32 or not p.is_contiguous():
-            raise ValueError(f"{type(self).__name__} needs contiguous fp32 parameters (the fp32 "
-                             f"master copy), got {p.dtype} of shape {tuple(p.shape)}, "
-                             f"contiguous={p.is_contiguous()}")
+            raise ValueError(
+                f"{type(self).__name__} needs contiguous fp32 parameters (the fp32 "
+                f"master copy), got {p.dtype} of shape {tuple(p.shape)}, "
+                f"contiguous={p.is_contiguous()}"
+            )
         if self._device_type and p.device.type != self._device_type:
-            raise ValueError(f"{type(self).__name__} needs {self._device_type} parameters, got one "
-                             f"on {p.device}; use FusedAdam/FusedLamb on devices")
+            raise ValueError(
+                f"{type(self).__name__} needs {self._device_type} parameters, got one "
+                f"on {p.device}; use FusedAdam/FusedLamb on devices"
+            )
 
     def _state(self, p: Tensor) -> dict:
         state = self.state[p]
@@ -67,8 +83,10 @@ class _AdamFamily(torch.optim.Optimizer):
         """Yield (group, [(param, copy or None), ...] for params that have a gradient)."""
         n = sum(len(g["params"]) for g in self.param_groups)
         if param_copies is not None and len(param_copies) != n:
-            raise ValueError(f"param_copies has {len(param_copies)} entries for {n} parameters; pass "
-                             "one (or None) per parameter, in param-group order")
+            raise ValueError(
+                f"param_copies has {len(param_copies)} entries for {n} parameters; pass "
+                "one (or None) per parameter, in param-group order"
+            )
         i = 0
         for group in self.param_groups:
             live = []
@@ -83,8 +101,9 @@ class _AdamFamily(torch.optim.Optimizer):
             yield group, live
 
     @torch.no_grad()
-    def step(self, closure=None, *, grad_scale: float | Tensor = 1.0,
-             param_copies: Sequence[Tensor | None] | None = None):
+    def step(
+        self, closure=None, *, grad_scale: float | Tensor = 1.0, param_copies: Sequence[Tensor | None] | None = None
+    ):
         """One optimizer step over every parameter with a gradient; returns closure's loss."""
         loss = None
         if closure is not None:
@@ -106,23 +125,39 @@ class CPUAdam(_AdamFamily):
 
     _device_type = "cpu"
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                 bias_correction: bool = True, state_dtype: torch.dtype = torch.float32):
-        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, state_dtype,
-                         adamw_mode=adamw_mode)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, state_dtype, adamw_mode=adamw_mode)
 
     def _step_group(self, group: dict, live: list, grad_scale: float) -> None:
         for p, copy in live:
             state = self._state(p)
             state["step"] += 1
             F.cpu_adam_step(
-                p.view(-1), p.grad.to(torch.float32).contiguous().view(-1),
-                state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
-                lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                weight_decay=group["weight_decay"], step=state["step"],
-                adamw_mode=group["adamw_mode"], bias_correction=group["bias_correction"],
-                grad_scale=float(grad_scale), param_copy=None if copy is None else copy.view(-1))
+                p.view(-1),
+                p.grad.to(torch.float32).contiguous().view(-1),
+                state["exp_avg"].view(-1),
+                state["exp_avg_sq"].view(-1),
+                lr=group["lr"],
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=state["step"],
+                adamw_mode=group["adamw_mode"],
+                bias_correction=group["bias_correction"],
+                grad_scale=float(grad_scale),
+                param_copy=None if copy is None else copy.view(-1),
+            )
 
 
 class CPULamb(_AdamFamily):
@@ -135,24 +170,52 @@ class CPULamb(_AdamFamily):
 
     _device_type = "cpu"
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
-                 state_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay, bias_correction, state_dtype)
 
     def _step_group(self, group: dict, live: list, grad_scale: float) -> None:
-        hp = dict(beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                  weight_decay=group["weight_decay"], bias_correction=group["bias_correction"])
+        hp = dict(
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+        )
         for p, copy in live:
             state = self._state(p)
             state["step"] += 1
             whole = torch.tensor([0, p.numel()], dtype=torch.long)
             m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-            sq = F.cpu_lamb_moments(p.view(-1), p.grad.to(torch.float32).contiguous().view(-1), m, v,
-                                    whole, step=state["step"], grad_scale=float(grad_scale), **hp)
-            F.cpu_lamb_apply(p.view(-1), m, v, whole, F.lamb_trust_ratio(sq), lr=group["lr"],
-                             step=state["step"], param_copy=None if copy is None else copy.view(-1),
-                             **hp)
+            sq = F.cpu_lamb_moments(
+                p.view(-1),
+                p.grad.to(torch.float32).contiguous().view(-1),
+                m,
+                v,
+                whole,
+                step=state["step"],
+                grad_scale=float(grad_scale),
+                **hp,
+            )
+            F.cpu_lamb_apply(
+                p.view(-1),
+                m,
+                v,
+                whole,
+                F.lamb_trust_ratio(sq),
+                lr=group["lr"],
+                step=state["step"],
+                param_copy=None if copy is None else copy.view(-1),
+                **hp,
+            )
 
 
 def _by_step(optimizer: _AdamFamily, live: list) -> dict[int, list]:
@@ -176,8 +239,13 @@ def _lists(bucket: list):
     copies = [c for _, c, _ in bucket]
     if any(c is None for c in copies) and not all(c is None for c in copies):
         raise ValueError("param_copies: give a copy for every parameter of a group, or for none")
-    return (params, [p.grad for p in params], [s["exp_avg"] for _, _, s in bucket],
-            [s["exp_avg_sq"] for _, _, s in bucket], [] if copies[0] is None else copies)
+    return (
+        params,
+        [p.grad for p in params],
+        [s["exp_avg"] for _, _, s in bucket],
+        [s["exp_avg_sq"] for _, _, s in bucket],
+        [] if copies[0] is None else copies,
+    )
 
 
 class FusedAdam(_AdamFamily):
@@ -188,37 +256,66 @@ class FusedAdam(_AdamFamily):
     may be a one-element device tensor (no host synchronisation). Args as :class:`CPUAdam`.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, adamw_mode: bool = True,
-                 bias_correction: bool = True):
-        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, torch.float32,
-                         adamw_mode=adamw_mode)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, torch.float32, adamw_mode=adamw_mode)
 
     def _step_group(self, group: dict, live: list, grad_scale: float | Tensor) -> None:
         for step, bucket in _by_step(self, live).items():
             params, grads, ms, vs, copies = _lists(bucket)
-            F.fused_adam_step(params, grads, ms, vs, lr=group["lr"], beta1=group["betas"][0],
-                              beta2=group["betas"][1], eps=group["eps"],
-                              weight_decay=group["weight_decay"], step=step,
-                              adamw_mode=group["adamw_mode"],
-                              bias_correction=group["bias_correction"],
-                              grad_scale=_device_scale(grad_scale, params[0].device),
-                              param_copies=copies)
+            F.fused_adam_step(
+                params,
+                grads,
+                ms,
+                vs,
+                lr=group["lr"],
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                adamw_mode=group["adamw_mode"],
+                bias_correction=group["bias_correction"],
+                grad_scale=_device_scale(grad_scale, params[0].device),
+                param_copies=copies,
+            )
 
 
 class FusedLamb(_AdamFamily):
     """Multi-tensor LAMB (see :class:`CPULamb` for the update); parameters as :class:`FusedAdam`."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        bias_correction: bool = True,
+    ):
         super().__init__(params, lr, betas, eps, weight_decay, bias_correction, torch.float32)
 
     def _step_group(self, group: dict, live: list, grad_scale: float | Tensor) -> None:
-        hp = dict(beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                  weight_decay=group["weight_decay"], bias_correction=group["bias_correction"])
+        hp = dict(
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+        )
         for step, bucket in _by_step(self, live).items():
             params, grads, ms, vs, copies = _lists(bucket)
-            sq = F.fused_lamb_moments(params, grads, ms, vs, step=step,
-                                      grad_scale=_device_scale(grad_scale, params[0].device), **hp)
-            F.fused_lamb_apply(params, ms, vs, F.lamb_trust_ratio(sq), lr=group["lr"], step=step,
-                               param_copies=copies, **hp)
+            sq = F.fused_lamb_moments(
+                params, grads, ms, vs, step=step, grad_scale=_device_scale(grad_scale, params[0].device), **hp
+            )
+            F.fused_lamb_apply(
+                params, ms, vs, F.lamb_trust_ratio(sq), lr=group["lr"], step=step, param_copies=copies, **hp
+            )

@@ -6,6 +6,7 @@ Each function has the signature and in-place semantics of the op of the same nam
 states are widened on load and rounded (nearest even) on store, and the fp32 values, not their
 rounding, feed the same step's update, exactly as the kernels do.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,22 @@ def _update_moments(grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, beta1: fl
     return m, v
 
 
-def cpu_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                  param_copy: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, step: int, adamw_mode: bool, bias_correction: bool,
-                  grad_scale: float) -> None:
+def cpu_adam_step(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    param_copy: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw_mode: bool,
+    bias_correction: bool,
+    grad_scale: float,
+) -> None:
     """Adam (``adamw_mode=False``: L2 decay in the gradient) or AdamW, as torch.optim computes it.
 
     param: fp32 (n,); grad: (n,) any float dtype, multiplied by ``grad_scale`` first;
@@ -55,8 +68,17 @@ def cpu_adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         param_copy.copy_(param)
 
 
-def _lamb_update(param: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, step: int, bias_correction: bool) -> Tensor:
+def _lamb_update(
+    param: Tensor,
+    m: Tensor,
+    v: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+) -> Tensor:
     """LAMB's direction before the trust ratio: m_hat / (sqrt(v_hat) + eps) + weight_decay * param."""
     bc1, bc2 = _bias_corrections(beta1, beta2, step, bias_correction)
     denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
@@ -66,15 +88,26 @@ def _lamb_update(param: Tensor, m: Tensor, v: Tensor, beta1: float, beta2: float
 def _segment_ids(segment_offsets: Tensor, numel: int) -> Tensor:
     lengths = segment_offsets[1:] - segment_offsets[:-1]
     if segment_offsets[0] != 0 or segment_offsets[-1] != numel or (lengths < 0).any():
-        raise ValueError(f"segment_offsets must rise from 0 to param.numel()={numel}, "
-                         f"got {segment_offsets.tolist()[:8]}...")
+        raise ValueError(
+            f"segment_offsets must rise from 0 to param.numel()={numel}, got {segment_offsets.tolist()[:8]}..."
+        )
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
 
 
-def cpu_lamb_moments(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                     segment_offsets: Tensor, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, step: int, bias_correction: bool,
-                     grad_scale: float) -> Tensor:
+def cpu_lamb_moments(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    segment_offsets: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+    grad_scale: float,
+) -> Tensor:
     """LAMB phase 1: update the moments, return per-segment squared norms.
 
     ``segment_offsets``: int64 (S + 1,), 0 = o[0] <= ... <= o[S] = n; segment i is
@@ -100,16 +133,28 @@ def lamb_trust_ratio(sq_norms: Tensor) -> Tensor:
     return torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w)).float()
 
 
-def cpu_lamb_apply(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, segment_offsets: Tensor,
-                   trust_ratio: Tensor, param_copy: Tensor | None, lr: float, beta1: float,
-                   beta2: float, eps: float, weight_decay: float, step: int,
-                   bias_correction: bool) -> None:
+def cpu_lamb_apply(
+    param: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    segment_offsets: Tensor,
+    trust_ratio: Tensor,
+    param_copy: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+) -> None:
     """LAMB phase 2: param -= lr * trust_ratio[segment] * update, update recomputed from the states.
 
     trust_ratio: fp32 (S,); other arguments as in :func:`cpu_lamb_moments` / :func:`cpu_adam_step`.
     """
-    update = _lamb_update(param, exp_avg.float(), exp_avg_sq.float(), beta1, beta2, eps,
-                          weight_decay, step, bias_correction)
+    update = _lamb_update(
+        param, exp_avg.float(), exp_avg_sq.float(), beta1, beta2, eps, weight_decay, step, bias_correction
+    )
     ids = _segment_ids(segment_offsets, param.numel()).to(param.device)
     param.sub_((trust_ratio.float() * lr)[ids] * update)
     if param_copy is not None:
@@ -124,36 +169,106 @@ def _scale(grad_scale: Tensor | None) -> float | Tensor:
     return 1.0 if grad_scale is None else grad_scale.float()
 
 
-def fused_adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                    exp_avg_sqs: Sequence[Tensor], param_copies: Sequence[Tensor],
-                    grad_scale: Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, step: int, adamw_mode: bool, bias_correction: bool) -> None:
+def fused_adam_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    param_copies: Sequence[Tensor],
+    grad_scale: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw_mode: bool,
+    bias_correction: bool,
+) -> None:
     """Multi-tensor Adam: :func:`cpu_adam_step` on each list entry (any device)."""
     copies = list(param_copies) or [None] * len(params)
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
-        cpu_adam_step(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1),
-                      None if c is None else c.view(-1), lr, beta1, beta2, eps, weight_decay,
-                      step, adamw_mode, bias_correction, _scale(grad_scale))
+        cpu_adam_step(
+            p.view(-1),
+            g.reshape(-1),
+            m.view(-1),
+            v.view(-1),
+            None if c is None else c.view(-1),
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            adamw_mode,
+            bias_correction,
+            _scale(grad_scale),
+        )
 
 
-def fused_lamb_moments(params: Sequence[Tensor], grads: Sequence[Tensor],
-                       exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
-                       grad_scale: Tensor | None, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, step: int, bias_correction: bool) -> Tensor:
+def fused_lamb_moments(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    grad_scale: Tensor | None,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+) -> Tensor:
     """Multi-tensor LAMB phase 1: fp32 (len(params), 2) squared norms, one row per tensor."""
-    rows = [cpu_lamb_moments(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), _whole(p), beta1,
-                             beta2, eps, weight_decay, step, bias_correction, _scale(grad_scale))
-            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)]
+    rows = [
+        cpu_lamb_moments(
+            p.view(-1),
+            g.reshape(-1),
+            m.view(-1),
+            v.view(-1),
+            _whole(p),
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            bias_correction,
+            _scale(grad_scale),
+        )
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)
+    ]
     return torch.cat(rows) if rows else torch.zeros(0, 2)
 
 
-def fused_lamb_apply(params: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                     exp_avg_sqs: Sequence[Tensor], trust_ratio: Tensor,
-                     param_copies: Sequence[Tensor], lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, step: int, bias_correction: bool) -> None:
+def fused_lamb_apply(
+    params: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    trust_ratio: Tensor,
+    param_copies: Sequence[Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    bias_correction: bool,
+) -> None:
     """Multi-tensor LAMB phase 2; trust_ratio: fp32 (len(params),)."""
     copies = list(param_copies) or [None] * len(params)
     for i, (p, m, v, c) in enumerate(zip(params, exp_avgs, exp_avg_sqs, copies, strict=True)):
-        cpu_lamb_apply(p.view(-1), m.view(-1), v.view(-1), _whole(p), trust_ratio[i:i + 1],
-                       None if c is None else c.view(-1), lr, beta1, beta2, eps, weight_decay,
-                       step, bias_correction)
+        cpu_lamb_apply(
+            p.view(-1),
+            m.view(-1),
+            v.view(-1),
+            _whole(p),
+            trust_ratio[i : i + 1],
+            None if c is None else c.view(-1),
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            bias_correction,
+        )

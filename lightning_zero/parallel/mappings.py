@@ -79,8 +79,9 @@ def _reduce_scatter_along(x: torch.Tensor, group: comm.ProcessGroup, dim: int) -
     front = x.movedim(dim, 0).contiguous()
     shard = torch.empty((front.shape[0] // comm.world_size(group), *front.shape[1:]), dtype=x.dtype, device=x.device)
     # A copy of x may be overwritten (gloo's faster path); x itself never (autograd may hold it).
-    comm.reduce_scatter(shard.view(-1), front.view(-1), group, clobber_input=front.data_ptr() != x.data_ptr(),
-                        label="sequence_parallel")
+    comm.reduce_scatter(
+        shard.view(-1), front.view(-1), group, clobber_input=front.data_ptr() != x.data_ptr(), label="sequence_parallel"
+    )
     return shard.movedim(0, dim)
 
 

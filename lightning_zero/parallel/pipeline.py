@@ -35,8 +35,9 @@ keeps ZeRO's reduction, loss scaling and Lightning's gradient accumulation in on
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,7 +77,7 @@ class PipelineSpec:
     loss: Callable[[Any, Any], torch.Tensor]
     inputs: Callable[[Any], Any] = default_inputs
     name: str = "loss"
-    on_eval: Optional[Callable[[torch.Tensor, Any], None]] = None
+    on_eval: Callable[[torch.Tensor, Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(layer, nn.Module) for layer in self.layers):

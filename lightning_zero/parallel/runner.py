@@ -26,8 +26,9 @@ stage can deadlock. Only floating tensors that need a gradient on the sending si
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +37,16 @@ from lightning_zero import comm
 from lightning_zero.parallel.pipeline import PipelineSpec
 from lightning_zero.parallel.schedules import forward_only, interleavable, schedule
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool, torch.uint8]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
 _HEADER = 64  # int64 slots: enough for 8 tensors of up to 5 dims
 
 
@@ -84,7 +94,9 @@ def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]
 def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
     out = x if isinstance(x, tuple) else (x,)
     if not all(isinstance(t, torch.Tensor) for t in out):
-        raise ValueError(f"{what} must be a tensor or a tuple of tensors under pipeline parallelism, got {type(x).__name__}")
+        raise ValueError(
+            f"{what} must be a tensor or a tuple of tensors under pipeline parallelism, got {type(x).__name__}"
+        )
     return out
 
 
@@ -123,7 +135,9 @@ class Peer:
                 raise ValueError(f"cannot send a {t.dtype} tensor between pipeline stages; use one of {_DTYPES}")
             header += [_DTYPES.index(t.dtype), int(g), t.dim(), *t.shape]
         if len(header) > _HEADER:
-            raise ValueError(f"a stage output of {len(tensors)} tensors with shapes {[tuple(t.shape) for t in tensors]} is too large a message header")
+            raise ValueError(
+                f"a stage output of {len(tensors)} tensors with shapes {[tuple(t.shape) for t in tensors]} is too large a message header"
+            )
         header_t = torch.tensor(header + [-1] * (_HEADER - len(header)), dtype=torch.int64, device=self.device)
         payload = [header_t] + [t.detach().contiguous() for t in tensors]
         for t in payload:
@@ -208,8 +222,8 @@ class PipelineRunner:
         batch: Any,
         train: bool,
         scale: float = 1.0,
-        scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-        after_backward: Optional[Callable[[], None]] = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        after_backward: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Forward (and with ``train`` backward) every micro-batch of ``batch``; returns the batch's
         loss (fp32 scalar, the same on every stage). Call on all stages."""
@@ -269,7 +283,7 @@ class PipelineRunner:
             live[(i, c)] = (args, wants, outs)
         return torch.zeros((), dtype=torch.float32, device=self.device)
 
-    def _run_backward(self, i: int, c: int, scale: float, scale_loss: Optional[Callable], live: dict) -> None:
+    def _run_backward(self, i: int, c: int, scale: float, scale_loss: Callable | None, live: dict) -> None:
         args, wants, out = live.pop((i, c))
         k = self._virtual(c)
         if k == self.last_virtual:
@@ -279,7 +293,9 @@ class PipelineRunner:
             grads, _ = self.peers[(self.stage + 1) % self.stages].recv(GRADIENT, (i, k + 1))
             needing = [t for t in out if t.requires_grad and t.is_floating_point()]
             if len(grads) != len(needing):
-                raise RuntimeError(f"virtual stage {k}: received {len(grads)} output gradients for {len(needing)} outputs")
+                raise RuntimeError(
+                    f"virtual stage {k}: received {len(grads)} output gradients for {len(needing)} outputs"
+                )
             if needing:
                 torch.autograd.backward(needing, grads)
         if k > 0:

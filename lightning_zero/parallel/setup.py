@@ -14,7 +14,8 @@ ZeRO itself shards over the data-parallel group only, and the sampler shards dat
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ class ParallelSetup:
         self,
         tensor: int,
         pipeline: PipelineConfig,
-        plan: Optional[Mapping[str, str]],
+        plan: Mapping[str, str] | None,
         stage: int,
         sequence_parallel: bool = False,
     ) -> None:
@@ -79,11 +80,11 @@ class ParallelSetup:
                 "as DeepSpeed's pipeline) or stage=2"
             )
         self.tensor, self.pipeline, self.plan = tensor, pipeline, plan
-        self.groups: Optional[ProcessGroups] = None
-        self.layout: Optional[ParallelLayout] = None
-        self.spec: Optional[PipelineSpec] = None
-        self.stage_plan: Optional[StagePlan] = None
-        self.runner: Optional[PipelineRunner] = None
+        self.groups: ProcessGroups | None = None
+        self.layout: ParallelLayout | None = None
+        self.spec: PipelineSpec | None = None
+        self.stage_plan: StagePlan | None = None
+        self.runner: PipelineRunner | None = None
         self.tied: list[tuple[nn.Parameter, comm.ProcessGroup, bool]] = []  # (param, group, counted here)
 
     @property

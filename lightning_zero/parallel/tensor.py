@@ -29,7 +29,7 @@ replicated parameters on tensor-parallel rank 0 only, as Megatron does.
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self,
         weight: nn.Parameter,
-        bias: Optional[nn.Parameter],
+        bias: nn.Parameter | None,
         group: comm.ProcessGroup,
         gather_output: bool = False,
         sequence_parallel: bool = False,
@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, group: comm.ProcessGroup, gather_output: bool = False, sequence_parallel: bool = False
-    ) -> "ColumnParallelLinear":
+    ) -> ColumnParallelLinear:
         """This rank's rows of ``linear`` (whose weights must be equal on every rank of ``group``)."""
         start, length = _split(linear.out_features, group, f"out_features of {linear}")
         bias = None if linear.bias is None else _shard(linear.bias, 0, start, length)
@@ -129,7 +129,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, weight: nn.Parameter, bias: Optional[nn.Parameter], group: comm.ProcessGroup, sequence_parallel: bool = False
+        self, weight: nn.Parameter, bias: nn.Parameter | None, group: comm.ProcessGroup, sequence_parallel: bool = False
     ) -> None:
         super().__init__()
         self.weight, self.bias, self.group, self.sequence_parallel = weight, bias, group, sequence_parallel
@@ -137,7 +137,9 @@ class RowParallelLinear(nn.Module):
             sequence.mark_sequence_parallel(bias, group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: comm.ProcessGroup, sequence_parallel: bool = False) -> "RowParallelLinear":
+    def from_linear(
+        cls, linear: nn.Linear, group: comm.ProcessGroup, sequence_parallel: bool = False
+    ) -> RowParallelLinear:
         """This rank's columns of ``linear``; the bias Parameter is kept (replicated)."""
         start, length = _split(linear.in_features, group, f"in_features of {linear}")
         return cls(_shard(linear.weight, 1, start, length), linear.bias, group, sequence_parallel)
@@ -164,7 +166,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight, self.vocab_start, self.group = weight, vocab_start, group
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: comm.ProcessGroup) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, group: comm.ProcessGroup) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (plain lookups only: no padding_idx, max_norm or sparse)."""
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise ValueError(f"{embedding}: vocabulary-parallel embeddings support plain lookups only")
@@ -185,7 +187,7 @@ def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent_name) if parent_name else root), child
 
 
-def _partition_dim(style: str, attr: str) -> Optional[int]:
+def _partition_dim(style: str, attr: str) -> int | None:
     """The dimension of parameter ``attr`` that ``style`` splits; ``None``: kept whole."""
     if style in ("replicate", *_SEQUENCE_STYLES) or (style == "row" and attr == "bias"):
         return None
@@ -230,7 +232,9 @@ def _check_fits(module: nn.Module, style: str, name: str) -> None:
         return  # any module
     expected = nn.Embedding if style == "vocab" else nn.Linear
     if type(module) is not expected:
-        raise ValueError(f"plan asks {style!r} for {name}, a {type(module).__name__}; {style!r} applies to nn.{expected.__name__}")
+        raise ValueError(
+            f"plan asks {style!r} for {name}, a {type(module).__name__}; {style!r} applies to nn.{expected.__name__}"
+        )
 
 
 def _convert(module: nn.Module, style: str, group: comm.ProcessGroup, sequence_parallel: bool) -> nn.Module:

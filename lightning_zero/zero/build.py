@@ -16,8 +16,6 @@ freed before the next module, so no rank ever holds more than its shards plus on
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -33,8 +31,13 @@ class BuildContext:
     """What every buffer of one engine shares."""
 
     def __init__(
-        self, config: ZeroConfig, dtype: torch.dtype, separate_master: bool, group, device: torch.device,
-        offload: Optional[OffloadConfig] = None,
+        self,
+        config: ZeroConfig,
+        dtype: torch.dtype,
+        separate_master: bool,
+        group,
+        device: torch.device,
+        offload: OffloadConfig | None = None,
     ) -> None:
         self.config = config
         self.offload = offload
@@ -45,7 +48,7 @@ class BuildContext:
         self.rank = comm.rank(group)
         self.world_size = comm.world_size(group)
 
-    def buffer(self, params: list[nn.Parameter], group: Optional[int], persistent: bool) -> FlatBuffer:
+    def buffer(self, params: list[nn.Parameter], group: int | None, persistent: bool) -> FlatBuffer:
         layout = layout_flat_buffer([p.shape for p in params], self.world_size)
         return FlatBuffer(
             params, layout, self.rank, group, self.dtype, self.device, self.separate_master, persistent, self.offload
@@ -106,7 +109,9 @@ def materialize(name: str, module: nn.Module, device: torch.device) -> None:
             "the model in __init__ instead."
         )
     for param in metas:
-        real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+        real = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad
+        )
         torch.utils.swap_tensors(param, real)
     for buffer_name in meta_buffers:
         meta = module._buffers[buffer_name]
@@ -133,7 +138,7 @@ def build_sharded(
         # Every rank must start from the same weights (rank 0's), as DDP does; module by module so
         # that only one module is ever whole.
         comm.broadcast_tensors([p.data for p in own] + [b for b in sub._buffers.values() if b is not None], ctx.group)
-        units: dict[Optional[tuple[int, int]], list[nn.Parameter]] = {}
+        units: dict[tuple[int, int] | None, list[nn.Parameter]] = {}
         for param in own:
             key = owners.get(id(param))
             if not param.is_floating_point():

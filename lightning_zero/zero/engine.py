@@ -13,8 +13,8 @@ The strategy calls, per optimizer step::
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ class ZeroEngine:
         separate_master: bool,
         group: comm.ProcessGroup,
         device: torch.device,
-        offload: Optional[OffloadConfig] = None,
+        offload: OffloadConfig | None = None,
     ) -> None:
         optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
@@ -82,7 +82,7 @@ class ZeroEngine:
             self.buffers.extend(buffers)
             self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, buffers, group)
         self.reducer = GradReducer(self.buffers, config.stage, group, device, config.overlap_comm)
-        self.coordinator: Optional[GatherCoordinator] = None
+        self.coordinator: GatherCoordinator | None = None
         if config.stage == 3:
             self.coordinator = GatherCoordinator(module, self.buffers + self.frozen, config, group)
         self._norms: dict[int, torch.Tensor] = {}
@@ -108,7 +108,7 @@ class ZeroEngine:
             self.coordinator.end_step()
 
     @contextmanager
-    def gathered_parameters(self, module: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
+    def gathered_parameters(self, module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
         """Full parameters of ``module`` inside the block (stage 3; a no-op otherwise). Edits made by
         group rank ``modifier_rank`` are scattered back into every rank's shards and fp32 masters.
         Call on all ranks."""
@@ -188,7 +188,7 @@ class ZeroEngine:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         self._get(optimizer).load_consolidated_state_dict(state_dict)
 
-    def find(self, optimizer: torch.optim.Optimizer) -> Optional[ShardedOptimizer]:
+    def find(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer | None:
         return self.sharded.get(id(_unwrap(optimizer)))
 
     def close(self, unshard: bool = True) -> None:

@@ -22,7 +22,6 @@ computed over whole slices are exact.
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 import torch
 from torch import nn
@@ -63,12 +62,12 @@ class FlatBuffer:
         params: list[nn.Parameter],
         layout: FlatLayout,
         rank: int,
-        optimizer_group: Optional[int],
+        optimizer_group: int | None,
         dtype: torch.dtype,
         device: torch.device,
         separate_master: bool,
         persistent: bool = True,
-        offload: Optional[OffloadConfig] = None,
+        offload: OffloadConfig | None = None,
     ) -> None:
         self.params = params
         self.layout = layout
@@ -92,7 +91,7 @@ class FlatBuffer:
             master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
                 source[piece.param_offset : piece.param_offset + piece.numel]
             )
-        self.flat_param: Optional[torch.Tensor] = None
+        self.flat_param: torch.Tensor | None = None
         if persistent:
             self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
             for param, slot in zip(params, layout.slots):
@@ -109,13 +108,13 @@ class FlatBuffer:
         if self.offloaded and master.device.type != "cpu":
             master = host_copy(master, pin=offload.pin_memory)  # type: ignore[union-attr]
         self.master = master if self.separate_master else self.param_shard
-        self.grad_shard: Optional[torch.Tensor] = (
+        self.grad_shard: torch.Tensor | None = (
             torch.zeros(layout.shard_numel, dtype=dtype, device=device) if self.trainable else None
         )
-        self.grad_bucket: Optional[torch.Tensor] = None
+        self.grad_bucket: torch.Tensor | None = None
         # Offload: the reduced slice's copy in (pinned) host memory, refreshed as each reduction of
         # stages 2/3 completes so the device-to-host copy overlaps the rest of backward.
-        self.host_grad: Optional[torch.Tensor] = None
+        self.host_grad: torch.Tensor | None = None
         if self.offloaded and self.grad_shard is not None and self.grad_shard.device.type != "cpu":
             self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)  # type: ignore[union-attr]
         self.host_grad_current = False
@@ -123,7 +122,7 @@ class FlatBuffer:
         # received straight into it instead of added).
         self.grad_shard_fresh = True
         self.arrived: set[int] = set()
-        self._gather_handle: Optional[comm.Handle] = None
+        self._gather_handle: comm.Handle | None = None
 
     @property
     def numel(self) -> int:

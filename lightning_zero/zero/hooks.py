@@ -29,7 +29,7 @@ data-dependent branch that differs between ranks hangs, as it does in every ZeRO
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.zero.flat import FlatBuffer, ParamState
-
 
 _GUARDED: dict[type, type] = {}
 
@@ -68,7 +67,9 @@ def _guarded_class(cls: type) -> type:
 class GatherCoordinator:
     """Owns the forward hooks of every module that uses sharded parameters."""
 
-    def __init__(self, module: nn.Module, buffers: list[FlatBuffer], config: ZeroConfig, group: comm.ProcessGroup) -> None:
+    def __init__(
+        self, module: nn.Module, buffers: list[FlatBuffer], config: ZeroConfig, group: comm.ProcessGroup
+    ) -> None:
         self.config = config
         self.group = group
         owner = {id(p): b for b in buffers if not b.persistent for p in b.params}
@@ -233,7 +234,7 @@ class GatherCoordinator:
         self._guarded.clear()
 
 
-def scatter_back(buffers: list[FlatBuffer], source_rank: Optional[int], group: comm.ProcessGroup) -> None:
+def scatter_back(buffers: list[FlatBuffer], source_rank: int | None, group: comm.ProcessGroup) -> None:
     """After user code edited gathered parameters: make every rank's shards (and fp32 masters) match
     the full parameters of ``source_rank`` (``None``: each rank keeps its own edits). Call on all ranks."""
     for b in buffers:

@@ -17,7 +17,7 @@ checkpoint therefore loads into a ZeRO run and back.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -140,7 +140,7 @@ class ShardedOptimizer:
             comm.all_reduce(local, pp)
         return local.sqrt()
 
-    def clip_grad_norm(self, max_norm: float, norm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
 
         Same arithmetic as ``torch.nn.utils.clip_grad_norm_``, so clipping matches DDP.

@@ -19,8 +19,8 @@ Example, N = 2, parameters of 5 and 4 elements, one flat buffer::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

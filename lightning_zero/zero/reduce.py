@@ -26,8 +26,8 @@ On a GPU the copies and collectives run on a side stream; see :class:`SideStream
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from functools import partial
-from typing import Iterator, Optional
 
 import torch
 
@@ -65,7 +65,7 @@ class SideStream:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
-    def record(self) -> Optional["torch.cuda.Event"]:
+    def record(self) -> torch.cuda.Event | None:
         """An event after everything queued on the side stream (None off CUDA): the host waits on it
         only when it needs the device-to-host gradient copies (the offloaded step)."""
         if self.stream is None:
@@ -116,9 +116,9 @@ class GradReducer:
         self.side = SideStream(device)
         largest = max((b.layout.padded_numel for b in buffers), default=0)
         self.pool = BucketPool(2 * largest)
-        self.host_copies_done: Optional["torch.cuda.Event"] = None
+        self.host_copies_done: torch.cuda.Event | None = None
         self._next_launch = 0
-        self._pending: list[tuple[FlatBuffer, comm.Handle, Optional[torch.Tensor]]] = []
+        self._pending: list[tuple[FlatBuffer, comm.Handle, torch.Tensor | None]] = []
         self._handles = []
         # Pipeline parallelism: parameters tied across stages, id -> (accumulator, buffer, slot index, group)
         self._tied: dict[int, tuple[torch.Tensor, FlatBuffer, int, comm.ProcessGroup]] = {}

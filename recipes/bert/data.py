@@ -53,7 +53,9 @@ class MaskedWindows(Dataset):
                 start = int(torch.randint(0, len(self.tokens) - len(b) + 1, (), generator=gen))
                 b = self._slice(start, len(b))
             input_ids = torch.cat([cls, a, sep, b, sep])
-            token_type = torch.cat([torch.zeros(len(a) + 2, dtype=torch.long), torch.ones(len(b) + 1, dtype=torch.long)])
+            token_type = torch.cat(
+                [torch.zeros(len(a) + 2, dtype=torch.long), torch.ones(len(b) + 1, dtype=torch.long)]
+            )
             item["next_sentence_label"] = torch.tensor(int(is_random))
         else:
             input_ids = torch.cat([cls, body, sep])

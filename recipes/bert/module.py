@@ -8,12 +8,19 @@ from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_zero import PipelineSpec
+from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
-from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
 
 _BERT_OPTIMIZER = optim.OptimizerConfig(
-    name="lamb", lr=6e-3, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-6, schedule="poly", decay_power=0.5, min_lr_ratio=0.0
+    name="lamb",
+    lr=6e-3,
+    weight_decay=0.01,
+    betas=(0.9, 0.999),
+    eps=1e-6,
+    schedule="poly",
+    decay_power=0.5,
+    min_lr_ratio=0.0,
 )
 
 

@@ -98,9 +98,7 @@ class CausalSelfAttention(nn.Module):
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(batch, seq, -1)))
 
 

@@ -8,7 +8,7 @@ this run: the same global batches (data-parallel rank r reads what Lightning's
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ def reference_run(
     n_layer: int,
     make_optimizer: Callable,
     data_parallel: int,
-    val_rows: Optional[torch.Tensor] = None,
+    val_rows: torch.Tensor | None = None,
     alias_names: bool = False,
 ) -> dict:
     """Per-step losses of each data-parallel shard, gradient norms, final parameters (with the tied

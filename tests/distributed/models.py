@@ -8,7 +8,7 @@ scheduler stepped every optimizer step.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -20,7 +20,7 @@ VOCAB, WIDTH, HIDDEN, SEQ = 11, 15, 7, 9
 
 
 class ParityModel(pl.LightningModule):
-    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, inject_inf_at: Optional[int] = None) -> None:
+    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, inject_inf_at: int | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
         self.frozen = nn.Linear(WIDTH, WIDTH)
@@ -80,7 +80,7 @@ class ParityModel(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234, period: Optional[int] = None) -> DataLoader:
+def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234, period: int | None = None) -> DataLoader:
     """``n`` random token rows; with ``period``, row i repeats row ``i % period``."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
@@ -90,7 +90,7 @@ def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234, period: Opti
 
 
 def build_strategy(spec: Any):
-    """"ddp" -> Lightning's DDP (find_unused_parameters for the unused parameter); dict -> ZeroStrategy(**spec)."""
+    """ "ddp" -> Lightning's DDP (find_unused_parameters for the unused parameter); dict -> ZeroStrategy(**spec)."""
     from lightning.pytorch.strategies import DDPStrategy
 
     if spec == "ddp":
@@ -107,15 +107,15 @@ def fit(
     precision: Any = "32-true",
     max_steps: int = 6,
     accumulate: int = 2,
-    clip: Optional[float] = 0.5,
-    model_kwargs: Optional[dict] = None,
+    clip: float | None = 0.5,
+    model_kwargs: dict | None = None,
     devices: int = 2,
-    plugins: Optional[list] = None,
+    plugins: list | None = None,
     seed: int = 7,
-    trainer_kwargs: Optional[dict] = None,
-    ckpt_path: Optional[str] = None,
-    loader: Optional[DataLoader] = None,
-    model_cls: Optional[type] = None,
+    trainer_kwargs: dict | None = None,
+    ckpt_path: str | None = None,
+    loader: DataLoader | None = None,
+    model_cls: type | None = None,
 ) -> tuple[pl.Trainer, ParityModel]:
     """Train a freshly seeded ParityModel; returns the trainer and the model."""
     import lightning_zero  # noqa: F401 - registers the strategy names
@@ -179,7 +179,7 @@ class HazardModel(ParityModel):
     small regularizer, which must match DDP.
     """
 
-    def __init__(self, branching: bool = False, outside: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, branching: bool = False, outside: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.branching = branching
         self.outside = outside
@@ -218,10 +218,10 @@ class BuiltInConfigureModel(pl.LightningModule):
     """Layers created in configure_model (meta device under stage 3); every module has
     reset_parameters and nothing is tied, so a sharded build can replay the same initialization."""
 
-    def __init__(self, record: Optional[list] = None) -> None:
+    def __init__(self, record: list | None = None) -> None:
         super().__init__()
         self.record = record
-        self.layers: Optional[nn.Sequential] = None
+        self.layers: nn.Sequential | None = None
 
     def configure_model(self) -> None:
         if self.layers is not None:
@@ -237,7 +237,12 @@ class BuiltInConfigureModel(pl.LightningModule):
 
         owner = self
         self.layers = nn.Sequential(
-            nn.Embedding(VOCAB, 24), Recorded(24, 40), nn.GELU(), Recorded(40, 24), nn.LayerNorm(24), Recorded(24, VOCAB)
+            nn.Embedding(VOCAB, 24),
+            Recorded(24, 40),
+            nn.GELU(),
+            Recorded(40, 24),
+            nn.LayerNorm(24),
+            Recorded(24, VOCAB),
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

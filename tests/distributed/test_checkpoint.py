@@ -270,8 +270,17 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
     path = tmp_path / "model.ckpt"
     # One rank that looks like torchrun's, as in harness.py.
     env = dict(
-        os.environ, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), TORCHELASTIC_RUN_ID="kill_test", OMP_NUM_THREADS="1",
+        os.environ,
+        WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK="0",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        TORCHELASTIC_RUN_ID="kill_test",
+        OMP_NUM_THREADS="1",
     )
     command = [sys.executable, str(script), str(path), where]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)

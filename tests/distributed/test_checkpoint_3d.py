@@ -16,7 +16,6 @@ the end of epoch 0.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -34,7 +33,14 @@ PLAN = {
     "model.h.*.mlp.c_proj": "row",
     "model.embed.wpe": "vocab",
 }
-SPLIT_DIMS = {"c_attn.weight": 0, "c_attn.bias": 0, "c_fc.weight": 0, "c_fc.bias": 0, "c_proj.weight": 1, "wpe.weight": 0}
+SPLIT_DIMS = {
+    "c_attn.weight": 0,
+    "c_attn.bias": 0,
+    "c_fc.weight": 0,
+    "c_fc.bias": 0,
+    "c_proj.weight": 1,
+    "wpe.weight": 0,
+}
 CHECKPOINT = "epoch=0-step=2.ckpt"
 
 
@@ -93,19 +99,32 @@ class _AtCheckpoint(pl.Callback):
 
 
 def _fit(rank: int, world: int, tp: int, ckpt_path=None, save_dir=None, strategy=None, record=None):
-    import lightning_zero  # noqa: F401 - registers the strategy names
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_zero  # noqa: F401 - registers the strategy names
 
     pl.seed_everything(3, verbose=False)
     model = _module()
     if strategy is None:
-        strategy = lightning_zero.ZeroStrategy(stage=2 if tp == 1 else 1, tensor_parallel_size=tp, reduce_bucket_size=999)
+        strategy = lightning_zero.ZeroStrategy(
+            stage=2 if tp == 1 else 1, tensor_parallel_size=tp, reduce_bucket_size=999
+        )
     callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
     callbacks += [record] if record is not None else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
-        logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=STEPS,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
     )
     trainer.fit(model, train_dataloaders=_loader(world // tp, (rank // tp)), ckpt_path=ckpt_path)
     return model
@@ -186,7 +205,10 @@ def test_tensor_parallel_checkpoints_resume_convert_consolidate(tmp_path):
     model = _module()
     model.load_state_dict(whole, strict=True)  # the unconverted LightningModule takes it as it is
     consolidate(source, tmp_path / "bf16.pt", dtype=torch.bfloat16)
-    assert torch.equal(torch.load(tmp_path / "bf16.pt")["model.h.0.attn.c_attn.weight"], expected["model.h.0.attn.c_attn.weight"].bfloat16())
+    assert torch.equal(
+        torch.load(tmp_path / "bf16.pt")["model.h.0.attn.c_attn.weight"],
+        expected["model.h.0.attn.c_attn.weight"].bfloat16(),
+    )
 
     two = run_ranks(_two_rank_worker, tmp, world_size=2)
     (one,) = run_ranks(_one_rank_worker, tmp, world_size=1)
@@ -244,7 +266,15 @@ def _pipeline_worker(rank: int, tmp: str) -> dict:
 
     def engine_for(model):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return optimizer, ZeroEngine(model, [optimizer], ZeroConfig(stage=2, reduce_bucket_size=333), torch.float32, False, data_parallel, torch.device("cpu"))
+        return optimizer, ZeroEngine(
+            model,
+            [optimizer],
+            ZeroConfig(stage=2, reduce_bucket_size=333),
+            torch.float32,
+            False,
+            data_parallel,
+            torch.device("cpu"),
+        )
 
     model = _stage(_gpt(0), rank)
     optimizer, engine = engine_for(model)
@@ -340,9 +370,18 @@ def _fit_piped(world: int, pp: int, ckpt_path=None, save_dir=None):
     model = _piped_module(pp > 1)
     callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=2, pipeline_parallel_size=pp, reduce_bucket_size=333),
-        precision="32-true", max_steps=STEPS, logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=world,
+        strategy=ZeroStrategy(stage=2, pipeline_parallel_size=pp, reduce_bucket_size=333),
+        precision="32-true",
+        max_steps=STEPS,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         use_distributed_sampler=False,
     )
     trainer.fit(model, train_dataloaders=_loader(1, 0), ckpt_path=ckpt_path)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -80,7 +79,11 @@ def _run_killed(tmp_path: Path, launcher: list[str], victim: int) -> tuple[int, 
     start = time.monotonic()
     proc = subprocess.run(
         [*launcher, str(script), str(pids), str(victim)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BOUND_S,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
     )
     written = {int(p.name): int(p.read_text()) for p in pids.iterdir()}
     assert sorted(written) == [0, 1], f"both ranks should have started training:\n{proc.stdout}\n{proc.stderr}"
@@ -179,4 +182,3 @@ def test_out_of_memory_message(debug_results):
         assert "This rank holds on device: parameters" in message
         assert "reduce_bucket_size=10 (now 40)" in message and "stage=3 (now 2)" in message
         assert message.rstrip().endswith("CUDA out of memory. Tried to allocate 20.00 GiB")
-

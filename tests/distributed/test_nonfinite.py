@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_ranks
-from models import StateEveryStep, fit, state
+from models import StateEveryStep, fit
 
 pytestmark = pytest.mark.distributed
 
@@ -26,8 +26,10 @@ def _worker(rank: int, precision: str) -> dict:
         skipper = StateEveryStep()
         trainer, _ = fit({**spec, "on_nonfinite": "skip"}, trainer_kwargs={"callbacks": [skipper]}, **common)
         out[stage] = {
-            "error": error, "before_error": recorder.states,
-            "skipped": skipper.states, "count": trainer.strategy.precision_plugin.nonfinite_steps,
+            "error": error,
+            "before_error": recorder.states,
+            "skipped": skipper.states,
+            "count": trainer.strategy.precision_plugin.nonfinite_steps,
         }
     return out
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 from harness import run_ranks
+from lightning.pytorch import Callback
 from models import fit, state
 
 pytestmark = pytest.mark.distributed
@@ -39,7 +39,9 @@ def _worker(rank: int, optimizer: str, specs: list, precision: str) -> dict:
         callbacks = []
         if isinstance(spec, dict) and spec.pop("multi_tensor", False):
             callbacks.append(_ForceMultiTensorLamb())
-        _, model = fit(spec, precision=precision, model_kwargs={"optimizer": optimizer}, trainer_kwargs={"callbacks": callbacks})
+        _, model = fit(
+            spec, precision=precision, model_kwargs={"optimizer": optimizer}, trainer_kwargs={"callbacks": callbacks}
+        )
         out[name] = {"losses": model.losses, "state": state(model)}
     return out
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback
 from harness import run_ranks
+from lightning.pytorch import Callback
 from models import fit, state
 
 pytestmark = pytest.mark.distributed
@@ -22,7 +22,6 @@ ZERO3 = {"stage": 3, "param_persistence_threshold": 10, "prefetch_bucket_size": 
 
 def _parity_worker(rank: int, specs: list, precision: str, optimizer: str) -> dict:
     import lightning.pytorch as pl
-
     from models import ParityModel
 
     pl.seed_everything(7, verbose=False)
@@ -34,12 +33,17 @@ def _parity_worker(rank: int, specs: list, precision: str, optimizer: str) -> di
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)))
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fp32_matches_ddp(optimizer):
-    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2, "reduce_bucket_size": 40}), ("zero3", ZERO3)]
+    specs = [
+        ("ddp", "ddp"),
+        ("zero1", {"stage": 1, "reduce_bucket_size": 40}),
+        ("zero2", {"stage": 2, "reduce_bucket_size": 40}),
+        ("zero3", ZERO3),
+    ]
     results = run_ranks(_parity_worker, specs, "32-true", optimizer)
     for rank, res in enumerate(results):
         ref = res["ddp"]
@@ -55,13 +59,17 @@ def test_fp32_matches_ddp(optimizer):
             assert got["state"]["up.weight"].ne(res["init"]["up.weight"]).any()
 
 
-
 def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def test_bf16_mixed_matches_ddp():
-    specs = [("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 40}), ("zero2", {"stage": 2}), ("zero3", ZERO3)]
+    specs = [
+        ("ddp", "ddp"),
+        ("zero1", {"stage": 1, "reduce_bucket_size": 40}),
+        ("zero2", {"stage": 2}),
+        ("zero3", ZERO3),
+    ]
     results = run_ranks(_parity_worker, specs, "bf16-mixed", "adamw")
     for rank, res in enumerate(results):
         ref = res["ddp"]
@@ -87,24 +95,31 @@ class _Memory(Callback):
 
 def _manual_and_memory_worker(rank: int) -> dict:
     import lightning.pytorch as pl
-
-    from models import ManualParityModel, make_loader
-
-    from models import build_strategy
+    from models import ManualParityModel, build_strategy, make_loader
 
     out = {}
     for name, strategy in (("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 30}), ("zero2", {"stage": 2})):
         pl.seed_everything(7, verbose=False)
         model = ManualParityModel()
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=build_strategy(strategy), max_steps=4, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=2,
+            strategy=build_strategy(strategy),
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=make_loader(n=24))
         out[name] = {"losses": model.losses, "state": state(model)}
     memory = _Memory()
-    trainer, model = fit({"stage": 2, "reduce_bucket_size": 40}, precision="bf16-mixed", max_steps=2,
-                         trainer_kwargs={"callbacks": [memory]})
+    trainer, model = fit(
+        {"stage": 2, "reduce_bucket_size": 40},
+        precision="bf16-mixed",
+        max_steps=2,
+        trainer_kwargs={"callbacks": [memory]},
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     out["memory"] = {"breakdown": memory.breakdown, "trainable": trainable, "frozen": frozen}
@@ -116,7 +131,9 @@ def test_manual_optimization_and_memory_breakdown():
         ref = res["ddp"]
         for name in ("zero1", "zero2"):
             # fp32, two manual_backward calls per step: same bound and reason as test_fp32_matches_ddp.
-            torch.testing.assert_close(torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0
+            )
             for key, value in ref["state"].items():
                 assert _max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)
         mem = res["memory"]

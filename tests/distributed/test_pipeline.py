@@ -43,7 +43,7 @@ def _make_module():
     import lightning.pytorch as pl
 
     from lightning_zero import PipelineSpec
-    from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN
+    from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
 
     class PipedGPT(pl.LightningModule):
         def __init__(self) -> None:
@@ -99,8 +99,15 @@ def _reference(data_parallel: int) -> dict:
 
 
 def _fit(
-    world: int, tensor: int, pipeline: int, stage: int, micro_batches: int, schedule: str, accumulate: int = 1,
-    chunks: int = 1, sequence_parallel: bool = False,
+    world: int,
+    tensor: int,
+    pipeline: int,
+    stage: int,
+    micro_batches: int,
+    schedule: str,
+    accumulate: int = 1,
+    chunks: int = 1,
+    sequence_parallel: bool = False,
 ) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -111,14 +118,28 @@ def _fit(
     pl.seed_everything(SEED, verbose=False)
     model = _make_module()
     strategy = ZeroStrategy(
-        stage=stage, tensor_parallel_size=tensor, pipeline_parallel_size=pipeline,
-        pipeline_micro_batches=micro_batches, pipeline_schedule=schedule, pipeline_chunks=chunks, reduce_bucket_size=3000,
+        stage=stage,
+        tensor_parallel_size=tensor,
+        pipeline_parallel_size=pipeline,
+        pipeline_micro_batches=micro_batches,
+        pipeline_schedule=schedule,
+        pipeline_chunks=chunks,
+        reduce_bucket_size=3000,
         sequence_parallel=sequence_parallel,
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, precision="32-true", max_steps=STEPS,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
     )
     data = world // (tensor * pipeline)
     loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data)), batch_size=BATCH // accumulate, shuffle=False)
@@ -224,7 +245,9 @@ def test_pp2_dp2_stage1_matches_dp2_reference():
 
 
 def _tp2_pp2_worker(rank: int, sequence_parallel: bool) -> dict:
-    return _fit(world=4, tensor=2, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", sequence_parallel=sequence_parallel)
+    return _fit(
+        world=4, tensor=2, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", sequence_parallel=sequence_parallel
+    )
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -267,8 +290,14 @@ def _failing_worker(rank: int) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_micro_batches=2),
-        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_micro_batches=2),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     start = time.perf_counter()
     try:

@@ -55,7 +55,9 @@ def _edit_worker(rank: int) -> dict:
     edit = _EditAtStart()
     # lr 0: the step changes nothing, so the weights after it are whatever the fp32 master held;
     # they stay 0.5 only if the edit reached every rank's master slice as well as the shards.
-    _, model = fit(ZERO3, precision="bf16-mixed", max_steps=2, model_kwargs={"lr": 0.0}, trainer_kwargs={"callbacks": [edit]})
+    _, model = fit(
+        ZERO3, precision="bf16-mixed", max_steps=2, model_kwargs={"lr": 0.0}, trainer_kwargs={"callbacks": [edit]}
+    )
     return {"seen": edit.seen, "after": state(model)["up.weight"]}
 
 
@@ -86,8 +88,14 @@ def _sharded_init_worker(rank: int) -> dict:
     pl.seed_everything(11, verbose=False)
     model = BuiltInConfigureModel(record=record)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=lightning_zero.ZeroStrategy(stage=3, param_persistence_threshold=30),
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[snapshot],
+        accelerator="cpu",
+        devices=2,
+        strategy=lightning_zero.ZeroStrategy(stage=3, param_persistence_threshold=30),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[snapshot],
     )
     trainer.fit(model, train_dataloaders=make_loader(n=12))
     validated = trainer.validate(model, dataloaders=make_loader(n=6), verbose=False)[0]["val_loss"]
@@ -104,8 +112,14 @@ def _sharded_init_worker(rank: int) -> dict:
     eval_loss = evaluator.validate(plain, dataloaders=make_loader(n=6, batch_size=3), verbose=False)[0]["val_loss"]
     total = sum(v.numel() * 4 for v in expected.values())
     return {
-        "expected": expected, "initial": snapshot.initial, "record": record, "largest": largest_module,
-        "total": total, "breakdown": snapshot.breakdown, "validated": validated, "eval_loss": eval_loss,
+        "expected": expected,
+        "initial": snapshot.initial,
+        "record": record,
+        "largest": largest_module,
+        "total": total,
+        "breakdown": snapshot.breakdown,
+        "validated": validated,
+        "eval_loss": eval_loss,
         "plain_first_batch": plain_loss,
     }
 

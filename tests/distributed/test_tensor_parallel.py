@@ -61,7 +61,7 @@ class _TinyGPT2:
     def make(optimizer: str):
         import lightning.pytorch as pl
 
-        from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN
+        from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
 
         class TinyGPT2(pl.LightningModule):
             def __init__(self) -> None:
@@ -93,7 +93,9 @@ def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
     return reference_run(2, lambda params: _optimizer(optimizer, params), data_parallel)
 
 
-def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False) -> dict:
+def _fit(
+    tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False
+) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -105,9 +107,18 @@ def _fit(tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = 
         stage=stage, tensor_parallel_size=tensor_parallel, reduce_bucket_size=3000, sequence_parallel=sequence_parallel
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=tensor_parallel * data_parallel, strategy=strategy, precision="32-true",
-        max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=tensor_parallel * data_parallel,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=STEPS,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data_parallel)), batch_size=BATCH, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
@@ -126,8 +137,11 @@ def _bert_check(groups) -> dict:
     from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
 
     torch.manual_seed(2)
-    whole = Bert(BertConfig(vocab_size=30, max_position=16, n_layer=1, n_head=2, hidden=16, intermediate=24,
-                            dropout=0.0, nsp=False))
+    whole = Bert(
+        BertConfig(
+            vocab_size=30, max_position=16, n_layer=1, n_head=2, hidden=16, intermediate=24, dropout=0.0, nsp=False
+        )
+    )
     split = copy.deepcopy(whole)
     plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if not k.startswith("nsp_head")}
     apply_tensor_parallel(split, plan, groups.tp)
@@ -249,12 +263,22 @@ def _recipe_fit(tensor_parallel: int) -> dict:
     record = Record()
     strategy = ZeroStrategy(stage=2, tensor_parallel_size=2) if tensor_parallel > 1 else "auto"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=tensor_parallel, strategy=strategy, precision="32-true", max_steps=2,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[record],
+        accelerator="cpu",
+        devices=tensor_parallel,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[record],
     )
     train = _recipe_batches(_tokens(8), 4, [0, 5])
-    val = _recipe_batches(_tokens(6)[:, torch.randperm(SEQ + 1, generator=torch.Generator().manual_seed(8))], 2, [0, 20, 3])
+    val = _recipe_batches(
+        _tokens(6)[:, torch.randperm(SEQ + 1, generator=torch.Generator().manual_seed(8))], 2, [0, 20, 3]
+    )
     loader = lambda batches: DataLoader(batches, batch_size=None)  # noqa: E731 (already batched)
     trainer.fit(module, train_dataloaders=loader(train), val_dataloaders=loader(val))
     metrics = {k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_ppl")}

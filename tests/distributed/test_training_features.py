@@ -89,10 +89,13 @@ def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
 
 
 def _eval_worker(rank: int) -> dict:
-    import lightning_zero  # noqa: F401
     from models import ParityModel
 
-    trainer, model = fit("zero2", max_steps=2, devices=1, precision="bf16-mixed", trainer_kwargs={"limit_val_batches": 1.0})
+    import lightning_zero  # noqa: F401
+
+    trainer, model = fit(
+        "zero2", max_steps=2, devices=1, precision="bf16-mixed", trainer_kwargs={"limit_val_batches": 1.0}
+    )
     val = trainer.validate(model, dataloaders=make_loader(n=6), verbose=False)
     preds = trainer.predict(model, dataloaders=make_loader(n=6))
     # validate with no optimizer at all, on a fresh model

@@ -5,11 +5,13 @@ kernels are a failure, not a skip: the build must produce them where nvcc and a 
 Sizes: 278011 elements spans 5 chunks of 65536 (chunk tail), and 41 tensors exceed the 30 tensors
 one launch carries at depth 5, so a tensor continues across launches.
 """
+
 import pytest
 import torch
 
 import lightning_zero.ops as ops
-from lightning_zero.ops import FusedAdam, FusedLamb, functional as F, reference
+from lightning_zero.ops import FusedAdam, FusedLamb, reference
+from lightning_zero.ops import functional as F
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,8 +64,20 @@ def test_fused_adam_bf16_grads_scale_and_copies(copy_dtype):
     scale = torch.tensor([0.25], device="cuda")  # stays on the device: no host synchronisation
     for step in range(1, STEPS + 1):
         grads = grads_for(step, ours, torch.bfloat16)
-        F.fused_adam_step(ours, grads, ms, vs, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.01, step=step, grad_scale=scale, param_copies=copies)
+        F.fused_adam_step(
+            ours,
+            grads,
+            ms,
+            vs,
+            lr=LR,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            step=step,
+            grad_scale=scale,
+            param_copies=copies,
+        )
         for r, g in zip(ref, grads):
             r.grad = g.float() * 0.25
         ref_opt.step()
@@ -83,10 +97,8 @@ def test_fused_lamb_matches_reference():
         for p, g in zip(ours, grads):
             p.grad = g
         opt.step()
-        sq = reference.fused_lamb_moments(cpu, [g.cpu() for g in grads], ms, vs, None, step=step,
-                                          **hp)
-        reference.fused_lamb_apply(cpu, ms, vs, reference.lamb_trust_ratio(sq), [], lr=LR,
-                                   step=step, **hp)
+        sq = reference.fused_lamb_moments(cpu, [g.cpu() for g in grads], ms, vs, None, step=step, **hp)
+        reference.fused_lamb_apply(cpu, ms, vs, reference.lamb_trust_ratio(sq), [], lr=LR, step=step, **hp)
     # norms are summed by atomics in block order on the GPU and in fp64 on the CPU: ~1e-7 relative
     # on the trust ratio, within the tolerance above
     for a, b in zip(ours, cpu):
@@ -103,5 +115,4 @@ def test_opcheck_cuda():
     scale = torch.tensor([0.5], device="cuda")
     torch.library.opcheck(lz.fused_adam_step.default, (ps, gs, ms, vs, copies, scale, 1e-3, *hp, True, True))
     torch.library.opcheck(lz.fused_lamb_moments.default, (ps, gs, ms, vs, None, *hp, True))
-    torch.library.opcheck(lz.fused_lamb_apply.default,
-                          (ps, ms, vs, torch.ones(2, device="cuda"), [], 1e-3, *hp, True))
+    torch.library.opcheck(lz.fused_lamb_apply.default, (ps, ms, vs, torch.ones(2, device="cuda"), [], 1e-3, *hp, True))

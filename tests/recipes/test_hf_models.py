@@ -7,10 +7,11 @@ import math
 import sys
 from pathlib import Path
 
-import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 import pytest
 import torch
 from lightning.pytorch import Trainer
+
+import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -28,13 +29,21 @@ def _gpt2():
 def _bert():
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return BertForMaskedLM(config), 30522
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-@pytest.mark.parametrize(("build", "data_cls", "causal"), [(_gpt2, GPT2DataModule, True), (_bert, BertDataModule, False)])
+@pytest.mark.parametrize(
+    ("build", "data_cls", "causal"), [(_gpt2, GPT2DataModule, True), (_bert, BertDataModule, False)]
+)
 def test_transformers_model_trains_under_zero(build, data_cls, causal, strategy, tmp_path, cache_dir):
     model, vocab = build()
     before = [p.detach().clone() for p in model.parameters()]
@@ -43,9 +52,18 @@ def test_transformers_model_trains_under_zero(build, data_cls, causal, strategy,
     # zero3 with a persistence threshold of 100 elements shards every matrix of these tiny models
     # (the default, 100,000, would keep them all whole).
     chosen = lightning_zero.ZeroStrategy(stage=3, param_persistence_threshold=100) if strategy == "zero3" else strategy
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=chosen, precision="bf16-mixed", max_steps=3,
-                      limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=chosen,
+        precision="bf16-mixed",
+        max_steps=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, data)
     loss = trainer.callback_metrics["train_loss"].item()
     assert math.isfinite(loss) and abs(loss - math.log(vocab)) < 1.5  # near uniform after 3 steps, not diverged

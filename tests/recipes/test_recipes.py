@@ -33,17 +33,30 @@ from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
 from recipes.gpt2.model import TENSOR_PARALLEL_PLAN as GPT_PLAN  # noqa: E402
 from recipes.gpt2.module import GPT2LM  # noqa: E402
 
-TINY_GPT = ["--model.config.n_layer=2", "--model.config.n_head=2", "--model.config.n_embd=64",
-            "--model.config.block_size=32", "--data.seq_len=32"]
-TINY_BERT = ["--model.config.n_layer=1", "--model.config.n_head=2", "--model.config.hidden=64",
-             "--model.config.intermediate=128", "--model.config.max_position=32", "--data.seq_len=32"]
+TINY_GPT = [
+    "--model.config.n_layer=2",
+    "--model.config.n_head=2",
+    "--model.config.n_embd=64",
+    "--model.config.block_size=32",
+    "--data.seq_len=32",
+]
+TINY_BERT = [
+    "--model.config.n_layer=1",
+    "--model.config.n_head=2",
+    "--model.config.hidden=64",
+    "--model.config.intermediate=128",
+    "--model.config.max_position=32",
+    "--data.seq_len=32",
+]
 
 
 @pytest.fixture
 def text_dir(tmp_path) -> Path:
     """A directory with two small text files, ~20 paragraphs each: enough for a train/val split."""
     for name in ("a.txt", "b.md"):
-        paragraphs = [f"Paragraph {i} of {name}. " + "The quick brown fox jumps over the lazy dog. " * 12 for i in range(20)]
+        paragraphs = [
+            f"Paragraph {i} of {name}. " + "The quick brown fox jumps over the lazy dog. " * 12 for i in range(20)
+        ]
         (tmp_path / name).write_text("\n\n".join(paragraphs))
     return tmp_path
 
@@ -175,9 +188,14 @@ def test_flops_formula_matches_torch_flop_counter():
 
 @pytest.mark.parametrize(
     ("path", "params"),
-    [("gpt2/configs/gpt2-124m.yaml", 124.4e6), ("gpt2/configs/gpt2-350m.yaml", 354.8e6),
-     ("gpt2/configs/gpt2-774m.yaml", 774.0e6), ("gpt2/configs/gpt2-1.5b.yaml", 1557.6e6),
-     ("bert/configs/bert-base.yaml", 109.5e6), ("bert/configs/bert-large.yaml", 335.1e6)],
+    [
+        ("gpt2/configs/gpt2-124m.yaml", 124.4e6),
+        ("gpt2/configs/gpt2-350m.yaml", 354.8e6),
+        ("gpt2/configs/gpt2-774m.yaml", 774.0e6),
+        ("gpt2/configs/gpt2-1.5b.yaml", 1557.6e6),
+        ("bert/configs/bert-base.yaml", 109.5e6),
+        ("bert/configs/bert-large.yaml", 335.1e6),
+    ],
 )
 def test_gpu_configs_parse_and_have_the_published_sizes(path, params, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py"])
@@ -186,8 +204,15 @@ def test_gpu_configs_parse_and_have_the_published_sizes(path, params, monkeypatc
     recipe = gpt2_train if path.startswith("gpt2") else bert_train
     module, data = (GPT2LM, GPT2DataModule) if recipe is gpt2_train else (bert_train.BertMLM, BertDataModule)
     # the GPU trainer cannot be built here: parse the whole file, then swap in a CPU trainer
-    args = ["--config", str(ROOT / "recipes" / path), "--trainer.accelerator=cpu", "--trainer.devices=1",
-            "--trainer.strategy=auto", "--trainer.precision=32-true", "--trainer.logger=false"]
+    args = [
+        "--config",
+        str(ROOT / "recipes" / path),
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        "--trainer.precision=32-true",
+        "--trainer.logger=false",
+    ]
     cli = RecipeCLI(module, data, run=False, args=args)
     with torch.device("meta"):  # the published sizes without allocating them
         cli.model.configure_model()
@@ -227,16 +252,31 @@ def _run(train_module, config: str, tmp_path: Path, cache_dir: Path, extra: list
     callbacks["ModelCheckpoint"]["dirpath"] = str(tmp_path / "ckpt")
     settings["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(settings))
-    args = ["fit", "--config", str(tmp_path / "config.yaml"), f"--data.cache_dir={cache_dir}",
-            "--data.sources=[shakespeare]", "--trainer.devices=1", "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=2", "--data.batch_size=4", *extra]
+    args = [
+        "fit",
+        "--config",
+        str(tmp_path / "config.yaml"),
+        f"--data.cache_dir={cache_dir}",
+        "--data.sources=[shakespeare]",
+        "--trainer.devices=1",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=2",
+        "--data.batch_size=4",
+        *extra,
+    ]
     monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI warns when pytest's own argv is present
     return train_module.main(args).trainer
 
 
 def test_gpt2_recipe_trains_logs_throughput_and_resumes(tmp_path, cache_dir, monkeypatch):
-    trainer = _run(gpt2_train, "recipes/gpt2/configs/cpu-tiny.yaml", tmp_path, cache_dir,
-                   [*TINY_GPT, "--trainer.max_steps=4"], monkeypatch)
+    trainer = _run(
+        gpt2_train,
+        "recipes/gpt2/configs/cpu-tiny.yaml",
+        tmp_path,
+        cache_dir,
+        [*TINY_GPT, "--trainer.max_steps=4"],
+        monkeypatch,
+    )
     rows = _metrics(trainer)
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
@@ -245,15 +285,33 @@ def test_gpt2_recipe_trains_logs_throughput_and_resumes(tmp_path, cache_dir, mon
     assert any(r.get("train/device/items_per_sec") for r in rows)  # tokens/s
     assert any(r.get("train/device/flops_per_sec") for r in rows)
     assert (tmp_path / "ckpt" / "last.ckpt").exists()  # a folder of shards under zero2, a file otherwise
-    resumed = _run(gpt2_train, "recipes/gpt2/configs/cpu-tiny.yaml", tmp_path, cache_dir,
-                   [*TINY_GPT, "--trainer.max_steps=6", "--ckpt_path=last"], monkeypatch)
+    resumed = _run(
+        gpt2_train,
+        "recipes/gpt2/configs/cpu-tiny.yaml",
+        tmp_path,
+        cache_dir,
+        [*TINY_GPT, "--trainer.max_steps=6", "--ckpt_path=last"],
+        monkeypatch,
+    )
     assert resumed.global_step == 6 and len([r for r in _metrics(resumed) if r.get("train_loss")]) == 2
 
 
 def test_bert_recipe_trains_with_nsp_and_lamb(tmp_path, cache_dir, monkeypatch):
-    trainer = _run(bert_train, "recipes/bert/configs/cpu-tiny.yaml", tmp_path, cache_dir,
-                   [*TINY_BERT, "--trainer.max_steps=3", "--model.config.nsp=true", "--data.nsp=true",
-                    "--model.optimizer.name=lamb", "--trainer.strategy=zero2"], monkeypatch)
+    trainer = _run(
+        bert_train,
+        "recipes/bert/configs/cpu-tiny.yaml",
+        tmp_path,
+        cache_dir,
+        [
+            *TINY_BERT,
+            "--trainer.max_steps=3",
+            "--model.config.nsp=true",
+            "--data.nsp=true",
+            "--model.optimizer.name=lamb",
+            "--trainer.strategy=zero2",
+        ],
+        monkeypatch,
+    )
     rows = _metrics(trainer)
     losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)

@@ -17,14 +17,25 @@ from lightning_zero.layout import ParallelLayout
 
 def _entry(names, piece, shape=(4, 6), dim=None, size=1, optimizer=0):
     return {
-        "names": list(names), "shape": list(shape), "dtype": "float32", "saved_dtype": "float32",
-        "optimizer": optimizer, "partition_dim": dim, "tensor_parallel_size": size, "piece": piece,
+        "names": list(names),
+        "shape": list(shape),
+        "dtype": "float32",
+        "saved_dtype": "float32",
+        "optimizer": optimizer,
+        "partition_dim": dim,
+        "tensor_parallel_size": size,
+        "piece": piece,
     }
 
 
 def _report(rank, pp_rank, params, keys=(), optimizer_names=None):
-    return {"rank": rank, "pp_rank": pp_rank, "state_dict_keys": list(keys), "params": params,
-            "optimizer_names": [optimizer_names]}
+    return {
+        "rank": rank,
+        "pp_rank": pp_rank,
+        "state_dict_keys": list(keys),
+        "params": params,
+        "optimizer_names": [optimizer_names],
+    }
 
 
 def test_merge_tied_weight_across_stages_keeps_first_stage():
@@ -46,17 +57,19 @@ def test_merge_tied_weight_across_stages_keeps_first_stage():
 
 def test_merge_tensor_parallel_parts():
     # tp2: each tp rank holds a (2, 6) part of a (4, 6) weight split along dim 0, cut over dp2.
-    reports = [
-        _report(r, 0, {"w": _entry(["w"], [r, r % 2, 6 * (r // 2), 6], dim=0, size=2)}) for r in range(4)
-    ]
+    reports = [_report(r, 0, {"w": _entry(["w"], [r, r % 2, 6 * (r // 2), 6], dim=0, size=2)}) for r in range(4)]
     merged = merge_reports(reports)
     assert merged["params"]["w"]["pieces"] == [[0, 0, 0, 6], [1, 1, 0, 6], [2, 0, 6, 6], [3, 1, 6, 6]]
 
 
 def test_merge_rejects_disagreeing_or_incomplete_ranks():
     with pytest.raises(ValueError, match=r"w: shape \[4, 6\] on an earlier rank but \[4, 7\] on rank 1"):
-        merge_reports([_report(0, 0, {"w": _entry(["w"], [0, 0, 0, 12])}),
-                       _report(1, 0, {"w": _entry(["w"], [1, 0, 12, 12], shape=(4, 7))})])
+        merge_reports(
+            [
+                _report(0, 0, {"w": _entry(["w"], [0, 0, 0, 12])}),
+                _report(1, 0, {"w": _entry(["w"], [1, 0, 12, 12], shape=(4, 7))}),
+            ]
+        )
     with pytest.raises(ValueError, match=r"cover \[\(0, 12\)\] of its 24 elements"):
         merge_reports([_report(0, 0, {"w": _entry(["w"], [0, 0, 0, 12])})])
     with pytest.raises(ValueError, match="part 1"):  # tp rank 1 never reported its part
@@ -65,7 +78,9 @@ def test_merge_rejects_disagreeing_or_incomplete_ranks():
 
 def test_split_and_placement():
     assert Split(1, 2, 3).block([4, 6]) == (4, 2)
-    with pytest.raises(ValueError, match=r"full shape \(4, 6\); dim 0 of size 4 is not divisible by the tensor-parallel size 3"):
+    with pytest.raises(
+        ValueError, match=r"full shape \(4, 6\); dim 0 of size 4 is not divisible by the tensor-parallel size 3"
+    ):
         Split(0, 0, 3).block([4, 6], "w")
     place = Placement(5, ParallelLayout(2, tensor=2, pipeline=2))  # tp fastest: tp 1, dp 0, pp 1
     assert (place.coords.tp, place.coords.dp, place.coords.pp) == (1, 0, 1)
@@ -91,9 +106,23 @@ def _tp2_checkpoint(path, full):
         torch.save(data, path / fmt.rank_file(rank))
         sizes.append((path / fmt.rank_file(rank)).stat().st_size)
     meta = {
-        "format": fmt.FORMAT_NAME, "version": 2, "world_size": 4, "rank_files": [fmt.rank_file(r) for r in range(4)],
-        "rank_file_bytes": sizes, "params": {"w": {"shape": [4, 6], "dtype": "float32", "saved_dtype": "float32",
-        "aliases": ["v"], "optimizer": None, "partition_dim": 1, "tensor_parallel_size": 2, "pieces": pieces}},
+        "format": fmt.FORMAT_NAME,
+        "version": 2,
+        "world_size": 4,
+        "rank_files": [fmt.rank_file(r) for r in range(4)],
+        "rank_file_bytes": sizes,
+        "params": {
+            "w": {
+                "shape": [4, 6],
+                "dtype": "float32",
+                "saved_dtype": "float32",
+                "aliases": ["v"],
+                "optimizer": None,
+                "partition_dim": 1,
+                "tensor_parallel_size": 2,
+                "pieces": pieces,
+            }
+        },
     }
     (path / fmt.METADATA_FILE).write_text(json.dumps(meta))
 

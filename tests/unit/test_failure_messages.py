@@ -30,7 +30,9 @@ def test_error_kinds():
     assert not failures.is_communication_error(RuntimeError("Connection reset by peer"))  # not from a backend
     assert not failures.is_communication_error(ValueError("gloo Read error"))
     assert failures.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
-    assert failures.is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert failures.is_out_of_memory(
+        RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+    )
     assert not failures.is_out_of_memory(RuntimeError("shape mismatch"))
 
 
@@ -53,7 +55,9 @@ def test_store_host_gone_is_named(monkeypatch):
 
 
 def test_oom_advice_follows_the_settings():
-    stage2 = failures.oom_message(RuntimeError("x"), {"device": {"parameters": 3 * 2**20, "gradients": 0}}, ZeroConfig(stage=2), [])
+    stage2 = failures.oom_message(
+        RuntimeError("x"), {"device": {"parameters": 3 * 2**20, "gradients": 0}}, ZeroConfig(stage=2), []
+    )
     assert "This rank holds on device: parameters 3.0 MiB (total 3.0 MiB)." in stage2
     assert "stage=3 (now 2)" in stage2 and "prefetch_bucket_size" not in stage2 and "offload" not in stage2
     config = ZeroConfig(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=400)

@@ -16,7 +16,10 @@ from lightning_zero.parallel import apply_tensor_parallel
         (lambda: ParallelLayout(2, 3, 1).check_world(4), r"dp\(2\) \* tp\(3\) \* pp\(1\) != world_size\(4\)"),
         (lambda: ParallelLayout(2, 2, 2).check_world(4), r"dp\(2\) \* tp\(2\) \* pp\(2\) != world_size\(4\)"),
         (lambda: ParallelLayout.for_world(4, tensor=3), r"tp\(3\) \* pp\(1\) = 3 does not divide world_size\(4\)"),
-        (lambda: ParallelLayout.for_world(6, tensor=2, pipeline=2), r"tp\(2\) \* pp\(2\) = 4 does not divide world_size\(6\)"),
+        (
+            lambda: ParallelLayout.for_world(6, tensor=2, pipeline=2),
+            r"tp\(2\) \* pp\(2\) = 4 does not divide world_size\(6\)",
+        ),
         (lambda: ParallelLayout.for_world(4, tensor=0), r"tensor_parallel_size is 0"),
         (lambda: ParallelLayout(0), r"ParallelLayout.data is 0"),
         (lambda: ParallelLayout(2, tensor=1.5), r"ParallelLayout.tensor is 1.5"),
@@ -102,7 +105,11 @@ def test_tied_embedding_and_head_split_by_vocabulary_stay_one_parameter(monkeypa
     monkeypatch.setattr(comm, "rank", lambda group: 1)
     net = _Net()
     rows = net.embed.weight.detach()[3:].clone()  # rank 1 of 2: vocabulary ids 3..5
-    assert apply_tensor_parallel(net, {"embed": "vocab", "head": "column", "up": "column"}, None) == ["embed", "up", "head"]
+    assert apply_tensor_parallel(net, {"embed": "vocab", "head": "column", "up": "column"}, None) == [
+        "embed",
+        "up",
+        "head",
+    ]
     assert net.head.weight is net.embed.weight  # the tie is kept: one shard Parameter
     assert torch.equal(net.embed.weight, rows) and net.embed.vocab_start == 3
     assert net.embed.weight.tensor_parallel and net.embed.weight.partition_dim == 0
@@ -131,6 +138,8 @@ def test_bert_recipe_plan_matches_its_modules(nsp):
     from recipes.bert.model import BertConfig
     from recipes.bert.module import BertMLM
 
-    module = BertMLM(BertConfig(vocab_size=64, max_position=8, n_layer=2, n_head=2, hidden=32, intermediate=48, nsp=nsp))
+    module = BertMLM(
+        BertConfig(vocab_size=64, max_position=8, n_layer=2, n_head=2, hidden=32, intermediate=48, nsp=nsp)
+    )
     module.configure_model()
     assert apply_tensor_parallel(module, module.tensor_parallel_plan(), None) == []

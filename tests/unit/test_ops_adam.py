@@ -4,6 +4,7 @@ Sizes are odd (278011 = 16 * 17375 + 11 elements, and a (7, 15) matrix) so that 
 (shorter than one 8- or 16-lane vector) and the tile tails (278011 is not a multiple of the
 16384-element tile) are exercised, not only the aligned bodies.
 """
+
 import pytest
 import torch
 
@@ -59,8 +60,9 @@ def test_cpu_adam_matches_torch(path, adamw_mode, weight_decay):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     for p_ours, p_ref in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"]):
         # the states accumulate the same ~1 ulp per-step differences as the params
-        torch.testing.assert_close(opt.state[p_ours]["exp_avg_sq"],
-                                   ref_opt.state[p_ref]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(
+            opt.state[p_ours]["exp_avg_sq"], ref_opt.state[p_ref]["exp_avg_sq"], rtol=1e-5, atol=1e-9
+        )
 
 
 def test_cpu_adam_without_bias_correction(path):
@@ -109,8 +111,7 @@ def test_copy_out_equals_cast_of_updated_param(path, copy_dtype):
 def test_bf16_states_match_reference(path, monkeypatch):
     ours, opt = run(CPUAdam, make_params(), lr=LR, weight_decay=0.01, state_dtype=torch.bfloat16)
     monkeypatch.setenv(ISA_ENV, "reference")
-    ref, ref_opt = run(CPUAdam, make_params(), lr=LR, weight_decay=0.01,
-                       state_dtype=torch.bfloat16)
+    ref, ref_opt = run(CPUAdam, make_params(), lr=LR, weight_decay=0.01, state_dtype=torch.bfloat16)
     state = opt.state[opt.param_groups[0]["params"][0]]
     assert state["exp_avg"].dtype == torch.bfloat16
     # a 1-ulp fp32 difference can flip a bf16 rounding (one bf16 ulp, 2^-8 relative, in a state),

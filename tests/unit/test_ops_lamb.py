@@ -2,10 +2,12 @@
 
 Sizes are odd (see test_ops_adam.py) so vector and tile tails run.
 """
+
 import pytest
 import torch
 
-from lightning_zero.ops import CPULamb, FusedLamb, functional as F
+from lightning_zero.ops import CPULamb, FusedLamb
+from lightning_zero.ops import functional as F
 from lightning_zero.ops._load import ISA_ENV, supported_isas
 
 PATHS = supported_isas() + ["reference"]
@@ -98,7 +100,7 @@ def test_lamb_on_shards_split_across_two_ranks_equals_whole(path):
         for (a, b), (m, v), (offsets, owners) in zip(shards, states, pieces):
             F.cpu_lamb_apply(flat[a:b], m, v, offsets, trust[owners], lr=LR, step=step, **hp)
     for i, w in enumerate(whole):
-        torch.testing.assert_close(flat[starts[i]:starts[i + 1]].view_as(w), w, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(flat[starts[i] : starts[i + 1]].view_as(w), w, rtol=RTOL, atol=ATOL)
 
 
 def test_lamb_bf16_states_and_copy_out(path):

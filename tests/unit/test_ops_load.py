@@ -1,15 +1,16 @@
 """Loader, path selection, fallback, argument checks and torch.library.opcheck of the ops."""
+
 import warnings
 
 import pytest
 import torch
 
 import lightning_zero.ops as ops
-from lightning_zero.ops import CPUAdam, _load, functional as F, reference
+from lightning_zero.ops import CPUAdam, _load, reference
+from lightning_zero.ops import functional as F
 from lightning_zero.ops._load import ISA_ENV
 
-needs_compiled = pytest.mark.skipif(not ops.compiled(),
-                                    reason=f"lightning_zero._C not built: {_load._LOAD_ERROR}")
+needs_compiled = pytest.mark.skipif(not ops.compiled(), reason=f"lightning_zero._C not built: {_load._LOAD_ERROR}")
 
 
 def test_available_reports_every_op():
@@ -38,8 +39,17 @@ def test_fallback_warns_once_and_computes_the_same(monkeypatch):
     n = 1001
     args = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     expected = [torch.linspace(-1, 1, n), torch.zeros(n), torch.zeros(n)]
-    reference.cpu_adam_step(expected[0], torch.ones(n), expected[1], expected[2], None,
-                            grad_scale=1.0, adamw_mode=True, bias_correction=True, **args)
+    reference.cpu_adam_step(
+        expected[0],
+        torch.ones(n),
+        expected[1],
+        expected[2],
+        None,
+        grad_scale=1.0,
+        adamw_mode=True,
+        bias_correction=True,
+        **args,
+    )
     monkeypatch.setattr(_load, "_LOAD_ERROR", "simulated: not built")
     monkeypatch.setattr(_load, "_warned", False)
     monkeypatch.delenv(ISA_ENV, raising=False)
@@ -60,14 +70,22 @@ def test_fallback_warns_once_and_computes_the_same(monkeypatch):
 def test_bad_input_raises_value_error_with_numbers():
     p, m, v = torch.zeros(10), torch.zeros(10), torch.zeros(10)
     with pytest.raises(ValueError, match="9 elements but param has 10"):
-        F.cpu_adam_step(p, torch.zeros(9), m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.0, step=1)
+        F.cpu_adam_step(p, torch.zeros(9), m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
     with pytest.raises(ValueError, match="step counts from 1"):
-        F.cpu_adam_step(p, torch.zeros(10), m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.0, step=0)
+        F.cpu_adam_step(p, torch.zeros(10), m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=0)
     with pytest.raises(ValueError, match="end at param.numel"):
-        F.cpu_lamb_moments(p, torch.zeros(10), m, v, torch.tensor([0, 4, 9]), beta1=0.9,
-                           beta2=0.999, eps=1e-6, weight_decay=0.0, step=1)
+        F.cpu_lamb_moments(
+            p,
+            torch.zeros(10),
+            m,
+            v,
+            torch.tensor([0, 4, 9]),
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.0,
+            step=1,
+        )
 
 
 def test_optimizer_rejects_non_fp32_params():
@@ -80,9 +98,23 @@ def test_optimizer_rejects_non_fp32_params():
 def _adam_args(n, state_dtype, copy):
     g = torch.Generator().manual_seed(0)
     copy_t = torch.zeros(n, dtype=torch.bfloat16) if copy else None
-    return (torch.randn(n, generator=g), torch.randn(n, generator=g),
-            torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype), copy_t,
-            1e-3, 0.9, 0.999, 1e-8, 0.01, 3, True, True, 0.5, "auto")
+    return (
+        torch.randn(n, generator=g),
+        torch.randn(n, generator=g),
+        torch.zeros(n, dtype=state_dtype),
+        torch.zeros(n, dtype=state_dtype),
+        copy_t,
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.01,
+        3,
+        True,
+        True,
+        0.5,
+        "auto",
+    )
 
 
 @needs_compiled
@@ -95,8 +127,7 @@ def test_opcheck_cpu_ops(state_dtype):
     offsets = torch.tensor([0, 500, n])
     hp = (0.9, 0.999, 1e-6, 0.01, 2, True)
     torch.library.opcheck(lz.cpu_lamb_moments.default, (p, g, m, v, offsets, *hp, 1.0, "auto"))
-    torch.library.opcheck(lz.cpu_lamb_apply.default,
-                          (p, m, v, offsets, torch.ones(2), None, 1e-3, *hp, "auto"))
+    torch.library.opcheck(lz.cpu_lamb_apply.default, (p, m, v, offsets, torch.ones(2), None, 1e-3, *hp, "auto"))
 
 
 @needs_compiled
@@ -108,8 +139,8 @@ def test_opcheck_fused_ops_on_cpu():
     vs = [torch.zeros_like(p) for p in ps]
     copies = [torch.zeros_like(p, dtype=torch.float16) for p in ps]
     hp = (0.9, 0.999, 1e-8, 0.0, 1)
-    torch.library.opcheck(lz.fused_adam_step.default,
-                          (ps, gs, ms, vs, copies, torch.tensor([0.5]), 1e-3, *hp, True, True))
+    torch.library.opcheck(
+        lz.fused_adam_step.default, (ps, gs, ms, vs, copies, torch.tensor([0.5]), 1e-3, *hp, True, True)
+    )
     torch.library.opcheck(lz.fused_lamb_moments.default, (ps, gs, ms, vs, None, *hp, True))
-    torch.library.opcheck(lz.fused_lamb_apply.default,
-                          (ps, ms, vs, torch.ones(2), [], 1e-3, *hp, True))
+    torch.library.opcheck(lz.fused_lamb_apply.default, (ps, ms, vs, torch.ones(2), [], 1e-3, *hp, True))

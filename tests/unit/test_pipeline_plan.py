@@ -38,9 +38,9 @@ def _names(actions):
 
 def test_1f1b_order_for_four_stages():
     # P=4, m=6: stage s warms up with P-1-s forwards, alternates, then cools down.
-    assert _names(one_f_one_b(0, 4, 6)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
-    assert _names(one_f_one_b(2, 4, 6)) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5".split()
-    assert _names(one_f_one_b(3, 4, 6)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
+    assert _names(one_f_one_b(0, 4, 6)) == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    assert _names(one_f_one_b(2, 4, 6)) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "F5", "B4", "B5"]
+    assert _names(one_f_one_b(3, 4, 6)) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 8), (5, 3)])
@@ -60,8 +60,42 @@ def test_1f1b_runs_each_micro_batch_once_and_bounds_activations(stages, micro_ba
 def test_interleaved_order_for_two_stages_two_chunks():
     # Megatron-LM's interleaved 1F1B: groups of P micro-batches through chunk 0, then chunk 1;
     # backwards start with the last chunk. Stage 0 warms up with 2 (P-1) + (v-1) P = 4 forwards.
-    assert _names(one_f_one_b(0, 2, 4, 2)) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3".split()
-    assert _names(one_f_one_b(1, 2, 4, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3".split()
+    assert _names(one_f_one_b(0, 2, 4, 2)) == [
+        "F0",
+        "F1",
+        "F0.1",
+        "F1.1",
+        "F2",
+        "B0.1",
+        "F3",
+        "B1.1",
+        "F2.1",
+        "B0",
+        "F3.1",
+        "B1",
+        "B2.1",
+        "B3.1",
+        "B2",
+        "B3",
+    ]
+    assert _names(one_f_one_b(1, 2, 4, 2)) == [
+        "F0",
+        "F1",
+        "F0.1",
+        "B0.1",
+        "F1.1",
+        "B1.1",
+        "F2",
+        "B0",
+        "F3",
+        "B1",
+        "F2.1",
+        "B2.1",
+        "F3.1",
+        "B3.1",
+        "B2",
+        "B3",
+    ]
     # a micro-batch passes every stage v times: the bubble shrinks by v
     assert bubble_fraction(4, 8, chunks=2) == pytest.approx(3 / 19)
 
@@ -177,7 +211,11 @@ def test_plan_finds_the_tie_and_split_keeps_only_the_stage():
     assert [t.names for t in plans[1].tied] == [{0: "embed.weight", 1: "head.weight"}]
     split_stages(model, spec, plans[1])
     assert sorted(n for n, _ in model.named_parameters()) == [
-        "blocks.2.fc.bias", "blocks.2.fc.weight", "blocks.3.fc.bias", "blocks.3.fc.weight", "head.weight",
+        "blocks.2.fc.bias",
+        "blocks.2.fc.weight",
+        "blocks.3.fc.bias",
+        "blocks.3.fc.weight",
+        "head.weight",
     ]
     assert isinstance(model.embed, RemoteLayer) and isinstance(model.blocks[0], RemoteLayer)
     with pytest.raises(RuntimeError, match="embed runs on pipeline stage 0, not on this rank \\(stage 1\\)"):
@@ -188,7 +226,9 @@ def test_plan_rejects_parameters_outside_the_layers_and_foreign_layers():
     model = _Model()
     model.extra = nn.Linear(2, 2)
     spec = PipelineSpec(layers=model.layers(), loss=lambda out, batch: out.sum())
-    with pytest.raises(ValueError, match=r"trainable parameters \['extra.weight', 'extra.bias'\] belong to no pipeline layer"):
+    with pytest.raises(
+        ValueError, match=r"trainable parameters \['extra.weight', 'extra.bias'\] belong to no pipeline layer"
+    ):
         plan_stages(model, spec, 2, 0, "parameters")
     foreign = PipelineSpec(layers=[*_Model().layers()], loss=lambda out, batch: out.sum())
     with pytest.raises(ValueError, match=r"pipeline layers \[0, 1, 2, 3, 4, 5\] are not submodules"):
@@ -207,7 +247,9 @@ def test_resolve_spec_checks_the_hook_and_the_stage_count():
             return PipelineSpec(layers=self.layers(), loss=lambda out, batch: out.sum())
 
     assert len(resolve_spec(Hooked(), 6).layers) == 6
-    with pytest.raises(ValueError, match="pipeline_parallel_size=7 x pipeline_chunks=1 = 7 virtual stages exceed the model's 6"):
+    with pytest.raises(
+        ValueError, match="pipeline_parallel_size=7 x pipeline_chunks=1 = 7 virtual stages exceed the model's 6"
+    ):
         resolve_spec(Hooked(), 7)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 x pipeline_chunks=4 = 8 virtual stages"):
         resolve_spec(Hooked(), 2, chunks=4)
@@ -226,7 +268,11 @@ def test_chunks_are_dealt_round_robin():
     # the embedding (virtual stage 0) and the head (virtual stage 3) sit on stages 0 and 1
     assert [t.names for t in plan.tied] == [{0: "embed.weight", 1: "head.weight"}]
     split_stages(model, spec, plan)
-    kept = [n for n in ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head") if not isinstance(model.get_submodule(n), RemoteLayer)]
+    kept = [
+        n
+        for n in ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head")
+        if not isinstance(model.get_submodule(n), RemoteLayer)
+    ]
     assert kept == plan.layer_names
 
 
