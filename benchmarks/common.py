@@ -301,7 +301,7 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table (it reads as plain text on a terminal and pastes into the README)."""
     cells = [[str(c) for c in row] for row in [headers, *rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 

@@ -125,7 +125,7 @@ def train(config_name: str, steps: int, warmup: int, batch: int, smoke: bool) ->
     )
     module = Module(model_config, fused_adam=config_name.endswith("_fusedadam"))
     trainer.fit(module, train_dataloaders=loader)
-    times = sorted(b - a for a, b in zip(clock.stamps[warmup - 1 :], clock.stamps[warmup:]))
+    times = sorted(b - a for a, b in zip(clock.stamps[warmup - 1 :], clock.stamps[warmup:], strict=False))
     median = times[len(times) // 2]
     flops = transformer_training_flops(
         batch=batch,

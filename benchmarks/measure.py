@@ -117,4 +117,4 @@ class Clock:
 
     def steps(self, warmup: int) -> list[float]:
         """Step durations after ``warmup`` steps (the first stamp only opens the first interval)."""
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])][max(warmup - 1, 0) :]
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)][max(warmup - 1, 0) :]

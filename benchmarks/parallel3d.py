@@ -317,7 +317,7 @@ def _summarize(layout: Layout, per_rank: list[dict], warmup: int) -> dict:
     steps: list[float] = []
     parts: list[tuple[float, float, float]] = []
     for run in runs[0]:  # the first stamp only opens the first interval
-        steps += [b - a for a, b in zip(run["stamps"], run["stamps"][1:])][max(warmup - 1, 0) :]
+        steps += [b - a for a, b in zip(run["stamps"], run["stamps"][1:], strict=False)][max(warmup - 1, 0) :]
         parts += run["parts"][warmup:]
     record = {
         "layout": layout.name,

@@ -135,7 +135,9 @@ def main() -> None:
 
     if args.profile:
         prof = common.run_ranks(_profile_worker, args.profile, precisions[0], workloads[0], args.warmup, steps)[0]
-        durations = [b - a for a, b in zip(prof["stamps"][args.warmup - 1 :], prof["stamps"][args.warmup :])]
+        durations = [
+            b - a for a, b in zip(prof["stamps"][args.warmup - 1 :], prof["stamps"][args.warmup :], strict=False)
+        ]
         print(
             f"{args.profile} {precisions[0]} {workloads[0]}: {steps} profiled steps, "
             f"{', '.join(f'{d * 1e3:.0f}' for d in durations)} ms\n"

@@ -59,7 +59,7 @@ class StepClock(pl.Callback):
 
 def _steps(stamps: list[float], warmup: int) -> list[float]:
     """Step durations after ``warmup`` steps (the first stamp only opens the first interval)."""
-    return [b - a for a, b in zip(stamps, stamps[1:])][max(warmup - 1, 0) :]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)][max(warmup - 1, 0) :]
 
 
 def _lightning_run(rank: int, strategy: str, precision: str, total: int, profiler=None) -> list[float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ class CheckedGroup:
     checker: Any  # not typed here: lightning_zero.debug imports this module
 
 
-ProcessGroup = Union[None, dist.ProcessGroup, CheckedGroup]
+ProcessGroup = dist.ProcessGroup | CheckedGroup | None
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -53,7 +53,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -62,7 +62,7 @@ FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def rank_file(rank: int) -> str:
@@ -187,7 +187,7 @@ def resolve(path: PathLike) -> Path | None:
 def check_rank_files(path: Path, meta: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every rank whose shard file is missing or truncated."""
     problems = []
-    for rank, (name, size) in enumerate(zip(meta["rank_files"], meta["rank_file_bytes"])):
+    for rank, (name, size) in enumerate(zip(meta["rank_files"], meta["rank_file_bytes"], strict=True)):
         file = path / name
         if not file.is_file():
             problems.append(f"{name} (rank {rank}) is missing")

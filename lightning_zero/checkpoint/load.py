@@ -81,7 +81,7 @@ def _check_keys(reader: Any, local: dict[str, tuple | None], strict: bool, where
     for keys in comm.all_gather_object(local, None):
         for key, shape in keys.items():
             expected.setdefault(key, shape)
-    found = {k: (tuple(s) if s is not None else None) for k in reader.keys() for s in [reader.shape(k)]}
+    found = {k: (tuple(s) if s is not None else None) for k in reader.keys() for s in [reader.shape(k)]}  # noqa: SIM118 (a reader, not a dict)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     shapes = sorted(
@@ -188,7 +188,7 @@ def _load_sharded_optimizer(
             f"the checkpoint's {saved['class']} has {len(there)} parameter groups but {type(optimizer).__name__} "
             f"here has {len(here)}; load it into the same model and configure_optimizers that wrote it."
         )
-    for index, (mine, saved_names) in enumerate(zip(here, there)):
+    for index, (mine, saved_names) in enumerate(zip(here, there, strict=True)):
         outside = [
             p.name for p in mine if (key := _match(p, keys)) is not None and reader.primary(key) not in saved_names
         ]
@@ -246,7 +246,7 @@ def load_optimizers(
     params = partitioned_params(module, engine, optimizers)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
-    for optimizer, saved in zip(optimizers, states):
+    for optimizer, saved in zip(optimizers, states, strict=True):
         sharded = engine.find(optimizer) if engine is not None else None
         if sharded is None:
             optimizer.load_state_dict(saved)

@@ -85,7 +85,7 @@ def partitioned_params(
             optimizer_of.update({id(b): index for b in sharded.buffers})
     out: dict[str, PartitionedParam] = {}
     for buffer in all_buffers(engine):
-        for slot_index, (param, slot) in enumerate(zip(buffer.params, buffer.layout.slots)):
+        for slot_index, (param, slot) in enumerate(zip(buffer.params, buffer.layout.slots, strict=True)):
             first, *rest = names[id(param)]
             dtype, optimizer = buffer.param_shard.dtype, optimizer_of.get(id(buffer))
             dim = getattr(param, "partition_dim", None) if is_tensor_parallel(param) else None

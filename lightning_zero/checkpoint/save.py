@@ -52,7 +52,7 @@ def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.opt
     sharded = engine.find(optimizer)
     assert sharded is not None
     groups = []
-    for group, original in zip(sharded.optimizer.param_groups, sharded.original_params):
+    for group, original in zip(sharded.optimizer.param_groups, sharded.original_params, strict=True):
         entry = {k: v for k, v in group.items() if k != "params"}
         entry["param_names"] = [names[id(p)] for p in original]
         groups.append(entry)
@@ -120,10 +120,11 @@ def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict
     state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in merged["alias_of"]}
     if "optimizer_states" in checkpoint:
         state["optimizer_states"] = []
-        for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"]):
+        for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"], strict=True):
             if names is not None and saved.get("format") == SHARDED_OPTIMIZER_MARKER:
                 groups = [
-                    {**group, "param_names": group_names} for group, group_names in zip(saved["param_groups"], names)
+                    {**group, "param_names": group_names}
+                    for group, group_names in zip(saved["param_groups"], names, strict=True)
                 ]
                 saved = {**saved, "param_groups": groups}
             state["optimizer_states"].append(saved)

@@ -208,7 +208,7 @@ class KernelStep:
 
     def _segments(self, b: FlatBuffer, tensor: torch.Tensor) -> list[torch.Tensor]:
         offsets = self.segments[id(b)][0].tolist()
-        return [tensor[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+        return [tensor[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:], strict=False)]
 
     def _lamb_moments(self, b: FlatBuffer, state: dict[str, Any], step: int, hyper: dict[str, Any]) -> torch.Tensor:
         from lightning_zero.ops import functional as F

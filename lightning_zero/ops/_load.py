@@ -106,8 +106,5 @@ def available() -> dict[str, str]:
     without a GPU (FusedAdam/FusedLamb still run on CPU tensors, through the CPU kernels).
     """
     cpu = cpu_path()
-    if has_cuda_kernels():
-        fused = "cuda"
-    else:
-        fused = "reference" if torch.cuda.is_available() else "unavailable"
+    fused = "cuda" if has_cuda_kernels() else "reference" if torch.cuda.is_available() else "unavailable"
     return {"cpu_adam": cpu, "cpu_lamb": cpu, "fused_adam": fused, "fused_lamb": fused}

@@ -121,7 +121,9 @@ def layer_weights(layers: Sequence[nn.Module], method: str) -> list[tuple[int, .
         return [(1, n) for n in numels]
     if method.startswith("type:"):
         pattern = re.compile(method[len("type:") :])
-        weights = [(1 if pattern.search(type(layer).__name__) else 0, n) for layer, n in zip(layers, numels)]
+        weights = [
+            (1 if pattern.search(type(layer).__name__) else 0, n) for layer, n in zip(layers, numels, strict=True)
+        ]
         if not any(w[0] for w in weights):
             names = sorted({type(layer).__name__ for layer in layers})
             raise ValueError(f"pipeline_partition={method!r} matches none of the layer classes {names}")
@@ -141,10 +143,10 @@ def balance(weights: Sequence[tuple[int, ...]], stages: int) -> list[int]:
     width = len(weights[0]) if weights else 1
     prefix = [(0,) * width]
     for w in weights:
-        prefix.append(tuple(a + b for a, b in zip(prefix[-1], w)))
+        prefix.append(tuple(a + b for a, b in zip(prefix[-1], w, strict=True)))
 
     def cost(i: int, j: int) -> tuple[int, ...]:  # total weight of layers [i, j)
-        return tuple(b - a for a, b in zip(prefix[i], prefix[j]))
+        return tuple(b - a for a, b in zip(prefix[i], prefix[j], strict=True))
 
     def solve(combine, start, limit=None) -> tuple[list[list], list[list[int]]]:
         # best[k][j]: the best value for the first j layers in k stages; cut[k][j] its last start
@@ -164,7 +166,7 @@ def balance(weights: Sequence[tuple[int, ...]], stages: int) -> list[int]:
 
     best, _ = solve(max, (0,) * width)
     largest = best[stages][n]
-    _, cut = solve(lambda acc, c: tuple(a + b * b for a, b in zip(acc, c)), (0,) * width, limit=largest)
+    _, cut = solve(lambda acc, c: tuple(a + b * b for a, b in zip(acc, c, strict=True)), (0,) * width, limit=largest)
     bounds = [n]
     for k in range(stages, 0, -1):
         bounds.append(cut[k][bounds[-1]])
@@ -249,7 +251,7 @@ def plan_stages(
             "configure_pipeline().layers or freeze them (requires_grad=False)"
         )
     seen: dict[int, dict[int, str]] = {}
-    for index, (layer, name) in enumerate(zip(layers, names)):
+    for index, (layer, name) in enumerate(zip(layers, names, strict=True)):
         for pname, param in layer.named_parameters(remove_duplicate=False):
             seen.setdefault(id(param), {}).setdefault(stage_of[index], f"{name}.{pname}")
     tied = [TiedParameter(names=by_stage) for by_stage in seen.values() if len(by_stage) > 1]

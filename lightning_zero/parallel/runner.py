@@ -130,7 +130,7 @@ class Peer:
         """Send ``tensors`` (``grads``: which need a gradient back) labelled ``ident`` =
         (micro-batch, sending virtual stage), without waiting."""
         header = [len(tensors), *ident]
-        for t, g in zip(tensors, grads):
+        for t, g in zip(tensors, grads, strict=True):
             if t.dtype not in _DTYPES:
                 raise ValueError(f"cannot send a {t.dtype} tensor between pipeline stages; use one of {_DTYPES}")
             header += [_DTYPES.index(t.dtype), int(g), t.dim(), *t.shape]
@@ -266,7 +266,7 @@ class PipelineRunner:
             wants: list[bool] = [False] * len(args)
         else:
             received, wants = self.peers[(self.stage - 1) % self.stages].recv(ACTIVATION, (i, k - 1))
-            args = tuple(t.requires_grad_() if w and train else t for t, w in zip(received, wants))
+            args = tuple(t.requires_grad_() if w and train else t for t, w in zip(received, wants, strict=True))
         with torch.set_grad_enabled(train):
             out = self._forward(c, args)
             if k == self.last_virtual:
@@ -299,5 +299,7 @@ class PipelineRunner:
             if needing:
                 torch.autograd.backward(needing, grads)
         if k > 0:
-            back = [a.grad if a.grad is not None else torch.zeros_like(a) for a, w in zip(args, wants) if w]
+            back = [
+                a.grad if a.grad is not None else torch.zeros_like(a) for a, w in zip(args, wants, strict=True) if w
+            ]
             self.peers[(self.stage - 1) % self.stages].send(back, [False] * len(back), GRADIENT, (i, k))

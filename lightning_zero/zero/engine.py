@@ -78,7 +78,7 @@ class ZeroEngine:
             per_optimizer = build_bucketed(optimizers, ctx)
         self.sharded: dict[int, ShardedOptimizer] = {}
         self.buffers: list[FlatBuffer] = []
-        for optimizer, buffers in zip(optimizers, per_optimizer):
+        for optimizer, buffers in zip(optimizers, per_optimizer, strict=True):
             self.buffers.extend(buffers)
             self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, buffers, group)
         self.reducer = GradReducer(self.buffers, config.stage, group, device, config.overlap_comm)

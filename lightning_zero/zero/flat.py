@@ -94,7 +94,7 @@ class FlatBuffer:
         self.flat_param: torch.Tensor | None = None
         if persistent:
             self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-            for param, slot in zip(params, layout.slots):
+            for param, slot in zip(params, layout.slots, strict=True):
                 self.flat_param[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
             self.param_shard = self.flat_param[start:end]
             self.state = ParamState.GATHERED
@@ -131,7 +131,7 @@ class FlatBuffer:
     def bind_params(self) -> None:
         """Make every parameter's ``.data`` a view into ``flat_param`` (identity of the Parameter kept)."""
         assert self.flat_param is not None
-        for param, slot in zip(self.params, self.layout.slots):
+        for param, slot in zip(self.params, self.layout.slots, strict=True):
             param.data = self.flat_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     # -- stage 3: gather and release ------------------------------------------------------------

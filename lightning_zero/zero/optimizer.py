@@ -194,7 +194,7 @@ class ShardedOptimizer:
                     comm.all_gather(full, value.contiguous(), self.group)
                 if self.rank != 0:
                     continue
-                for param, slot in zip(b.params, b.layout.slots):
+                for param, slot in zip(b.params, b.layout.slots, strict=True):
                     entry = state.setdefault(index[id(param)], {})
                     if is_slice:
                         entry[key] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()

@@ -228,7 +228,7 @@ class GradReducer:
                 comm.reduce_scatter(b.grad_shard, b.bucket(), self.group, async_op=True, clobber_input=True)
                 for b in buffers
             ]
-            for b, handle in zip(buffers, handles):
+            for b, handle in zip(buffers, handles, strict=True):
                 handle.wait()
                 b.grad_shard.div_(self.world_size)
         self.side.join()

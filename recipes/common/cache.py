@@ -16,6 +16,7 @@ order of the sources, and puts duplicated text on one side only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -75,23 +76,26 @@ def _write(tmp: Path, sources: list[str], tokenizer, separator: int, val: set[in
     from tqdm.auto import tqdm
 
     dtype = token_dtype(tokenizer.vocab_size)
-    outs = {"train": open(tmp / "train.bin", "wb"), "val": open(tmp / "val.bin", "wb")}
-    counts, last_doc = {"train": 0, "val": 0}, {"train": None, "val": None}
-    index = 0
-    with tqdm(total=n, desc=f"tokenizing with {tokenizer.name}", unit="piece") as bar:
-        for batch in _batches(corpus.pieces(sources), _BATCH):
-            for piece, ids in zip(batch, tokenizer.encode_batch([p.text for p in batch])):
-                split = "val" if index in val else "train"
-                index += 1
-                # a document separator only between documents: pieces of one document rejoin seamlessly
-                if last_doc[split] is not None and last_doc[split] != piece.doc:
-                    ids = [separator, *ids]
-                last_doc[split] = piece.doc
-                outs[split].write(np.asarray(ids, dtype=dtype).tobytes())
-                counts[split] += len(ids)
-            bar.update(len(batch))
-    for out in outs.values():
-        out.close()
+    # an ExitStack closes both files when tokenizing raises, too
+    with contextlib.ExitStack() as stack:
+        outs = {
+            split: stack.enter_context(open(tmp / f"{split}.bin", "wb"))  # noqa: SIM115 (the ExitStack closes it)
+            for split in ("train", "val")
+        }
+        counts, last_doc = {"train": 0, "val": 0}, {"train": None, "val": None}
+        index = 0
+        with tqdm(total=n, desc=f"tokenizing with {tokenizer.name}", unit="piece") as bar:
+            for batch in _batches(corpus.pieces(sources), _BATCH):
+                for piece, ids in zip(batch, tokenizer.encode_batch([p.text for p in batch]), strict=True):
+                    split = "val" if index in val else "train"
+                    index += 1
+                    # a document separator only between documents: pieces of one document rejoin seamlessly
+                    if last_doc[split] is not None and last_doc[split] != piece.doc:
+                        ids = [separator, *ids]
+                    last_doc[split] = piece.doc
+                    outs[split].write(np.asarray(ids, dtype=dtype).tobytes())
+                    counts[split] += len(ids)
+                bar.update(len(batch))
     return {"dtype": dtype.name, "train_tokens": counts["train"], "val_tokens": counts["val"], "pieces": n}
 
 

@@ -162,7 +162,7 @@ def _assert_same_training_state(a: dict, b: dict) -> None:
     # Resharding only moves elements between files: bit-exact.
     for key in a["state_dict"]:
         assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
-    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"]):
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
         assert opt_a["param_groups"] == opt_b["param_groups"]
         assert opt_a["state"].keys() == opt_b["state"].keys()
         for index, entry in opt_a["state"].items():

@@ -176,7 +176,7 @@ def test_tensor_parallel_checkpoints_resume_convert_consolidate(tmp_path):
     tmp = str(tmp_path)
     four = run_ranks(_tp2_dp2_worker, tmp, world_size=4, timeout=300)
     # Global loss per step: the mean over the two data-parallel halves (ranks 0 and 2).
-    reference = [(a + b) / 2 for a, b in zip(four[0]["full"], four[2]["full"])]
+    reference = [(a + b) / 2 for a, b in zip(four[0]["full"], four[2]["full"], strict=True)]
     for res in four:
         # Same layout: the same arithmetic on the same data, so the resumed steps are bit-exact.
         assert res["same"] == res["full"][STEPS_PER_EPOCH:]
@@ -216,13 +216,13 @@ def test_tensor_parallel_checkpoints_resume_convert_consolidate(tmp_path):
     # step in fp32, which 2 AdamW steps keep below 1e-5; a wrong part of a split weight would move
     # the loss by ~1e-2.
     resumed = reference[STEPS_PER_EPOCH:]
-    _close([(a + b) / 2 for a, b in zip(two[0]["dp2"], two[1]["dp2"])], resumed, "tp2 x dp2 -> dp2")
+    _close([(a + b) / 2 for a, b in zip(two[0]["dp2"], two[1]["dp2"], strict=True)], resumed, "tp2 x dp2 -> dp2")
     _close(two[0]["tp2"], resumed, "tp2 x dp2 -> tp2 x dp1")
     _close(one["one"], resumed, "tp2 x dp2 -> one process")
     _close(one["lightning"], resumed, "tp2 x dp2 -> plain Lightning checkpoint, no ZeRO")
     # The data-parallel run itself follows the tensor-parallel one (same tolerance, same reason),
     # and its checkpoint continues under tp2 as it would have under dp2.
-    plain = [(a + b) / 2 for a, b in zip(two[0]["plain"], two[1]["plain"])]
+    plain = [(a + b) / 2 for a, b in zip(two[0]["plain"], two[1]["plain"], strict=True)]
     _close(plain, reference, "dp2 vs tp2 x dp2")
     _close(two[0]["back"], plain[STEPS_PER_EPOCH:], "dp2 -> tp2 x dp1")
 

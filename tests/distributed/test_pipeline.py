@@ -169,7 +169,7 @@ def _close(got, want, what, atol=1e-7):
 
 
 def _shard_of(full: torch.Tensor, got: torch.Tensor, rank: int) -> torch.Tensor:
-    for dim, (a, b) in enumerate(zip(full.shape, got.shape)):
+    for dim, (a, b) in enumerate(zip(full.shape, got.shape, strict=True)):
         if a != b:
             return full.narrow(dim, rank * b, b)
     return full
@@ -220,7 +220,7 @@ def test_pp2_with_gradient_accumulation_matches_one_process():
     results = run_ranks(_pp2_accumulate_worker, world_size=2)
     reference = _reference(data_parallel=1)
     for res in results:
-        res["losses"] = [sum(pair) for pair in zip(res["losses"][::2], res["losses"][1::2])]
+        res["losses"] = [sum(pair) for pair in zip(res["losses"][::2], res["losses"][1::2], strict=True)]
     _check(results, reference, tensor=1, pipeline=2)
 
 

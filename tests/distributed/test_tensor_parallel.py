@@ -299,7 +299,7 @@ def _assert_close(got, want, what):
 
 def _shard_of(full: torch.Tensor, got: torch.Tensor, rank: int) -> torch.Tensor:
     """The slice of ``full`` that a rank holding ``got`` (split along the dim where shapes differ) owns."""
-    for dim, (a, b) in enumerate(zip(full.shape, got.shape)):
+    for dim, (a, b) in enumerate(zip(full.shape, got.shape, strict=True)):
         if a != b:
             return full.narrow(dim, rank * b, b)
     return full
@@ -378,7 +378,11 @@ def test_dp2_tp2_adamw_stage1_and_lamb_stage2_match_one_process():
                 assert (got.shape == want.shape) == (name not in res["marked"]), name
                 if optimizer == "lamb":  # (AdamW: see below)
                     torch.testing.assert_close(
-                        got, _shard_of(want, got, tp_rank), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}"
+                        got,
+                        _shard_of(want, got, tp_rank),
+                        rtol=1e-5,
+                        atol=1e-6,
+                        msg=lambda m, what=what, name=name: f"{what} {name}: {m}",
                     )
             _assert_close(torch.tensor(res["losses"]), torch.tensor(reference["losses"][dp_rank]), f"{what} losses")
             _assert_close(torch.tensor(res["norms"]), torch.tensor(reference["norms"]), f"{what} grad norms")

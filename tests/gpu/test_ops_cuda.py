@@ -46,11 +46,11 @@ def test_fused_adam_matches_torch_fused(adamw_mode):
     torch_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     ref_opt = torch_cls(ref, lr=LR, weight_decay=0.01, foreach=True)
     for step in range(1, STEPS + 1):
-        for p, r, g in zip(ours, ref, grads_for(step, ours)):
+        for p, r, g in zip(ours, ref, grads_for(step, ours), strict=True):
             p.grad, r.grad = g, g.clone()
         opt.step()
         ref_opt.step()
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
@@ -78,10 +78,10 @@ def test_fused_adam_bf16_grads_scale_and_copies(copy_dtype):
             grad_scale=scale,
             param_copies=copies,
         )
-        for r, g in zip(ref, grads):
+        for r, g in zip(ref, grads, strict=True):
             r.grad = g.float() * 0.25
         ref_opt.step()
-    for a, b, c in zip(ours, ref, copies):
+    for a, b, c in zip(ours, ref, copies, strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=RTOL, atol=ATOL)
         assert torch.equal(c, a.to(copy_dtype))
 
@@ -94,14 +94,14 @@ def test_fused_lamb_matches_reference():
     hp = dict(beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bias_correction=True)
     for step in range(1, STEPS + 1):
         grads = grads_for(step, ours)
-        for p, g in zip(ours, grads):
+        for p, g in zip(ours, grads, strict=True):
             p.grad = g
         opt.step()
         sq = reference.fused_lamb_moments(cpu, [g.cpu() for g in grads], ms, vs, None, step=step, **hp)
         reference.fused_lamb_apply(cpu, ms, vs, reference.lamb_trust_ratio(sq), [], lr=LR, step=step, **hp)
     # norms are summed by atomics in block order on the GPU and in fp64 on the CPU: ~1e-7 relative
     # on the trust ratio, within the tolerance above
-    for a, b in zip(ours, cpu):
+    for a, b in zip(ours, cpu, strict=True):
         torch.testing.assert_close(a.detach().cpu(), b, rtol=RTOL, atol=ATOL)
 
 

@@ -67,5 +67,5 @@ def test_transformers_model_trains_under_zero(build, data_cls, causal, strategy,
     trainer.fit(module, data)
     loss = trainer.callback_metrics["train_loss"].item()
     assert math.isfinite(loss) and abs(loss - math.log(vocab)) < 1.5  # near uniform after 3 steps, not diverged
-    changed = [not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters())]
+    changed = [not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True)]
     assert sum(changed) >= 0.9 * len(changed)  # the optimizer stepped (a few rows of embeddings may be unused)

@@ -37,7 +37,7 @@ def run(opt_cls, params, steps=STEPS, grad_scale=1.0, **kw):
     params = [p.clone().requires_grad_() for p in params]
     opt = opt_cls(params, **kw)
     for step in range(1, steps + 1):
-        for p, g in zip(params, grads_for(step, params)):
+        for p, g in zip(params, grads_for(step, params), strict=True):
             p.grad = g
         opt.step(grad_scale=grad_scale) if grad_scale != 1.0 else opt.step()
     return [p.detach() for p in params], opt
@@ -56,9 +56,9 @@ def test_cpu_adam_matches_torch(path, adamw_mode, weight_decay):
     hp = dict(lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     ours, opt = run(CPUAdam, make_params(), adamw_mode=adamw_mode, **hp)
     ref, ref_opt = run(torch_cls, make_params(), foreach=True, **hp)
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-    for p_ours, p_ref in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"]):
+    for p_ours, p_ref in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"], strict=True):
         # the states accumulate the same ~1 ulp per-step differences as the params
         torch.testing.assert_close(
             opt.state[p_ours]["exp_avg_sq"], ref_opt.state[p_ref]["exp_avg_sq"], rtol=1e-5, atol=1e-9
@@ -73,11 +73,11 @@ def test_cpu_adam_without_bias_correction(path):
     ms = [torch.zeros_like(p) for p in params]
     vs = [torch.zeros_like(p) for p in params]
     for step in range(1, STEPS + 1):
-        for p, g, m, v in zip(params, grads_for(step, params), ms, vs):
+        for p, g, m, v in zip(params, grads_for(step, params), ms, vs, strict=True):
             m.lerp_(g, 0.1)
             v.mul_(0.999).addcmul_(g, g, value=0.001)
             p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
-    for a, b in zip(ours, params):
+    for a, b in zip(ours, params, strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
@@ -87,10 +87,10 @@ def test_grad_scale_is_applied_in_the_pass(path):
     params = [p.clone().requires_grad_() for p in make_params()]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=True)
     for step in range(1, STEPS + 1):
-        for p, g in zip(params, grads_for(step, params)):
+        for p, g in zip(params, grads_for(step, params), strict=True):
             p.grad = g * scale  # the separate pass the fused one replaces
         opt.step()
-    for a, b in zip(ours, params):
+    for a, b in zip(ours, params, strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=RTOL, atol=ATOL)
 
 
@@ -100,10 +100,10 @@ def test_copy_out_equals_cast_of_updated_param(path, copy_dtype):
     copies = [torch.empty_like(p, dtype=copy_dtype) for p in params]
     opt = CPUAdam(params, lr=1e-2)
     for step in range(1, 4):
-        for p, g in zip(params, grads_for(step, params)):
+        for p, g in zip(params, grads_for(step, params), strict=True):
             p.grad = g
         opt.step(param_copies=copies)
-        for p, c in zip(params, copies):
+        for p, c in zip(params, copies, strict=True):
             # exact: the same fp32 value rounded to nearest even by the kernel and by torch
             assert torch.equal(c, p.detach().to(copy_dtype))
 
@@ -117,7 +117,7 @@ def test_bf16_states_match_reference(path, monkeypatch):
     # a 1-ulp fp32 difference can flip a bf16 rounding (one bf16 ulp, 2^-8 relative, in a state),
     # which moves that element's update by up to ~0.4% of lr per step: 1e-4 absolute after 30
     # steps of lr 1e-3 bounds it while still catching a wrong rounding rule (errors ~ lr * steps)
-    for a, b in zip(ours, ref):
+    for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     # and bf16 states are not a no-op: they differ from fp32 states
     fp32, _ = run(CPUAdam, make_params(), lr=LR, weight_decay=0.01)
@@ -131,9 +131,9 @@ def test_fused_adam_on_cpu_tensors_matches_torch(path):
     opt = FusedAdam(params, lr=LR, weight_decay=0.02)
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.02, foreach=True)
     for step in range(1, STEPS + 1):
-        for p, r, g in zip(params, ref, grads_for(step, params)):
+        for p, r, g in zip(params, ref, grads_for(step, params), strict=True):
             p.grad, r.grad = g, g * 0.5
         opt.step(grad_scale=scale)
         ref_opt.step()
-    for a, b in zip(params, ref):
+    for a, b in zip(params, ref, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=RTOL, atol=ATOL)

@@ -37,7 +37,7 @@ def paper_lamb(params):
     vs = [torch.zeros_like(p) for p in params]
     for step in range(1, STEPS + 1):
         bc1, bc2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
-        for p, g, m, v in zip(params, grads_for(step, params), ms, vs):
+        for p, g, m, v in zip(params, grads_for(step, params), ms, vs, strict=True):
             m.mul_(BETAS[0]).add_(g, alpha=1 - BETAS[0])
             v.mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
             update = (m / bc1) / ((v / bc2).sqrt() + EPS) + WD * p
@@ -51,7 +51,7 @@ def run(opt_cls, params, steps=STEPS, **kw):
     params = [p.clone().requires_grad_() for p in params]
     opt = opt_cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
     for step in range(1, steps + 1):
-        for p, g in zip(params, grads_for(step, params)):
+        for p, g in zip(params, grads_for(step, params), strict=True):
             p.grad = g
         opt.step()
     return [p.detach() for p in params]
@@ -65,7 +65,7 @@ def path(request, monkeypatch):
 
 @pytest.mark.parametrize("opt_cls", [CPULamb, FusedLamb])
 def test_lamb_matches_paper(path, opt_cls):
-    for a, b in zip(run(opt_cls, make_params()), paper_lamb(make_params())):
+    for a, b in zip(run(opt_cls, make_params()), paper_lamb(make_params()), strict=True):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
@@ -91,13 +91,13 @@ def test_lamb_on_shards_split_across_two_ranks_equals_whole(path):
         flat_grad = torch.cat([g.reshape(-1) for g in grads_for(step, params)])
         per_param = torch.zeros(len(params), 2)
         pieces = []
-        for (a, b), (m, v) in zip(shards, states):
+        for (a, b), (m, v) in zip(shards, states, strict=True):
             offsets, owners = segments(a, b)
             sq = F.cpu_lamb_moments(flat[a:b], flat_grad[a:b], m, v, offsets, step=step, **hp)
             per_param.index_add_(0, owners, sq)  # stands in for all_reduce across the ranks
             pieces.append((offsets, owners))
         trust = F.lamb_trust_ratio(per_param)
-        for (a, b), (m, v), (offsets, owners) in zip(shards, states, pieces):
+        for (a, b), (m, v), (offsets, owners) in zip(shards, states, pieces, strict=True):
             F.cpu_lamb_apply(flat[a:b], m, v, offsets, trust[owners], lr=LR, step=step, **hp)
     for i, w in enumerate(whole):
         torch.testing.assert_close(flat[starts[i] : starts[i + 1]].view_as(w), w, rtol=RTOL, atol=ATOL)
@@ -108,13 +108,13 @@ def test_lamb_bf16_states_and_copy_out(path):
     copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
     opt = CPULamb(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype=torch.bfloat16)
     for step in range(1, 4):
-        for p, g in zip(params, grads_for(step, params)):
+        for p, g in zip(params, grads_for(step, params), strict=True):
             p.grad = g
         opt.step(param_copies=copies)
-    for p, c in zip(params, copies):
+    for p, c in zip(params, copies, strict=True):
         assert torch.equal(c, p.detach().to(torch.bfloat16))
         assert opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
     # bf16 states change the numbers by a bf16 rounding of the moments, not by more: 3 steps of lr
-    for a, b in zip(params, run(CPULamb, make_params(), steps=3)):
+    for a, b in zip(params, run(CPULamb, make_params(), steps=3), strict=True):
         assert (a.detach() - b).abs().max() > 0
         torch.testing.assert_close(a.detach(), b, rtol=0, atol=3 * LR)

@@ -156,7 +156,7 @@ def test_balance_minimizes_the_largest_stage():
     assert balance([(5,), (1,), (1,), (1,), (5,)], 2) == [0, 2, 5]  # 6 | 7
     assert balance([(5,), (1,), (1,), (1,), (5,)], 3) == [0, 1, 4, 5]  # 5 | 3 | 5
     bounds = balance([(1,)] * 7, 3)
-    assert max(b - a for a, b in zip(bounds, bounds[1:])) == 3 and len(bounds) == 4
+    assert max(b - a for a, b in zip(bounds, bounds[1:], strict=False)) == 3 and len(bounds) == 4
     assert balance([(0,), (0,), (9,)], 3) == [0, 1, 2, 3]  # every stage non-empty
     # the embedding and the head fix the largest stage; the blocks between still split evenly
     # (GPT-2 cpu-tiny on 4 stages: [embed] [h0 h1] [h2 h3] [head], not [embed] [h0] [h1 h2 h3] [head])
