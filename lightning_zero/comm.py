@@ -90,7 +90,7 @@ def rank(group: ProcessGroup) -> int:
 
 
 def _is_gloo(group: ProcessGroup) -> bool:
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(_plain(group)) == "gloo"
 
 
 def reduce_scatter(
@@ -161,7 +161,7 @@ def all_gather(
 def all_reduce(
     tensor: torch.Tensor,
     group: ProcessGroup,
-    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
     label: str = "",
 ) -> Handle:
@@ -174,7 +174,8 @@ def all_reduce(
 
 
 def _global(group: ProcessGroup, rank_in_group: int) -> int:
-    return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
+    plain = _plain(group)
+    return dist.get_global_rank(plain, rank_in_group) if plain is not None else rank_in_group
 
 
 def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup, label: str = "") -> None:
@@ -216,7 +217,7 @@ def recv(tensor: torch.Tensor, src_rank_in_group: int, group: ProcessGroup, tag:
     ``tag`` from group rank ``src_rank_in_group``; blocks until it has arrived."""
     plain = _plain(group)
     with record_function("lightning_zero::recv"):
-        dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain, tag=tag).wait()
+        Handle(dist.irecv(tensor, src=_global(plain, src_rank_in_group), group=plain, tag=tag)).wait()
 
 
 def new_group(ranks: list[int], timeout: timedelta | None = None) -> dist.ProcessGroup | None:

@@ -92,4 +92,6 @@ class CollectiveChecker:
 def checked_group(group: comm.ProcessGroup, timeout: timedelta | None) -> comm.CheckedGroup:
     """``group`` with a :class:`CollectiveChecker` attached; makes the checker's gloo group. Call on
     all ranks, once per strategy (making a group is itself a collective)."""
+    if isinstance(group, comm.CheckedGroup):
+        return group  # already checked: one checker per group
     return comm.CheckedGroup(group, CollectiveChecker(comm.new_gloo_group(group, timeout)))

@@ -6,8 +6,8 @@ dies (crash, ``kill -9``, the kernel's OOM killer), its TCP connections close an
 every rank that talks to it at once ("Connection reset by peer" / "Connection closed by peer";
 measured on 2 CPU ranks: the survivor raised within 0.1 s of the ``SIGKILL``, under Lightning's
 launcher and under ``torchrun``). NCCL does not see closed sockets: there the collective ``timeout``
-and NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by :func:`set_nccl_defaults` when
-absent) end the wait and tear the process down. A silent loss (a host powered off, a network
+and NCCL's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, set by :func:`set_nccl_defaults` on NCCL
+when absent, and put back at teardown) end the wait and tear the process down. A silent loss (a host powered off, a network
 partition) also ends at the timeout, on either backend.
 
 A survivor then names the lost rank (:func:`lost_rank_message`): a rank on this host is gone when
@@ -52,11 +52,31 @@ _COMM_ERROR = re.compile(
 _OOM = re.compile(r"out of memory|DefaultCPUAllocator: can't allocate|CUDA error: out of memory", re.IGNORECASE)
 
 
-def set_nccl_defaults() -> None:
-    """Before ``init_process_group``: let NCCL's watchdog tear the process down when a collective
-    fails or times out, unless the user chose otherwise (torch's default since 2.2; older releases
-    would otherwise block forever on a dead peer)."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+#: Environment variables :func:`set_nccl_defaults` may set, with the value it sets.
+NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def set_nccl_defaults(backend: str) -> dict[str, str | None]:
+    """Before ``init_process_group`` on an NCCL ``backend``: let NCCL's watchdog tear the process
+    down when a collective fails or times out, unless the user chose otherwise (torch's default since
+    2.2; older releases would otherwise block forever on a dead peer). Nothing on other backends.
+    Returns the variables' previous values (``None``: unset) for :func:`restore_environment`, so
+    that a strategy leaves the process environment as it found it."""
+    if "nccl" not in backend.lower():
+        return {}
+    before = {name: os.environ.get(name) for name in NCCL_DEFAULTS}
+    for name, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return before
+
+
+def restore_environment(before: dict[str, str | None]) -> None:
+    """Put back the variables :func:`set_nccl_defaults` found (unset those that were unset)."""
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 #: ``{rank: (host, pid)}`` of every rank of a run, as :func:`register_rank` returned it.

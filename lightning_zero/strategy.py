@@ -162,6 +162,7 @@ class ZeroStrategy(DDPStrategy):
                 "use stage=3, or offload_optimizer=True alone."
             )
         self._engine: ZeroEngine | None = None
+        self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
         self.pipeline_config = PipelineConfig(
             stages=pipeline_parallel_size,
             micro_batches=pipeline_micro_batches,
@@ -237,7 +238,9 @@ class ZeroStrategy(DDPStrategy):
         return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     def setup_distributed(self) -> None:
-        failures.set_nccl_defaults()
+        # NCCL's watchdog default (NCCL only), put back at teardown: the environment is left as found.
+        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
+            self._environment_before.setdefault(name, value)  # the first value seen is the user's
         super().setup_distributed()
         self.rank_processes = failures.register_rank(self.global_rank, self.world_size, self.failure_config.timeout)
         self._parallel.build_groups(self.world_size, self.root_device.type)
@@ -314,6 +317,8 @@ class ZeroStrategy(DDPStrategy):
             finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
             self._engine.close(unshard=finished)
         self.precision_plugin.attach(None, self.root_device)
+        failures.restore_environment(self._environment_before)
+        self._environment_before.clear()
         super().teardown()
 
     @contextmanager

@@ -16,13 +16,14 @@ states, loops, schedulers...) that a DDP or single-device Trainer resumes from; 
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pickle
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -54,15 +55,20 @@ class _StorageRef:
         self.key, self.dtype, self.numel, self.produce = key, dtype, numel, produce
 
 
+def _given(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A producer of a tensor that already exists."""
+    return lambda: tensor
+
+
 class _TensorRef:
     """Pickles as the tensor ``torch.save`` would write for a contiguous tensor over ``storage``."""
 
     def __init__(self, storage: _StorageRef, shape: torch.Size) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         stride = torch.empty(self.shape, device="meta").stride()
-        args = (self.storage, 0, tuple(self.shape), stride, False, collections.OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, tuple(self.shape), stride, False, collections.OrderedDict())
         return torch._utils._rebuild_tensor_v2, args
 
 
@@ -77,7 +83,7 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.storage.TypedStorage):  # a tensor inside a non-tensor entry (extra state)
             numel = obj._size()
             tensor = torch.empty(0, dtype=obj.dtype).set_(obj._untyped_storage, 0, (numel,), (1,))
-            obj = _StorageRef(f"extra{len(self.storages)}", obj.dtype, numel, lambda t=tensor: t)
+            obj = _StorageRef(f"extra{len(self.storages)}", obj.dtype, numel, _given(tensor))
         if not isinstance(obj, _StorageRef):
             return None
         self.storages[obj.key] = obj
@@ -122,7 +128,7 @@ def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dt
             value = reader.state_dict[key]
             if torch.is_tensor(value):
                 target = dtype if dtype is not None and value.is_floating_point() else value.dtype
-                ref = _StorageRef(str(next(counter)), target, value.numel(), lambda v=value: v)
+                ref = _StorageRef(str(next(counter)), target, value.numel(), _given(value))
                 entries[key] = _TensorRef(ref, value.shape)
             else:
                 entries[key] = value
@@ -130,8 +136,8 @@ def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dt
         name = reader.name_of(key)
         if name not in by_name:
             saved = fmt.dtype_from_name(reader.params[name]["saved_dtype"])
-            shape = reader.shape(name)
-            ref = _StorageRef(str(next(counter)), dtype or saved, shape.numel(), lambda n=name: reader.full(n))
+            shape = torch.Size(reader.params[name]["shape"])
+            ref = _StorageRef(str(next(counter)), dtype or saved, shape.numel(), functools.partial(reader.full, name))
             by_name[name] = _TensorRef(ref, shape)
         entries[key] = by_name[name]
     stream_save(entries, out)

@@ -86,7 +86,7 @@ class Placement:
     def full_shape(self, local_shape: Iterable[int], partition_dim: int | None) -> list[int]:
         """The unsplit shape of a parameter whose part here has ``local_shape``."""
         shape = list(local_shape)
-        if self.split(partition_dim) is not None:
+        if partition_dim is not None and self.split(partition_dim) is not None:
             shape[partition_dim] *= self.layout.tensor
         return shape
 

@@ -15,7 +15,7 @@ import torch
 try:
     import numpy as np
 except ImportError:  # numpy is optional for torch
-    np = None
+    np = None  # type: ignore[assignment]  # the optional module is None when absent
 
 
 def collect() -> dict[str, Any]:
@@ -24,7 +24,8 @@ def collect() -> dict[str, Any]:
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        assert isinstance(keys, np.ndarray)  # the legacy MT19937 state is a tuple with the key array
         states["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
     return states
 

@@ -121,7 +121,7 @@ def layer_weights(layers: Sequence[nn.Module], method: str) -> list[tuple[int, .
         return [(1, n) for n in numels]
     if method.startswith("type:"):
         pattern = re.compile(method[len("type:") :])
-        weights = [
+        weights: list[tuple[int, ...]] = [
             (1 if pattern.search(type(layer).__name__) else 0, n) for layer, n in zip(layers, numels, strict=True)
         ]
         if not any(w[0] for w in weights):

@@ -238,10 +238,13 @@ def _check_fits(module: nn.Module, style: str, name: str) -> None:
 
 
 def _convert(module: nn.Module, style: str, group: comm.ProcessGroup, sequence_parallel: bool) -> nn.Module:
-    """The module that replaces ``module`` (the same one, with hooks, for the sequence styles)."""
+    """The module that replaces ``module`` (the same one, with hooks, for the sequence styles);
+    ``_check_fits`` has already matched the module's class to ``style`` (the asserts narrow the type)."""
     if style == "column":
+        assert isinstance(module, nn.Linear)
         return ColumnParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel)
     if style == "row":
+        assert isinstance(module, nn.Linear)
         return RowParallelLinear.from_linear(module, group, sequence_parallel=sequence_parallel)
     if style == "sequence":
         sequence.sequence_region(module, group)
@@ -249,6 +252,7 @@ def _convert(module: nn.Module, style: str, group: comm.ProcessGroup, sequence_p
     if style == "sequence_scatter":
         sequence.scatter_output(module, group)
         return module
+    assert isinstance(module, nn.Embedding)
     return VocabParallelEmbedding.from_embedding(module, group)
 
 

@@ -108,3 +108,37 @@ def test_world_size_one_fit_validate_predict():
     (res,) = run_ranks(_eval_worker, world_size=1)
     assert torch.isfinite(torch.tensor(res["val"])) and torch.isfinite(torch.tensor(res["fresh"]))
     assert len(res["preds"]) == 2 and res["preds"][0].shape == (3, 9, 11)
+
+
+def _environment_worker(rank: int) -> dict:
+    import os
+
+    before = dict(os.environ)
+    fit({"stage": 3, "param_persistence_threshold": 10}, max_steps=2)
+    after_fit = dict(os.environ)
+    from models import ParityModel
+
+    class FailsAtStep1(ParityModel):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 1:  # on every rank: no rank waits for the other
+                raise RuntimeError("planned failure")
+            return super().training_step(batch, batch_idx)
+
+    try:  # a failing fit tears down through Lightning's exception path
+        fit({"stage": 3, "param_persistence_threshold": 10}, max_steps=3, accumulate=1, model_cls=FailsAtStep1)
+    except RuntimeError as error:
+        assert "planned failure" in str(error)
+    return {"before": before, "after_fit": after_fit, "after_failure": dict(os.environ)}
+
+
+def test_environment_left_as_found():
+    # Lightning's own test suite checks that a strategy leaves os.environ as it found it. The test
+    # helper's seed_everything(workers=True) and Trainer(deterministic=True) set these three by design.
+    lightnings = {"PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG"}
+
+    def ours(env: dict) -> dict:
+        return {k: v for k, v in env.items() if k not in lightnings}
+
+    for res in run_ranks(_environment_worker):
+        assert ours(res["after_fit"]) == ours(res["before"])
+        assert ours(res["after_failure"]) == ours(res["before"])

@@ -64,3 +64,18 @@ def test_oom_advice_follows_the_settings():
     stage3 = failures.oom_message(RuntimeError("x"), None, config, ["zero3", "zero3_offload"])
     assert "reduce_bucket_size=250 (now 1_000)" in stage3 and "prefetch_bucket_size=100 (now 400)" in stage3
     assert "strategy='zero3_offload'" in stage3 and "stage=" not in stage3
+
+
+def test_nccl_defaults_only_on_nccl_and_restored(monkeypatch):
+    name = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    monkeypatch.delenv(name, raising=False)
+    assert failures.set_nccl_defaults("gloo") == {} and name not in os.environ  # gloo: untouched
+    before = failures.set_nccl_defaults("nccl")
+    assert os.environ[name] == "1"
+    failures.restore_environment(before)
+    assert name not in os.environ  # unset again, as found
+    monkeypatch.setenv(name, "0")  # the user's choice wins and survives the restore
+    before = failures.set_nccl_defaults("cpu:gloo,cuda:nccl")
+    assert os.environ[name] == "0"
+    failures.restore_environment(before)
+    assert os.environ[name] == "0"
