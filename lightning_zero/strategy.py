@@ -51,6 +51,7 @@ from lightning_zero.config import (
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
+from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class ZeroStrategy(DDPStrategy):
             )
         self._engine: ZeroEngine | None = None
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
+        self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self.pipeline_config = PipelineConfig(
             stages=pipeline_parallel_size,
             micro_batches=pipeline_micro_batches,
@@ -293,12 +295,16 @@ class ZeroStrategy(DDPStrategy):
                 self.data_parallel_group,
                 self.root_device,
                 precision.offload,
+                recordings=self._recordings,
             )
             self._parallel.attach(self._engine)
         else:
             comm.broadcast_tensors(
                 [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
             )
+        for recording in self._recordings:
+            recording.close()
+        self._recordings.clear()
         if on_meta:
             self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)
@@ -323,12 +329,14 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: ``configure_model`` builds on the meta device; setup materializes module by module."""
+        """Stage 3: ``configure_model`` builds on the meta device, recorded; setup replays it into the
+        shards module by module, to the weights the unsharded build gives (``zero/deferred.py``)."""
         if self.zero_config.stage != 3:
             yield
             return
-        with torch.device("meta"):
+        with Recorder(self.root_device) as recording:
             yield
+        self._recordings.append(recording)
 
     @contextmanager
     def gathered_parameters(

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig, ZeroConfig
+from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 
@@ -38,8 +39,10 @@ class BuildContext:
         group,
         device: torch.device,
         offload: OffloadConfig | None = None,
+        recordings: tuple[Recording, ...] = (),
     ) -> None:
         self.config = config
+        self.recordings = recordings
         self.offload = offload
         self.dtype = dtype
         self.separate_master = separate_master
@@ -94,31 +97,50 @@ def build_bucketed(optimizers: list[torch.optim.Optimizer], ctx: BuildContext) -
     return out
 
 
-def materialize(name: str, module: nn.Module, device: torch.device) -> None:
-    """Allocate a module's own meta tensors on ``device`` and initialize them with its
-    ``reset_parameters()``. Parameter objects keep their identity (optimizers and ties hold them)."""
-    metas = [p for p in module._parameters.values() if p is not None and p.is_meta]
+def materialize(name: str, module: nn.Module, device: torch.device, recordings: tuple[Recording, ...] = ()) -> None:
+    """Give a module's own meta tensors real values on ``device``: the values the unsharded build
+    gives, replayed from the recording of ``configure_model`` (:mod:`lightning_zero.zero.deferred`).
+    A tensor no recorded op ever wrote (``torch.empty`` left as it is; or built on meta outside the
+    recorder) is initialized by the module's ``reset_parameters()``, as FSDP does; without one, a
+    ValueError names it. Parameter objects keep their identity (optimizers and ties hold them)."""
+    metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
     meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
     if not metas and not meta_buffers:
         return
-    reset = getattr(module, "reset_parameters", None)
-    if metas and not callable(reset):
-        raise ValueError(
-            f"module {name or '<root>'} ({type(module).__name__}) was built on the meta device (configure_model "
-            "under stage 3) but has no reset_parameters() to initialize its parameters; give it one, or build "
-            "the model in __init__ instead."
-        )
-    for param in metas:
-        real = nn.Parameter(
-            torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad
-        )
-        torch.utils.swap_tensors(param, real)
+
+    def replayed(t: torch.Tensor) -> torch.Tensor | None:
+        recording = next((r for r in recordings if r.recorded(t)), None)
+        if recording is None or not recording.initialized(t):
+            return None
+        return recording.materialize(t).to(device)
+
+    unset = []
+    for param_name, param in metas:
+        value = replayed(param)
+        if value is None:
+            unset.append(param_name)
+            value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
     for buffer_name in meta_buffers:
         meta = module._buffers[buffer_name]
-        module._buffers[buffer_name] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-    if callable(reset):
-        with torch.no_grad():
-            reset()
+        assert meta is not None
+        value = replayed(meta)
+        if value is None:
+            unset.append(buffer_name)
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        module._buffers[buffer_name] = value
+    if not unset:
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise ValueError(
+            f"{', '.join(unset)} of module {name or '<root>'} ({type(module).__name__}) were built on the meta device "
+            "(configure_model under stage 3) but nothing ever wrote their values, and the module has no "
+            "reset_parameters() to initialize them. Initialize them where they are created (e.g. torch.zeros "
+            "instead of torch.empty), or give the module a reset_parameters()."
+        )
+    with torch.no_grad():
+        reset()
 
 
 def build_sharded(
@@ -132,7 +154,7 @@ def build_sharded(
     claimed: set[int] = set()
     threshold = ctx.config.param_persistence_threshold
     for name, sub in module.named_modules():
-        materialize(name, sub, ctx.device)
+        materialize(name, sub, ctx.device, ctx.recordings)
         own = [p for p in sub._parameters.values() if p is not None and id(p) not in claimed]
         claimed.update(id(p) for p in own)
         # Every rank must start from the same weights (rank 0's), as DDP does; module by module so

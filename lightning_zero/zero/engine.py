@@ -13,7 +13,7 @@ The strategy calls, per optimizer step::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig, ZeroConfig
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
+from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.gather import publish
 from lightning_zero.zero.hooks import GatherCoordinator, scatter_back
@@ -46,6 +47,8 @@ class ZeroEngine:
         group: the data-parallel process group (``None``: the default group).
         device: where flat buffers live.
         offload: what lives in host memory instead (ZeRO-Offload).
+        recordings: how meta parameters were built (``configure_model`` under stage 3); stage 3
+            replays them into the shards (see :mod:`lightning_zero.zero.deferred`).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class ZeroEngine:
         group: comm.ProcessGroup,
         device: torch.device,
         offload: OffloadConfig | None = None,
+        recordings: Sequence[Recording] = (),
     ) -> None:
         optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
@@ -68,7 +72,7 @@ class ZeroEngine:
         self.world_size = comm.world_size(group)
         self.rank = comm.rank(group)
         owners = optimizer_owners(optimizers)
-        ctx = BuildContext(config, compute_dtype, separate_master, group, device, offload)
+        ctx = BuildContext(config, compute_dtype, separate_master, group, device, offload, tuple(recordings))
         self.frozen: list[FlatBuffer] = []
         if config.stage == 3:
             per_optimizer, self.frozen = build_sharded(module, optimizers, owners, ctx)

@@ -215,34 +215,23 @@ class HazardModel(ParityModel):
 
 
 class BuiltInConfigureModel(pl.LightningModule):
-    """Layers created in configure_model (meta device under stage 3); every module has
-    reset_parameters and nothing is tied, so a sharded build can replay the same initialization."""
+    """Layers created in configure_model (meta device under stage 3, recorded and replayed into the
+    shards), nothing tied."""
 
-    def __init__(self, record: list | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.record = record
         self.layers: nn.Sequential | None = None
 
     def configure_model(self) -> None:
         if self.layers is not None:
             return
-        record = self.record
-
-        class Recorded(nn.Linear):
-            def reset_parameters(self) -> None:
-                super().reset_parameters()
-                if record is not None and self.weight.device.type != "meta":
-                    # bytes of whole (non-empty, non-meta) parameter storages in the model right now
-                    record.append(sum(p.untyped_storage().nbytes() for p in owner.parameters() if not p.is_meta))
-
-        owner = self
         self.layers = nn.Sequential(
             nn.Embedding(VOCAB, 24),
-            Recorded(24, 40),
+            nn.Linear(24, 40),
             nn.GELU(),
-            Recorded(40, 24),
+            nn.Linear(40, 24),
             nn.LayerNorm(24),
-            Recorded(24, VOCAB),
+            nn.Linear(24, VOCAB),
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

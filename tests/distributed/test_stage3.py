@@ -83,10 +83,23 @@ def _sharded_init_worker(rank: int) -> dict:
     expected = state(reference)
     largest_module = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in reference.modules())
 
+    from lightning_zero.zero import deferred
+
+    # Bytes of whole (non-meta) parameter storages each time the build replays one tensor: what the
+    # module being built holds so far, the tensor just replayed, and the shards (empty views here).
     record: list[int] = []
+    replay = deferred.Recording.materialize
+
+    def counting(self: deferred.Recording, t: torch.Tensor) -> torch.Tensor:
+        out = replay(self, t)
+        whole = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta)
+        record.append(whole + out.untyped_storage().nbytes())
+        return out
+
+    deferred.Recording.materialize = counting  # type: ignore[method-assign]  # this spawned rank only
     snapshot = _Snapshot()
     pl.seed_everything(11, verbose=False)
-    model = BuiltInConfigureModel(record=record)
+    model = BuiltInConfigureModel()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
