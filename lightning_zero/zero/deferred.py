@@ -92,7 +92,7 @@ class Recording:
         return key
 
     def _ref(self, t: torch.Tensor) -> _Ref:
-        return _Ref(self._key(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _Ref(self._key(t), t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _covers(self, t: torch.Tensor) -> bool:
         """True when ``t`` is every byte of its storage (an overwrite of it ends the storage's history)."""
@@ -222,7 +222,7 @@ class Recording:
         """The ops that ``key``'s final value depends on, in recorded order. ``live``: storages whose
         values are needed; ``alloc``: storages only written into (their birth op is needed, not
         their earlier values)."""
-        live, alloc, needed = {key}, set(), []
+        live, alloc, needed = {key}, set[int](), list[_Op]()
         for op in reversed(self.ops):
             born = {r.key for r in op.born if r is not None}
             if not (op.writes & live or born & alloc):
@@ -302,7 +302,7 @@ class Recorder(TorchDispatchMode):
         self.recording = Recording(torch.device(device))
         self._patched: list[tuple[Any, str, Any]] = []  # (namespace, key, original)
 
-    def __enter__(self) -> Recording:  # type: ignore[override]  # yields the recording, not the mode
+    def __enter__(self) -> Recording:  # yields the recording, not the mode
         self._patch()
         super().__enter__()
         return self.recording
