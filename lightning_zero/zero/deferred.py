@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map
 
 _META = torch.device("meta")
@@ -159,9 +159,13 @@ class Recording:
             have = self._scratch[x.dtype] = torch.zeros(max(extent, 1), dtype=x.dtype, device=self.device)
         return have.as_strided(x.size, x.stride, x.offset)
 
-    def record_call(self, fn: Any, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record a torch.nn.init function that skips meta tensors (see :class:`Recorder`) as one op
-        that writes ``tensor``; it runs for real into scratch now, like a random op."""
+    def record_call(
+        self, fn: Any, tensor: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], draws: bool = True
+    ) -> None:
+        """Record ``fn(tensor, *args, **kwargs)``, a Python function that writes ``tensor`` (a
+        torch.nn.init function that skips meta tensors, see :class:`Recorder`; a pretrained load), as
+        one op. With ``draws`` it may draw random numbers: it runs for real into scratch now, like a
+        random op, and replays from the generator state it found."""
         if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
             raise ValueError(
                 f"{fn.__name__}(generator=...) while building the model under stage 3: the sharded build replays "
@@ -172,9 +176,10 @@ class Recording:
         op = _Op(fn, ((ref, *args), kwargs), frozenset({key}), frozenset() if whole else frozenset({key}), ())
         op.overwrites = frozenset({key}) if whole else frozenset()
         self._written.add(key)
-        op.rng_state = _generator(self.device).get_state()
-        with _disable_current_modes(), torch.device(self.device):
-            fn(self._scratch_view(ref), *args, **kwargs)
+        if draws:
+            op.rng_state = _generator(self.device).get_state()
+            with _disable_current_modes(), torch.device(self.device):
+                fn(self._scratch_view(ref), *args, **kwargs)
         self.ops.append(op)
 
     def by_value(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception) -> Any:
@@ -277,6 +282,15 @@ class Recording:
         self.ops.clear()
         self._keep.clear()
         self._scratch.clear()
+
+
+def active_recording() -> Recording | None:
+    """The recording of the :class:`Recorder` this code runs under (``configure_model`` under stage
+    3), or ``None``."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, Recorder):
+            return mode.recording
+    return None
 
 
 def _generator(device: torch.device) -> torch.Generator:

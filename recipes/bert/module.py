@@ -7,10 +7,11 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_zero import PipelineSpec
+from lightning_zero import PipelineSpec, load_pretrained
 from recipes.bert.model import TENSOR_PARALLEL_PLAN, Bert, BertConfig
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
+from recipes.common.from_hf import bert_mapping
 
 _BERT_OPTIMIZER = optim.OptimizerConfig(
     name="lamb",
@@ -33,24 +34,29 @@ class BertMLM(LightningModule):
     Args:
         config: the model's sizes (``nsp`` adds the next-sentence head; the data must match).
         optimizer: optimizer and schedule; by default LAMB with warmup and polynomial decay.
+        init_from: an HF ``BertForMaskedLM.save_pretrained`` directory to start from; ``None``: random.
     """
 
     def __init__(
         self,
         config: BertConfig = BertConfig(),  # noqa: B008 (frozen dataclass: a shared default is safe)
         optimizer: optim.OptimizerConfig = _BERT_OPTIMIZER,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config, self.optimizer_config = config, optimizer
+        self.config, self.optimizer_config, self.init_from = config, optimizer, init_from
         self.model: Bert | None = None
         self.val_acc = MulticlassAccuracy(num_classes=config.vocab_size, average="micro", ignore_index=-100)
         self.flops_per_batch = 0
 
     def configure_model(self) -> None:
-        """Build the BERT (once; Lightning may call this again when restoring)."""
+        """Build the BERT (once; Lightning may call this again when restoring); with ``init_from``, load
+        an HF ``BertForMaskedLM`` (or ``BertForPreTraining``) directory into it."""
         if self.model is None:
             self.model = Bert(self.config)
+            if self.init_from is not None:
+                load_pretrained(self.model, self.init_from, mapping=bert_mapping(self.config.n_head))
 
     def check_data(self, datamodule) -> None:
         """ValueError when the data cannot feed this model: sequences too long, vocabulary or NSP mismatch."""

@@ -6,9 +6,10 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lightning_zero import PipelineSpec
+from lightning_zero import PipelineSpec, load_pretrained
 from recipes.common import optim
 from recipes.common.flops import transformer_training_flops
+from recipes.common.from_hf import gpt2_mapping
 from recipes.gpt2.model import GPT, TENSOR_PARALLEL_PLAN, GPTConfig
 
 
@@ -24,24 +25,30 @@ class GPT2LM(LightningModule):
     Args:
         config: the model's sizes.
         optimizer: optimizer and schedule (``name: adamw`` or ``lamb``).
+        init_from: an HF ``GPT2LMHeadModel.save_pretrained`` directory to start from (the vocabulary
+            must match its, e.g. 50257); ``None``: GPT-2's random initialization.
     """
 
     def __init__(
         self,
         config: GPTConfig = GPTConfig(),  # noqa: B008 (frozen dataclass: a shared default is safe)
         optimizer: optim.OptimizerConfig = optim.OptimizerConfig(),  # noqa: B008
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config, self.optimizer_config = config, optimizer
+        self.config, self.optimizer_config, self.init_from = config, optimizer, init_from
         self.model: GPT | None = None
         self.val_nll = MeanMetric()  # per-token loss, weighted by the tokens of each batch
         self.flops_per_batch = 0
 
     def configure_model(self) -> None:
-        """Build the GPT (once; Lightning may call this again when restoring)."""
+        """Build the GPT (once; Lightning may call this again when restoring); with ``init_from``, load
+        an HF ``GPT2LMHeadModel`` directory into it (streamed into the shards under stage 3)."""
         if self.model is None:
             self.model = GPT(self.config)
+            if self.init_from is not None:
+                load_pretrained(self.model, self.init_from, mapping=gpt2_mapping(self.config.n_head))
 
     def check_data(self, datamodule) -> None:
         """ValueError when the data cannot feed this model: sequences too long or tokens outside the vocabulary."""

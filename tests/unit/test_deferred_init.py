@@ -129,3 +129,51 @@ def test_explicit_generator_is_refused():
     with pytest.raises(ValueError, match="generator"), Recorder(CPU):
         layer = nn.Linear(4, 4)
         layer.weight.data.normal_(generator=generator)
+
+
+def _saved_gpt2(tmp_path, **save_kwargs):
+    torch.manual_seed(9)
+    source = _hf_gpt2()
+    source.save_pretrained(tmp_path, **save_kwargs)
+    return {k: v.clone() for k, v in source.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded-index", "torch-file"])
+def test_load_pretrained_replays_from_the_file(tmp_path, layout):
+    from lightning_zero import load_pretrained
+
+    if layout == "torch-file":
+        expected = _saved_gpt2(tmp_path)
+        path = tmp_path / "weights.pt"
+        torch.save(expected, path)
+    else:
+        # 20 kB shards: several files and a model.safetensors.index.json
+        expected = _saved_gpt2(tmp_path, **({"max_shard_size": "20kB"} if layout == "sharded-index" else {}))
+        path = tmp_path
+        assert (tmp_path / "model.safetensors.index.json").exists() == (layout == "sharded-index")
+    torch.manual_seed(0)  # other initial weights than the saved ones
+    with Recorder(CPU) as recording:
+        model = _hf_gpt2()
+        result = load_pretrained(model, path)
+    assert not (result.missing or result.unexpected or result.mismatched)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(recording.materialize(tensor), expected[name]), name
+
+
+def test_load_pretrained_into_a_real_model_and_key_errors(tmp_path):
+    from lightning_zero import load_pretrained
+
+    expected = _saved_gpt2(tmp_path)
+    model = _hf_gpt2()
+    load_pretrained(model, tmp_path)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    partial = {k: v for k, v in expected.items() if k != "transformer.h.1.mlp.c_fc.weight"}
+    partial["extra.weight"] = torch.zeros(2)
+    partial["transformer.wpe.weight"] = torch.zeros(3, 32)
+    torch.save(partial, tmp_path / "partial.pt")
+    with pytest.raises(ValueError, match=r"1 missing: transformer.h.1.mlp.c_fc.weight.*1 unexpected: extra.weight"):
+        load_pretrained(_hf_gpt2(), tmp_path / "partial.pt")
+    result = load_pretrained(_hf_gpt2(), tmp_path / "partial.pt", strict=False)
+    assert result.missing == ["transformer.h.1.mlp.c_fc.weight"] and result.unexpected == ["extra.weight"]
+    assert result.mismatched == ["transformer.wpe.weight: file (3, 32) vs model (16, 32)"]
