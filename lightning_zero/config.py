@@ -204,6 +204,9 @@ class OffloadConfig:
             )
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""Pipeline schedules by name (:mod:`lightning_zero.parallel.schedules` builds their actions)."""
+
 PIPELINE_PARTITIONS = ("parameters", "uniform")
 """Ways to balance pipeline stages; ``"type:<regex>"`` (layers whose class name matches) also works."""
 
@@ -234,8 +237,6 @@ class PipelineConfig:
     "type:Block"; parameter counts break ties)."""
 
     def __post_init__(self) -> None:
-        from lightning_zero.parallel.schedules import SCHEDULES
-
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ValueError(f"pipeline_parallel_size={self.stages!r} must be an integer of at least 1.")
         m = self.micro_batches
@@ -255,8 +256,8 @@ class PipelineConfig:
                 f"pipeline_chunks={v} (interleaved 1F1B) runs micro-batches in groups of the {self.stages} stages: "
                 f"pipeline_micro_batches={m} must be a multiple of {self.stages}."
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {SCHEDULES}.")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {PIPELINE_SCHEDULES}.")
         if self.partition not in PIPELINE_PARTITIONS and not self.partition.startswith("type:"):
             raise ValueError(
                 f"pipeline_partition={self.partition!r}; use one of {PIPELINE_PARTITIONS} or 'type:<regex>' "

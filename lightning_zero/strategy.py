@@ -69,7 +69,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
-            :func:`lightning_zero.zero.optimizer.check_optimizer`).
+            :func:`lightning_zero.zero.step.check_optimizer`).
         on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
             outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host

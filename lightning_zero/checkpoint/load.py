@@ -112,7 +112,7 @@ def _match(p: PartitionedParam, keys: set[str]) -> str | None:
 
 def _publish(engine: ZeroEngine) -> None:
     """Loaded master slices -> parameters (stages 1/2: all-gathered, as after a step). Call on all ranks."""
-    from lightning_zero.zero.gather import publish
+    from lightning_zero.zero.publish import publish
 
     buffers = all_buffers(engine)
     for buffer in buffers:

@@ -23,10 +23,10 @@ from lightning_zero import comm
 from lightning_zero.config import OffloadConfig, ZeroConfig
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.gather import publish
-from lightning_zero.zero.hooks import GatherCoordinator, scatter_back
-from lightning_zero.zero.optimizer import ShardedOptimizer, check_optimizer
+from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.publish import publish
 from lightning_zero.zero.reduce import GradReducer
+from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from lightning_zero import comm
-from lightning_zero.offload.cpu_step import KernelStep
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.step_kernels import KernelStep
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -49,7 +49,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam):
         return
     if cls in (ops.CPULamb, ops.FusedLamb):
-        return  # stepped by the shard-aware LAMB kernels (lightning_zero.offload.cpu_step)
+        return  # stepped by the shard-aware LAMB kernels (lightning_zero.zero.step_kernels)
     name = cls.__name__
     if any(hint in name.lower() for hint in _WHOLE_TENSOR_HINTS):
         raise ValueError(
