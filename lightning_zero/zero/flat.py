@@ -61,6 +61,7 @@ class FlatBuffer:
         self,
         params: list[nn.Parameter],
         layout: FlatLayout,
+        *,
         rank: int,
         optimizer_group: int | None,
         dtype: torch.dtype,

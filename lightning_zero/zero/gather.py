@@ -10,7 +10,7 @@ just before they are used and let them go right after.
   gradients) gathers the buffers again before the gradients reach the module's own operations. (An
   identity autograd Function would do the same but would forbid in-place ops on the outputs.)
 * After backward the gradient hooks of :mod:`~lightning_zero.zero.reduce` release a buffer as soon as
-  all of its gradients arrived; :meth:`GatherCoordinator.end_step` releases whatever is left.
+  all of its gradients arrived; :meth:`GatherCoordinator.end_pass` releases whatever is left.
 * The order in which modules run is traced every step. The next step prefetches along the previous
   step's trace, up to ``prefetch_bucket_size`` elements ahead and ``max_live_parameters`` gathered
   in all; when a step deviates (a different branch, a shorter sequence), prefetching stops for the
@@ -201,8 +201,9 @@ class GatherCoordinator:
 
     # -- step boundaries -------------------------------------------------------------------------
 
-    def end_step(self) -> None:
-        """Release everything still gathered and make this step's trace the next step's plan."""
+    def end_pass(self) -> None:
+        """End of one forward/backward pass: release everything still gathered and make this pass's
+        trace the next pass's plan."""
         for needed in self.needs:
             for b in needed:
                 b.release()

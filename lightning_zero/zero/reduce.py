@@ -26,13 +26,14 @@ On a GPU the copies and collectives run on a side stream; see :class:`SideStream
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.surface import TiedAcrossStages
 
 
 class SideStream:
@@ -103,10 +104,12 @@ class GradReducer:
     def __init__(
         self,
         buffers: list[FlatBuffer],
+        *,
         stage: int,
         group: comm.ProcessGroup,
         device: torch.device,
         overlap_comm: bool = True,
+        tied: Sequence[TiedAcrossStages] = (),
     ) -> None:
         self.buffers = buffers
         self.stage = stage
@@ -130,6 +133,8 @@ class GradReducer:
             for p_index, param in enumerate(buffer.params):
                 hook = partial(self._on_grad, b_index, p_index)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        for t in tied:
+            self._tie(t.param, t.group)
 
     # -- called by autograd -------------------------------------------------------------------
 
@@ -235,7 +240,7 @@ class GradReducer:
 
     # -- pipeline parallelism: parameters tied across stages ---------------------------------------
 
-    def tie(self, param: torch.Tensor, group: comm.ProcessGroup) -> None:
+    def _tie(self, param: torch.Tensor, group: comm.ProcessGroup) -> None:
         """Sum ``param``'s gradient over ``group`` (the same rank of every pipeline stage holding a copy
         of it) before the data-parallel average, so that every copy takes the same step. Its
         gradients accumulate whole, outside the buckets, until :meth:`add_tied`."""
