@@ -272,6 +272,7 @@ class ZeroStrategy(DDPStrategy):
             )
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        assert module is not None
         stage3 = self.zero_config.stage == 3
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if on_meta and not stage3:
@@ -344,7 +345,9 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is None:
             yield
             return
-        with self._engine.gathered_parameters(module or self.lightning_module, modifier_rank):
+        module = module or self.lightning_module
+        assert module is not None
+        with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
     def _end_pass(self) -> None:

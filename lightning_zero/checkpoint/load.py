@@ -139,7 +139,8 @@ def load_model(
     rest = non_partitioned_state_dict(module, params)
     local: dict[str, tuple | None] = {}
     for key, value in rest.items():
-        dim = splits[key].dim if splits.get(key) is not None else None
+        split = splits.get(key)
+        dim = split.dim if split is not None else None
         local[key] = tuple(placement.full_shape(value.shape, dim)) if torch.is_tensor(value) else None
     for p in params.values():
         local.update({key: tuple(placement.full_shape(p.shape, p.partition_dim)) for key in (p.name, *p.aliases)})

@@ -162,7 +162,7 @@ class ParallelSetup:
         tensor-parallel coordinates). Every rank makes every group, in the same order."""
         assert self.stage_plan is not None and self.layout is not None and self.groups is not None
         layout, here = self.layout, self.groups.coords
-        out = []
+        out: list[tuple[TiedParameter, comm.ProcessGroup]] = []
         for tied in self.stage_plan.tied:
             mine = None
             for d in range(layout.data):

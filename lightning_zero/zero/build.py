@@ -126,6 +126,7 @@ def materialize(name: str, module: nn.Module, device: torch.device) -> None:
         torch.utils.swap_tensors(param, real)
     for buffer_name in meta_buffers:
         meta = module._buffers[buffer_name]
+        assert meta is not None  # listed above as a meta tensor
         module._buffers[buffer_name] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
     if callable(reset):
         with torch.no_grad():

@@ -48,7 +48,8 @@ def _guarded_class(cls: type) -> type:
     if cls not in _GUARDED:
 
         def __getattr__(self: nn.Module, name: str) -> Any:
-            value = super(guarded, self).__getattr__(name)  # type: ignore[misc]
+            # mypy cannot see that ``guarded`` (made below with type()) is a class
+            value = super(guarded, self).__getattr__(name)  # type: ignore[arg-type]
             names = getattr(self, "_lightning_zero_sharded", None)
             if names is not None and isinstance(value, nn.Parameter) and value.numel() == 0 and id(value) in names:
                 raise RuntimeError(

@@ -30,6 +30,7 @@ def publish(buffers: list[FlatBuffer], group: comm.ProcessGroup, max_in_flight: 
             handle, done_numel = in_flight.popleft()
             handle.wait()
             issued -= done_numel
+        assert buffer.flat_param is not None  # persistent buffers always hold their full parameters
         handle = comm.all_gather(buffer.flat_param, buffer.param_shard, group, async_op=True)
         in_flight.append((handle, numel))
         issued += numel

@@ -118,12 +118,7 @@ class ShardedOptimizer:
     def prepare(self, inv_scale: float) -> None:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
         for b in self.buffers:
-            if b.host_grad is not None and b.host_grad_current:
-                grad = b.host_grad.float()  # copied during backward (the engine waited for it)
-            elif b.offloaded:
-                grad = b.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
-            else:
-                grad = b.grad_shard.float() if b.separate_master else b.grad_shard
+            grad = b.grad_for_step()
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)
             b.master.grad = grad

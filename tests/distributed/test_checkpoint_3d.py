@@ -20,8 +20,9 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
