@@ -12,14 +12,11 @@ and communication are visible on 2 CPU cores, trained with AdamW on random token
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +28,9 @@ if str(ROOT) not in sys.path:
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from lightning_zero import testing  # noqa: E402
 from recipes.bert.model import Bert, BertConfig  # noqa: E402
 from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
 
@@ -64,37 +61,6 @@ def use_tiny_models() -> None:
 # -- ranks --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        NODE_RANK="0",
-        TORCHELASTIC_RUN_ID="lightning_zero_benchmarks",
-        OMP_NUM_THREADS="1",
-    )
-    # Two ranks share two cores: one intra-op thread each, or they oversubscribe and time noise.
-    torch.set_num_threads(1)
-    _quiet()
-    try:
-        buffer = io.BytesIO()
-        torch.save(fn(rank, *args), buffer)
-        queue.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-        queue.put((rank, "error", traceback.format_exc()))
-        raise
-
-
 def _quiet() -> None:
     """Keep the tables readable: Lightning's per-Trainer banners and tips are repeated per run."""
     import logging
@@ -108,28 +74,20 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+#: Longest a benchmark's ranks may run before they are killed and the script fails: a rank killed
+#: from outside (for memory) never reports, and its peers would otherwise wait for it forever.
+DEADLINE_S = 3600.0
+
+
 def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = WORLD_SIZE) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` spawned CPU ranks; their results in rank order.
+    """Run ``fn(rank, *args)`` on ``world_size`` spawned CPU ranks; their results in rank order
+    (:func:`lightning_zero.testing.run_ranks`, the tests' harness, with :data:`DEADLINE_S`).
 
     ``fn`` must be importable by the children (a module-level function of the script).
     """
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
-        if status != "ok":
-            for proc in procs:
-                proc.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    for proc in procs:
-        proc.join()
-    return [results[r] for r in range(world_size)]
+    return testing.run_ranks(
+        fn, *args, world_size=world_size, timeout=DEADLINE_S, run_id="lightning_zero_benchmarks", prepare=_quiet
+    )
 
 
 # -- workload -----------------------------------------------------------------------------------

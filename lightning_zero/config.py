@@ -1,15 +1,18 @@
-"""Validated configuration objects, one per concern.
+"""Validated configuration objects, one per concern, composed into one :class:`StrategyConfig`.
 
 Every option a user can set lives in a frozen, keyword-only dataclass whose ``__post_init__`` raises
 ``ValueError`` naming the bad value and the fix, so bad input fails at construction, before any
-process group or tensor exists. The objects are passed down whole; nothing unpacks them into long
-argument lists.
+process group or tensor exists. Checks within one concern live in its section; checks across
+sections (offloaded parameters need stage 3, model parallelism needs stage 1 or 2) live in
+:class:`StrategyConfig` only. ``ZeroStrategy``'s keyword arguments build it once; the sections are
+passed down whole; nothing unpacks them into long argument lists.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -204,6 +207,9 @@ class OffloadConfig:
             )
 
 
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""Pipeline schedules by name (:mod:`lightning_zero.parallel.schedules` builds their actions)."""
+
 PIPELINE_PARTITIONS = ("parameters", "uniform")
 """Ways to balance pipeline stages; ``"type:<regex>"`` (layers whose class name matches) also works."""
 
@@ -234,8 +240,6 @@ class PipelineConfig:
     "type:Block"; parameter counts break ties)."""
 
     def __post_init__(self) -> None:
-        from lightning_zero.parallel.schedules import SCHEDULES
-
         if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
             raise ValueError(f"pipeline_parallel_size={self.stages!r} must be an integer of at least 1.")
         m = self.micro_batches
@@ -255,8 +259,8 @@ class PipelineConfig:
                 f"pipeline_chunks={v} (interleaved 1F1B) runs micro-batches in groups of the {self.stages} stages: "
                 f"pipeline_micro_batches={m} must be a multiple of {self.stages}."
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {SCHEDULES}.")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule={self.schedule!r}; use one of {PIPELINE_SCHEDULES}.")
         if self.partition not in PIPELINE_PARTITIONS and not self.partition.startswith("type:"):
             raise ValueError(
                 f"pipeline_partition={self.partition!r}; use one of {PIPELINE_PARTITIONS} or 'type:<regex>' "
@@ -267,3 +271,61 @@ class PipelineConfig:
     def num_micro_batches(self) -> int:
         """m: the configured number, else one per stage."""
         return self.micro_batches if self.micro_batches is not None else self.stages
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelConfig:
+    """Tensor (and sequence) parallelism (see :mod:`lightning_zero.parallel.tensor`)."""
+
+    size: int = 1
+    """T, the ranks that split each layer Megatron-style (``tensor_parallel_size``); 1 turns it off."""
+
+    plan: Mapping[str, str] | None = None
+    """Module-name pattern -> "column" | "row" | "vocab" | "replicate" | "sequence" | ...; ``None``
+    takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism between the tensor-parallel layers (:mod:`lightning_zero.parallel.sequence`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"tensor_parallel_size is {self.size!r}; it must be an integer of at least 1")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be True or False.")
+        if self.sequence_parallel and self.size == 1:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over the tensor-parallel ranks; it needs "
+                "tensor_parallel_size > 1 (got 1)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyConfig:
+    """Every option of one :class:`~lightning_zero.ZeroStrategy`, by section, with the checks that
+    span sections. Built once from the strategy's keyword arguments."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    tensor: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+
+    def __post_init__(self) -> None:
+        stage = self.zero.stage
+        if self.offload.offload_parameters and stage != 3:
+            raise ValueError(
+                f"offload_parameters=True shards parameters into host memory, which needs stage=3 (got stage={stage}); "
+                "use stage=3, or offload_optimizer=True alone."
+            )
+        if self.tensor.size > 1 and stage == 3:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor.size} with stage=3 is not supported: stage 3 builds models on the "
+                "meta device, which cannot be split by a plan before it is materialized; use stage=1 or stage=2"
+            )
+        if self.pipeline.stages > 1 and stage == 3:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline.stages} with stage=3 is not supported: stage 3 would all-gather "
+                "every layer's parameters again for each micro-batch's forward and backward (2m gathers per step), "
+                "while the pipeline already divides parameters by the number of stages; use stage=1 (fewest "
+                "collectives, as DeepSpeed's pipeline) or stage=2"
+            )

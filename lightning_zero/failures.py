@@ -29,11 +29,15 @@ import socket
 import subprocess
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_zero import comm
+from lightning_zero.config import ZeroConfig
+
+if TYPE_CHECKING:
+    from lightning_zero.strategy import ZeroStrategy
 
 _RANK_KEY = "lightning_zero/rank/{}"
 _ANSWER_KEY = "lightning_zero/answered/{}"
@@ -205,7 +209,7 @@ def lost_rank_message(error: BaseException, rank: int, world_size: int, processe
 
 
 def oom_message(
-    error: BaseException, breakdown: dict[str, dict[str, int]] | None, config: Any, registered: list[str]
+    error: BaseException, breakdown: dict[str, dict[str, int]] | None, config: ZeroConfig, registered: list[str]
 ) -> str:
     """The text to put in front of an out-of-memory error: what this rank holds and what to try.
 
@@ -266,7 +270,7 @@ def reap_children_at_exit(launcher: Any, grace: float = 5.0) -> None:
     atexit.register(reap)
 
 
-def explain(error: BaseException, strategy: Any) -> None:
+def explain(error: BaseException, strategy: ZeroStrategy) -> None:
     """``ZeroStrategy.on_exception``: name the lost rank of a failed collective, or add this rank's
     memory and the settings to try to an out-of-memory error; make sure no rank outlives the run."""
     try:

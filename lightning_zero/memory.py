@@ -8,9 +8,13 @@ not the CPU (on a CPU-only run everything is "device").
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.engine import ZeroEngine
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers", "communication_buckets")
 
@@ -34,7 +38,7 @@ class _Counter:
             self.bytes[where][category] += storage.nbytes()
 
 
-def memory_breakdown(module: nn.Module, engine, device: torch.device) -> dict[str, dict[str, int]]:
+def memory_breakdown(module: nn.Module, engine: ZeroEngine | None, device: torch.device) -> dict[str, dict[str, int]]:
     """``{"device": {category: bytes}, "host": {category: bytes}}`` for this rank.
 
     Categories: parameters, gradients, master_weights, optimizer_states, buffers, communication_buckets
@@ -43,18 +47,8 @@ def memory_breakdown(module: nn.Module, engine, device: torch.device) -> dict[st
     """
     counter = _Counter(device)
     if engine is not None:
-        every = engine.buffers + engine.frozen
-        counter.add("parameters", (b.flat_param if b.persistent else b.param_shard for b in every))
-        counter.add("master_weights", (b.master for b in engine.buffers if b.separate_master))
-        persistent = engine.config.stage == 1
-        counter.add("gradients", (b.grad_bucket for b in engine.buffers if persistent))
-        counter.add("gradients", (b.grad_shard for b in engine.buffers))
-        counter.add("communication_buckets", (b.grad_bucket for b in engine.buffers if not persistent))
-        # freed buckets kept for reuse (a fresh multi-MB CPU allocation page-faults: see reduce.py)
-        counter.add("communication_buckets", engine.reducer.pool.free)
-        for sharded in engine.sharded.values():
-            for state in sharded.optimizer.state.values():
-                counter.add("optimizer_states", state.values())
+        for category, tensors in engine.memory_tensors().items():
+            counter.add(category, tensors)
     counter.add("parameters", (p.data for p in module.parameters()))
     counter.add("gradients", (p.grad for p in module.parameters()))
     counter.add("buffers", module.buffers())

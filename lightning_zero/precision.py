@@ -157,7 +157,7 @@ class OffloadPrecision(Precision):
 
     def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         if self._engine is not None:
-            self._engine.finish_backward()
+            self._engine.backward_done()
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
@@ -170,13 +170,16 @@ class OffloadPrecision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
-        self._engine.prepare_step(optimizer, inv_scale=1.0 / self.loss_scale)
-        self._after_closure(model, optimizer)
+        policy = self._engine.config.zero.on_nonfinite
+        overflow = self._engine.step(
+            optimizer,
+            inv_scale=1.0 / self.loss_scale,
+            check_overflow=self.scaler is not None or policy != "ignore",
+            before_update=lambda: self._after_closure(model, optimizer),
+            update=not skipped_backward,
+        )
         if skipped_backward:
-            self._engine.end_step(optimizer)
             return closure_result
-        policy = self._engine.config.on_nonfinite
-        overflow = self._engine.step(optimizer, check_overflow=self.scaler is not None or policy != "ignore")
         if self.scaler is not None:
             self.scaler.update(overflow)
         elif overflow:

@@ -23,6 +23,7 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -45,6 +46,8 @@ from lightning_zero.config import (
     LossScaleConfig,
     OffloadConfig,
     PipelineConfig,
+    StrategyConfig,
+    TensorParallelConfig,
     ZeroConfig,
     normalize_precision,
 )
@@ -70,7 +73,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
-            :func:`lightning_zero.zero.optimizer.check_optimizer`).
+            :func:`lightning_zero.zero.step.check_optimizer`).
         on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
             outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
@@ -136,45 +139,44 @@ class ZeroStrategy(DDPStrategy):
         pipeline_chunks: int = 1,
         sequence_parallel: bool = False,
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            overlap_comm=overlap_comm,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters,
-            allow_untested_optimizer=allow_untested_optimizer,
-            on_nonfinite=on_nonfinite,
-        )
-        self.failure_config = FailureConfig(
-            **({} if timeout is None else {"timeout": timeout}),
-            debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
+        #: Every option, validated once (sections and the checks across them).
+        self.config = StrategyConfig(
+            zero=ZeroConfig(
+                stage=stage,
+                reduce_bucket_size=reduce_bucket_size,
+                allgather_bucket_size=allgather_bucket_size,
+                overlap_comm=overlap_comm,
+                prefetch_bucket_size=prefetch_bucket_size,
+                param_persistence_threshold=param_persistence_threshold,
+                max_live_parameters=max_live_parameters,
+                allow_untested_optimizer=allow_untested_optimizer,
+                on_nonfinite=on_nonfinite,
+            ),
+            offload=OffloadConfig(
+                offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+            ),
+            tensor=TensorParallelConfig(
+                size=tensor_parallel_size, plan=tensor_parallel_plan, sequence_parallel=sequence_parallel
+            ),
+            pipeline=PipelineConfig(
+                stages=pipeline_parallel_size,
+                micro_batches=pipeline_micro_batches,
+                schedule=pipeline_schedule,
+                partition=pipeline_partition,
+                chunks=pipeline_chunks,
+            ),
+            failure=FailureConfig(
+                **({} if timeout is None else {"timeout": timeout}),
+                debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
+            ),
         )
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
-        self._offload = OffloadConfig(
-            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
-        )
-        if offload_parameters and stage != 3:
-            raise ValueError(
-                f"offload_parameters=True shards parameters into host memory, which needs stage=3 (got stage={stage}); "
-                "use stage=3, or offload_optimizer=True alone."
-            )
         self._engine: ZeroEngine | None = None
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
-        self.pipeline_config = PipelineConfig(
-            stages=pipeline_parallel_size,
-            micro_batches=pipeline_micro_batches,
-            schedule=pipeline_schedule,
-            partition=pipeline_partition,
-            chunks=pipeline_chunks,
-        )
-        self._parallel = ParallelSetup(
-            tensor_parallel_size, self.pipeline_config, tensor_parallel_plan, stage, sequence_parallel
-        )
+        self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -185,6 +187,18 @@ class ZeroStrategy(DDPStrategy):
             timeout=self.failure_config.timeout,
             start_method=start_method,
         )
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self.config.zero
+
+    @property
+    def failure_config(self) -> FailureConfig:
+        return self.config.failure
+
+    @property
+    def pipeline_config(self) -> PipelineConfig:
+        return self.config.pipeline
 
     # -- precision: always an OffloadPrecision ---------------------------------------------------
 
@@ -210,9 +224,9 @@ class ZeroStrategy(DDPStrategy):
     def _new_precision(self, precision: str) -> OffloadPrecision:
         return OffloadPrecision(
             precision,
-            offload_optimizer=self._offload.offload_optimizer,
-            offload_parameters=self._offload.offload_parameters,
-            pin_memory=self._offload.pin_memory,
+            offload_optimizer=self.config.offload.offload_optimizer,
+            offload_parameters=self.config.offload.offload_parameters,
+            pin_memory=self.config.offload.pin_memory,
             loss_scale=self._loss_scale,
         )
 
@@ -263,6 +277,7 @@ class ZeroStrategy(DDPStrategy):
             )
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        assert module is not None
         stage3 = self.zero_config.stage == 3
         on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
         if on_meta and not stage3:
@@ -275,11 +290,9 @@ class ZeroStrategy(DDPStrategy):
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin
-        if precision.offload.offload_parameters and not stage3:
-            raise ValueError(
-                f"OffloadPrecision(offload_parameters=True) needs stage=3 (this strategy runs stage "
-                f"{self.zero_config.stage}); use strategy='zero3_offload' or offload_optimizer=True alone."
-            )
+        # The precision plugin may carry its own offload options (OffloadPrecision given by the
+        # user): the engine's config takes them, checked against the stage like the strategy's.
+        config = dataclasses.replace(self.config, offload=precision.offload)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._engine = None
         if fitting:
@@ -289,15 +302,12 @@ class ZeroStrategy(DDPStrategy):
             self._engine = ZeroEngine(
                 module,
                 self.optimizers if fitting else [],
-                self.zero_config,
-                precision.compute_dtype,
-                precision.separate_master,
-                self.data_parallel_group,
-                self.root_device,
-                precision.offload,
+                config=config,
+                precision=precision.precision,
+                device=self.root_device,
+                parallel=self._parallel.context(self.data_parallel_group),
                 recordings=self._recordings,
             )
-            self._parallel.attach(self._engine)
         else:
             comm.broadcast_tensors(
                 [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
@@ -348,12 +358,14 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is None:
             yield
             return
-        with self._engine.gathered_parameters(module or self.lightning_module, modifier_rank):
+        module = module or self.lightning_module
+        assert module is not None
+        with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
     def _end_pass(self) -> None:
         if self._engine is not None:
-            self._engine.end_forward_backward()
+            self._engine.end_pass()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._end_pass()
@@ -398,7 +410,7 @@ class ZeroStrategy(DDPStrategy):
                 train=True,
                 scale=1.0 / accumulate,  # the runner weighs each micro-batch by its share of the rows
                 scale_loss=lambda t: t * precision.loss_scale,  # no per-micro-batch backward hooks
-                after_backward=self._engine.finish_backward if self._engine is not None else None,
+                after_backward=self._engine.backward_done if self._engine is not None else None,
             )
         assert self._parallel.spec is not None
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
@@ -447,12 +459,12 @@ class ZeroStrategy(DDPStrategy):
         writes the partitioned parameters from every rank's own slices."""
         assert self.lightning_module is not None
         return ckpt_pieces.non_partitioned_state_dict(
-            self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine, self.optimizers)
+            self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine)
         )
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
-        if self._engine is None or self._engine.find(optimizer) is None:
+        if self._engine is None or not self._engine.manages(optimizer):
             return super().optimizer_state(optimizer)
         assert self.lightning_module is not None
         return ckpt_save.optimizer_groups(self.lightning_module, self._engine, optimizer)

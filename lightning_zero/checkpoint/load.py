@@ -24,17 +24,12 @@ from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.merge import Placement, Split
-from lightning_zero.checkpoint.pieces import (
-    PartitionedParam,
-    all_buffers,
-    iter_local_pieces,
-    non_partitioned_state_dict,
-    partitioned_params,
-)
+from lightning_zero.checkpoint.pieces import PartitionedParam, non_partitioned_state_dict, partitioned_params
 from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.tensor import is_tensor_parallel
+from lightning_zero.zero.surface import HeldParam, OptimizerPiece
 
 if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
@@ -110,16 +105,6 @@ def _match(p: PartitionedParam, keys: set[str]) -> str | None:
     return next((k for k in (p.name, *p.aliases) if k in keys), None)
 
 
-def _publish(engine: ZeroEngine) -> None:
-    """Loaded master slices -> parameters (stages 1/2: all-gathered, as after a step). Call on all ranks."""
-    from lightning_zero.zero.gather import publish
-
-    buffers = all_buffers(engine)
-    for buffer in buffers:
-        buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
-    publish(buffers, engine.group, engine.config.allgather_bucket_size)
-
-
 def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: Placement) -> dict[str, Split | None]:
     """This rank's tensor-parallel part of each state-dict key (``None``: held whole)."""
     out: dict[str, Split | None] = {}
@@ -149,12 +134,13 @@ def load_model(
     reader = reader_for(checkpoint)
     where = checkpoint.get(SHARDED_KEY, "file")
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
-    params = partitioned_params(module, engine, optimizers)
+    params = partitioned_params(module, engine)
     splits = _splits(module, params, placement)
     rest = non_partitioned_state_dict(module, params)
     local: dict[str, tuple | None] = {}
     for key, value in rest.items():
-        dim = splits[key].dim if splits.get(key) is not None else None
+        split = splits.get(key)
+        dim = split.dim if split is not None else None
         local[key] = tuple(placement.full_shape(value.shape, dim)) if torch.is_tensor(value) else None
     for p in params.values():
         local.update({key: tuple(placement.full_shape(p.shape, p.partition_dim)) for key in (p.name, *p.aliases)})
@@ -162,26 +148,29 @@ def load_model(
     module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in rest if k in keys}, strict=False)
     if engine is None:
         return
-    with torch.no_grad():
-        for p, param_offset, shard_offset, numel in iter_local_pieces(params):
-            key = _match(p, keys)
-            if key is not None:
-                value = reader.read(key, param_offset, numel, split=splits[p.name])
-                p.buffer.master[shard_offset : shard_offset + numel].copy_(value)
-    _publish(engine)
+    by_param = {id(p.held.param): p for p in params.values()}
+
+    def read(held: HeldParam, param_offset: int, numel: int) -> torch.Tensor | None:
+        p = by_param[id(held.param)]
+        key = _match(p, keys)
+        return None if key is None else reader.read(key, param_offset, numel, split=splits[p.name])
+
+    engine.load_pieces(read)
+    engine.publish()
 
 
 def _load_sharded_optimizer(
     reader: ShardedReader,
     optimizer: torch.optim.Optimizer,
-    sharded: Any,
+    engine: ZeroEngine,
     saved: dict[str, Any],
     params: dict[str, PartitionedParam],
     placement: Placement,
 ) -> None:
     keys = set(reader.keys())
-    by_param = {id(p.buffer.params[p.slot]): p for p in params.values()}
-    here = [[by_param[id(param)] for param in group if id(param) in by_param] for group in sharded.original_params]
+    by_param = {id(p.held.param): p for p in params.values()}
+    groups = engine.param_groups(optimizer)
+    here = [[by_param[id(param)] for param in group.params if id(param) in by_param] for group in groups]
     there = [{reader.primary(n) for n in group["param_names"]} for group in saved["param_groups"]]
     if len(here) != len(there):
         raise ValueError(
@@ -197,35 +186,20 @@ def _load_sharded_optimizer(
                 f"parameter group {index} of {type(optimizer).__name__} holds {outside[:5]}, which the checkpoint's "
                 f"{saved['class']} had in another group; load it into the same configure_optimizers that wrote it."
             )
-    state: dict[int, dict[str, Any]] = {}
-    # Keys of Optimizer.load_state_dict are positions in the optimizer's own parameter order (group
-    # by group), which under stage 3 is not the order of sharded.buffers.
-    position = {id(m): k for k, m in enumerate(m for g in optimizer.param_groups for m in g["params"])}
-    by_buffer = {id(b): position[id(b.master)] for b in sharded.buffers}
-    for p, param_offset, shard_offset, numel in iter_local_pieces(params):
+
+    def read(held: HeldParam, param_offset: int, numel: int) -> OptimizerPiece | None:
+        p = by_param[id(held.param)]
         key = _match(p, keys)
-        if id(p.buffer) not in by_buffer or key is None:
-            continue
-        entry = reader.optimizer_entry(key)
-        if entry is None:
-            continue
-        # Cloned: Adam increments "step" in place, so buffers must not share one tensor.
-        scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in entry["scalars"].items()}
-        target = state.setdefault(by_buffer[id(p.buffer)], scalars)
-        for state_key, dtype in entry["slices"].items():
-            if state_key not in target:
-                target[state_key] = torch.zeros(p.buffer.layout.shard_numel, dtype=dtype)
-            target[state_key][shard_offset : shard_offset + numel] = reader.read(
-                key, param_offset, numel, state_key, split=placement.split(p.partition_dim)
-            )
-    groups, start = [], 0
-    for index, saved_group in enumerate(saved["param_groups"]):
-        group = {k: v for k, v in saved_group.items() if k != "param_names"}
-        count = len(optimizer.param_groups[index]["params"])
-        group["params"] = list(range(start, start + count))
-        start += count
-        groups.append(group)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        entry = None if key is None else reader.optimizer_entry(key)
+        if key is None or entry is None:
+            return None
+        split = placement.split(p.partition_dim)
+        slices = {
+            k: reader.read(key, param_offset, numel, k, split=split).to(dtype) for k, dtype in entry["slices"].items()
+        }
+        return OptimizerPiece(slices=slices, scalars=entry["scalars"])
+
+    engine.load_optimizer_pieces(optimizer, saved["param_groups"], read)
 
 
 def load_optimizers(
@@ -243,16 +217,15 @@ def load_optimizers(
             f"the checkpoint has {len(states)} optimizer states but configure_optimizers returned "
             f"{len(optimizers)} optimizers."
         )
-    params = partitioned_params(module, engine, optimizers)
+    params = partitioned_params(module, engine)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
     for optimizer, saved in zip(optimizers, states, strict=True):
-        sharded = engine.find(optimizer) if engine is not None else None
-        if sharded is None:
+        if engine is None or not engine.manages(optimizer):
             optimizer.load_state_dict(saved)
         elif saved.get("format") == SHARDED_OPTIMIZER_MARKER:
             assert isinstance(reader, ShardedReader)
-            _load_sharded_optimizer(reader, sharded.optimizer, sharded, saved, params, placement)
+            _load_sharded_optimizer(reader, optimizer, engine, saved, params, placement)
         elif placement.layout.tensor > 1:
             raise ValueError(
                 f"a consolidated (single-file) optimizer state cannot be split for tensor_parallel_size="
@@ -260,6 +233,6 @@ def load_optimizers(
                 "(e.g. model.load_state_dict before fit, without ckpt_path)."
             )
         else:
-            engine.load_optimizer_state_dict(optimizer, saved)
+            engine.load_consolidated(optimizer, saved)
     if engine is not None:
-        _publish(engine)  # a consolidated state may carry fp32 masters
+        engine.publish()  # a consolidated state may carry fp32 masters

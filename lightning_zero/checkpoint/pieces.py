@@ -1,8 +1,9 @@
 """The engine seen per parameter: which piece of which named parameter lies in this rank's slices.
 
-Reads only the engine's public attributes (``engine.buffers``, ``engine.frozen``, ``buffer.params``, ``buffer.layout``,
-``buffer.shards``, ``buffer.master``, ``engine.find(optimizer).optimizer``), which stage 3 keeps: every
-trainable partitioned parameter lives in exactly one flat buffer. Values are never taken from
+Reads the engine only through its surface (:meth:`~lightning_zero.zero.engine.ZeroEngine.held_params`,
+``local_pieces``, ``param_groups``; the records of :mod:`lightning_zero.zero.surface`), and gives
+each held parameter its state-dict names: every trainable partitioned parameter lives in exactly
+one flat buffer, stage 3 included. Values are never taken from
 ``module.state_dict()`` for partitioned parameters (under stage 3 they exist whole only inside
 forward and backward); the tensors ZeRO does not partition (frozen parameters, buffers) are.
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.parallel.tensor import is_tensor_parallel
+from lightning_zero.zero.surface import HeldParam
 
 TIED_NAMES = "tied_names"
 """Attribute a pipeline stage may set on a parameter tied to one held by another stage: the other
@@ -26,70 +28,59 @@ state-dict names of the same weight, so that a checkpoint stores it once and res
 if TYPE_CHECKING:
     from lightning_zero.checkpoint.merge import Placement
     from lightning_zero.zero.engine import ZeroEngine
-    from lightning_zero.zero.flat import FlatBuffer
 
 
 @dataclass(frozen=True)
 class PartitionedParam:
-    """One trainable parameter held in a flat buffer."""
+    """One parameter held in the engine's flat buffers, with its state-dict names."""
 
     name: str
     """Its first name in ``module.named_parameters()``."""
     aliases: tuple[str, ...]
     """Further names of the same Parameter (tied weights); all are keys of the state dict."""
-    shape: torch.Size
-    dtype: torch.dtype
-    """The compute dtype (of the parameter in the module)."""
-    optimizer: int | None
-    """Index of its optimizer in the strategy's optimizer list; ``None`` for a frozen parameter that
-    stage 3 partitions without an optimizer."""
-    buffer: FlatBuffer
-    slot: int
-    """Its index in ``buffer.layout.slots`` and ``buffer.params``."""
+    held: HeldParam
+    """What the engine says of it: shape, dtypes, optimizer, pieces."""
+    index: int
+    """Its position in ``engine.held_params()`` (and ``engine.local_pieces()``)."""
     partition_dim: int | None = None
     """The dim along which tensor parallelism split it (``param.partition_dim``), ``None`` when whole."""
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.held.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (of the parameter in the module)."""
+        return self.held.dtype
+
+    @property
+    def optimizer(self) -> int | None:
+        """Index of its optimizer in the strategy's optimizer list; ``None`` for a frozen parameter
+        that stage 3 partitions without an optimizer."""
+        return self.held.optimizer
+
     def pieces(self) -> list[tuple[int, int, int]]:
         """``(rank, param_offset, numel)`` of its piece on every rank that holds one."""
-        layout = self.buffer.layout
-        out = []
-        for rank in range(layout.world_size):
-            out.extend((rank, s.param_offset, s.numel) for s in layout.shards(rank) if s.param_index == self.slot)
-        return out
+        return list(self.held.pieces)
 
     def local_piece(self) -> tuple[int, int, int] | None:
         """``(param_offset, shard_offset, numel)`` of its piece in this rank's slice, if any."""
-        for s in self.buffer.shards:
-            if s.param_index == self.slot:
-                return s.param_offset, s.shard_offset, s.numel
-        return None
+        return self.held.local
 
 
-def all_buffers(engine: ZeroEngine) -> list[FlatBuffer]:
-    """The engine's flat buffers: those of its optimizers, then (stage 3) those of frozen parameters."""
-    return list(engine.buffers) + list(getattr(engine, "frozen", []))
-
-
-def partitioned_params(
-    module: nn.Module, engine: ZeroEngine | None, optimizers: list[torch.optim.Optimizer]
-) -> dict[str, PartitionedParam]:
+def partitioned_params(module: nn.Module, engine: ZeroEngine | None) -> dict[str, PartitionedParam]:
     """Every parameter in the engine's flat buffers, by name, in the engine's buffer order (under
-    stage 3 also frozen parameters, which are partitioned without an optimizer)."""
+    stage 3 also frozen parameters, which are partitioned without an optimizer). The engine's
+    optimizer indices are the strategy's: it is built with the strategy's optimizer list."""
     if engine is None:
         return {}
     names = tensor_names(module)
-    optimizer_of: dict[int, int] = {}
-    for index, optimizer in enumerate(optimizers):
-        sharded = engine.find(optimizer)
-        if sharded is not None:
-            optimizer_of.update({id(b): index for b in sharded.buffers})
     out: dict[str, PartitionedParam] = {}
-    for buffer in all_buffers(engine):
-        for slot_index, (param, slot) in enumerate(zip(buffer.params, buffer.layout.slots, strict=True)):
-            first, *rest = names[id(param)]
-            dtype, optimizer = buffer.param_shard.dtype, optimizer_of.get(id(buffer))
-            dim = getattr(param, "partition_dim", None) if is_tensor_parallel(param) else None
-            out[first] = PartitionedParam(first, tuple(rest), slot.shape, dtype, optimizer, buffer, slot_index, dim)
+    for index, held in enumerate(engine.held_params()):
+        first, *rest = names[id(held.param)]
+        dim = getattr(held.param, "partition_dim", None) if is_tensor_parallel(held.param) else None
+        out[first] = PartitionedParam(first, tuple(rest), held, index, dim)
     return out
 
 
@@ -109,6 +100,11 @@ def tensor_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its first state-dict name`` (the name checkpoints use for it)."""
+    return {key: names[0] for key, names in tensor_names(module).items()}
+
+
 def state_dict_keys(params: dict[str, PartitionedParam]) -> set[str]:
     """Every state-dict key of the partitioned parameters (names and aliases)."""
     return {key for p in params.values() for key in (p.name, *p.aliases)}
@@ -120,20 +116,6 @@ def non_partitioned_state_dict(module: nn.Module, params: dict[str, PartitionedP
     return {k: v for k, v in module.state_dict().items() if k not in skip}
 
 
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU in a storage of its own size: torch.save writes a view's whole storage,
-    and without a separate master the master slice is a view of the full flat buffer."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
-        return tensor
-    return tensor.to("cpu", copy=True).contiguous()
-
-
-def is_slice_state(value: Any, buffer: FlatBuffer) -> bool:
-    """True for an optimizer state with one element per master element (``exp_avg``), not a scalar (``step``)."""
-    return torch.is_tensor(value) and value.shape == buffer.master.shape
-
-
 def local_shards(
     params: dict[str, PartitionedParam], engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
@@ -143,30 +125,16 @@ def local_shards(
 
     Pieces are views of one CPU copy per flat buffer, so each buffer is written once.
     """
-    owner = {id(b): sharded for o in optimizers if (sharded := engine.find(o)) is not None for b in sharded.buffers}
-    masters: dict[int, torch.Tensor] = {}
-    slices: dict[int, dict[str, torch.Tensor]] = {}
-    scalars: dict[int, dict[str, Any]] = {}
-    for buffer in all_buffers(engine):
-        masters[id(buffer)] = _own_storage(buffer.master)
-        raw = owner[id(buffer)].optimizer.state.get(buffer.master, {}) if id(buffer) in owner else {}
-        slices[id(buffer)] = {k: _own_storage(v) for k, v in raw.items() if is_slice_state(v, buffer)}
-        scalars[id(buffer)] = {
-            k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-            for k, v in raw.items()
-            if not is_slice_state(v, buffer)
-        }
+    local = engine.local_pieces()
     values: dict[str, torch.Tensor] = {}
     optim: list[dict[str, dict[str, Any]]] = [{} for _ in optimizers]
-    for p, _, shard_offset, numel in iter_local_pieces(params):
-        window = slice(shard_offset, shard_offset + numel)
-        values[p.name] = masters[id(p.buffer)][window]
-        if p.optimizer is None:
+    for p in params.values():
+        piece = local[p.index]
+        if piece is None:
             continue
-        optim[p.optimizer][p.name] = {
-            "slices": {k: v[window] for k, v in slices[id(p.buffer)].items()},
-            "scalars": scalars[id(p.buffer)],
-        }
+        values[p.name] = piece.master
+        if p.optimizer is not None:
+            optim[p.optimizer][p.name] = {"slices": piece.slices, "scalars": piece.scalars}
     return values, optim
 
 
@@ -198,7 +166,7 @@ def rank_report(
     tensor-parallel rank 0). Other tensors of the state dict (frozen parameters, buffers): whole,
     on data-parallel rank 0 only (they are equal over the data-parallel group).
     """
-    params = partitioned_params(module, engine, optimizers)
+    params = partitioned_params(module, engine)
     rank, coords = placement.rank, placement.coords
     entries: dict[str, dict[str, Any]] = {}
     for p in params.values():
@@ -207,7 +175,7 @@ def rank_report(
             continue
         local = p.local_piece()
         piece = None if local is None else [rank, coords.tp if split else 0, local[0], local[2]]
-        saved = fmt.dtype_name(p.buffer.master.dtype)
+        saved = fmt.dtype_name(p.held.saved_dtype)
         entries[p.name] = _entry(
             [p.name, *p.aliases],
             p.shape,
@@ -244,13 +212,10 @@ def rank_report(
 def _group_names(
     module: nn.Module, engine: ZeroEngine | None, optimizer: torch.optim.Optimizer
 ) -> list[list[str]] | None:
-    sharded = engine.find(optimizer) if engine is not None else None
-    if sharded is None:
+    if engine is None or not engine.manages(optimizer):
         return None
-    names = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return [[names[id(p)] for p in group if id(p) in names] for group in sharded.original_params]
+    names = param_names(module)
+    return [[names[id(p)] for p in group.params if id(p) in names] for group in engine.param_groups(optimizer)]
 
 
 def rank_payload(
@@ -262,7 +227,7 @@ def rank_payload(
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
     """This rank's file contents (see :func:`local_shards`), keyed by the merged (primary) names:
     only the pieces that the merged metadata lists under ``rank``."""
-    params = partitioned_params(module, engine, optimizers)
+    params = partitioned_params(module, engine)
     mine = {name for name, e in merged["params"].items() if any(piece[0] == rank for piece in e["pieces"])}
     alias_of = merged["alias_of"]
     values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [{} for _ in optimizers])

@@ -34,7 +34,7 @@ from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.merge import Placement, merge_reports
-from lightning_zero.checkpoint.pieces import rank_payload, rank_report
+from lightning_zero.checkpoint.pieces import param_names, rank_payload, rank_report
 from lightning_zero.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -46,17 +46,12 @@ SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
 def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
     parameter names (the states themselves are in the rank files). Local, no communication."""
-    names = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    sharded = engine.find(optimizer)
-    assert sharded is not None
-    groups = []
-    for group, original in zip(sharded.optimizer.param_groups, sharded.original_params, strict=True):
-        entry = {k: v for k, v in group.items() if k != "params"}
-        entry["param_names"] = [names[id(p)] for p in original]
-        groups.append(entry)
-    return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(sharded.optimizer).__name__, "param_groups": groups}
+    names = param_names(module)
+    groups = [
+        {**group.hyper, "param_names": [names[id(p)] for p in group.params]} for group in engine.param_groups(optimizer)
+    ]
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+    return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(optimizer).__name__, "param_groups": groups}
 
 
 def _agree(outcome: tuple[bool, Any], group: comm.ProcessGroup, what: str) -> list:
@@ -177,7 +172,7 @@ def save_sharded(
         meta = {
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
-            "stage": engine.config.stage if engine is not None else None,
+            "stage": engine.config.zero.stage if engine is not None else None,
             "world_size": world_size,
             "layout": {
                 "data": placement.layout.data,

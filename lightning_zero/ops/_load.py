@@ -17,7 +17,8 @@ try:
 except ImportError as exc:  # not built: no compiler at install time, or a source checkout
     _LOAD_ERROR = str(exc)
 
-_warned = False
+_warned = False  # the "not compiled" warning was given
+_warned_no_cuda = False  # the "compiled without CUDA kernels" warning was given (a different one)
 
 
 def compiled() -> bool:
@@ -83,9 +84,9 @@ def fused_path(device: torch.device) -> str:
     if device.type == "cpu" and compiled() and cpu_path() != "reference":
         return "cpu"
     if compiled() and device.type == "cuda":
-        global _warned
-        if not _warned:
-            _warned = True
+        global _warned_no_cuda
+        if not _warned_no_cuda:
+            _warned_no_cuda = True
             warnings.warn(
                 "lightning_zero.ops: built without CUDA kernels; FusedAdam/FusedLamb use "
                 "the PyTorch reference on the GPU. Rebuild where nvcc and a CUDA torch "

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.config import PipelineConfig
 from lightning_zero.parallel.pipeline import PipelineSpec
 from lightning_zero.parallel.schedules import forward_only, interleavable, schedule
 
@@ -180,10 +181,10 @@ class PipelineRunner:
         chunks: this stage's model chunks (one without interleaving), each a list of layers in
             order; chunk ``c`` is virtual stage ``c * stages + stage``.
         spec: the model's :class:`~lightning_zero.parallel.pipeline.PipelineSpec`.
-        stage, stages: this stage and P.
+        stage: this stage.
+        config: the pipeline options: P (``stages``), m (``num_micro_batches``) and the training
+            schedule, "1f1b" or "gpipe" (evaluation runs forwards only).
         group: the pipeline-parallel group (group rank = stage).
-        micro_batches: m.
-        schedule_name: "1f1b" or "gpipe" (training; evaluation runs forwards only).
         device: where received tensors are placed.
     """
 
@@ -191,17 +192,17 @@ class PipelineRunner:
         self,
         chunks: Sequence[Sequence[nn.Module]],
         spec: PipelineSpec,
+        *,
         stage: int,
-        stages: int,
+        config: PipelineConfig,
         group: comm.ProcessGroup,
-        micro_batches: int,
-        schedule_name: str,
         device: torch.device,
     ) -> None:
         self.chunks = [list(layers) for layers in chunks]
         self.spec = spec
+        stages = config.stages
         self.stage, self.stages, self.group = stage, stages, group
-        self.micro_batches, self.schedule_name = micro_batches, schedule_name
+        self.micro_batches, self.schedule_name = config.num_micro_batches, config.schedule
         self.last_virtual = stages * len(self.chunks) - 1
         self.peers = {r: Peer(group, r, device) for r in {(stage - 1) % stages, (stage + 1) % stages} if r != stage}
         self.device = device

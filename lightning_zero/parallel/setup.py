@@ -6,8 +6,9 @@ rank's pipeline stage while the model is still on the host (the other stages' la
 placeholders, so they never reach the device), moves it to the device, makes replicas equal
 (broadcasts over the data- and tensor-parallel groups and between the stages sharing a tied
 weight), splits the layers by the tensor-parallel plan (before ``configure_optimizers`` sees the
-parameters), and after the ZeRO engine exists hands it the tensor- and pipeline-parallel groups
-(global gradient norm) and the parameters tied across stages.
+parameters), and gives the ZeRO engine, at its construction, a
+:class:`~lightning_zero.zero.surface.ModelParallelContext`: the tensor- and pipeline-parallel
+groups (global gradient norm) and the parameters tied across stages.
 ZeRO itself shards over the data-parallel group only, and the sampler shards data over it too.
 """
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.config import PipelineConfig
+from lightning_zero.config import PipelineConfig, TensorParallelConfig
 from lightning_zero.layout import ParallelLayout, ProcessGroups, build_groups
 from lightning_zero.parallel.pipeline import (
     PipelineSpec,
@@ -34,6 +35,7 @@ from lightning_zero.parallel.pipeline import (
 )
 from lightning_zero.parallel.runner import PipelineRunner
 from lightning_zero.parallel.tensor import apply_tensor_parallel, check_plan
+from lightning_zero.zero.surface import ModelParallelContext, TiedAcrossStages
 
 _APPLIED = "_lightning_zero_model_parallel"  # marks a LightningModule already converted
 
@@ -42,50 +44,22 @@ class ParallelSetup:
     """Tensor- and pipeline-parallel state of one strategy.
 
     Args:
-        tensor: T, the tensor-parallel size (1: no split).
+        tensor: the tensor-parallel options (``tensor.size`` is T; 1: no split).
         pipeline: the pipeline options; ``pipeline.stages`` is P (1: no pipeline).
-        plan: module-name pattern -> style, or ``None`` for the LightningModule's own plan.
-        stage: the ZeRO stage (model parallelism composes with stages 1 and 2).
-        sequence_parallel: Megatron-SP inside the tensor-parallel layers (:mod:`.sequence`).
+
+    Both come from one validated :class:`~lightning_zero.config.StrategyConfig`, which also checked
+    them against the ZeRO stage (model parallelism composes with stages 1 and 2).
     """
 
-    def __init__(
-        self,
-        tensor: int,
-        pipeline: PipelineConfig,
-        plan: Mapping[str, str] | None,
-        stage: int,
-        sequence_parallel: bool = False,
-    ) -> None:
-        if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
-            raise ValueError(f"tensor_parallel_size is {tensor!r}; it must be an integer of at least 1")
-        if not isinstance(sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True or False.")
-        if sequence_parallel and tensor == 1:
-            raise ValueError(
-                "sequence_parallel=True splits the sequence over the tensor-parallel ranks; it needs "
-                "tensor_parallel_size > 1 (got 1)"
-            )
-        self.sequence_parallel = sequence_parallel
-        if tensor > 1 and stage == 3:
-            raise ValueError(
-                f"tensor_parallel_size={tensor} with stage=3 is not supported: stage 3 builds models on the meta "
-                "device, which cannot be split by a plan before it is materialized; use stage=1 or stage=2"
-            )
-        if pipeline.stages > 1 and stage == 3:
-            raise ValueError(
-                f"pipeline_parallel_size={pipeline.stages} with stage=3 is not supported: stage 3 would all-gather every "
-                "layer's parameters again for each micro-batch's forward and backward (2m gathers per step), while "
-                "the pipeline already divides parameters by the number of stages; use stage=1 (fewest collectives, "
-                "as DeepSpeed's pipeline) or stage=2"
-            )
-        self.tensor, self.pipeline, self.plan = tensor, pipeline, plan
+    def __init__(self, *, tensor: TensorParallelConfig, pipeline: PipelineConfig) -> None:
+        self.tensor_config, self.pipeline = tensor, pipeline
+        self.tensor, self.plan, self.sequence_parallel = tensor.size, tensor.plan, tensor.sequence_parallel
         self.groups: ProcessGroups | None = None
         self.layout: ParallelLayout | None = None
         self.spec: PipelineSpec | None = None
         self.stage_plan: StagePlan | None = None
         self.runner: PipelineRunner | None = None
-        self.tied: list[tuple[nn.Parameter, comm.ProcessGroup, bool]] = []  # (param, group, counted here)
+        self.tied: list[TiedAcrossStages] = []
 
     @property
     def pipelined(self) -> bool:
@@ -176,12 +150,10 @@ class ParallelSetup:
             self.runner = PipelineRunner(
                 self.stage_plan.chunks,
                 self.spec,
-                self.stage_plan.stage,
-                self.pipeline.stages,
-                self.groups.pp,
-                self.pipeline.num_micro_batches,
-                self.pipeline.schedule,
-                device,
+                stage=self.stage_plan.stage,
+                config=self.pipeline,
+                group=self.groups.pp,
+                device=device,
             )
         setattr(module, _APPLIED, True)
 
@@ -190,7 +162,7 @@ class ParallelSetup:
         tensor-parallel coordinates). Every rank makes every group, in the same order."""
         assert self.stage_plan is not None and self.layout is not None and self.groups is not None
         layout, here = self.layout, self.groups.coords
-        out = []
+        out: list[tuple[TiedParameter, comm.ProcessGroup]] = []
         for tied in self.stage_plan.tied:
             mine = None
             for d in range(layout.data):
@@ -218,20 +190,12 @@ class ParallelSetup:
                 )
             # Its names on the other stages: a checkpoint stores the weight once, under every name.
             param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here)  # type: ignore[attr-defined]
-            self.tied.append((param, group, here == tied.stages[0]))
+            self.tied.append(TiedAcrossStages(param, group, counted_here=here == tied.stages[0]))
 
-    def attach(self, engine: Any) -> None:
-        """Give every ZeRO optimizer the model-parallel groups (global gradient norm) and the reducer
-        the tied parameters."""
-        if self.groups is None:
-            return
-        elsewhere = {id(p) for p, _, counted in self.tied if not counted}
-        for sharded in engine.sharded.values():
-            sharded.tensor_parallel_group = self.tp_group
-            sharded.pipeline_parallel_group = self.pp_group
-            sharded.counted_elsewhere = elsewhere
-        for param, group, _ in self.tied:
-            engine.reducer.tie(param, group)
+    def context(self, data: comm.ProcessGroup) -> ModelParallelContext:
+        """The groups and tied parameters the ZeRO engine is built with (``data``: the group it
+        shards over, possibly wrapped by the collective checker)."""
+        return ModelParallelContext(data=data, tensor=self.tp_group, pipeline=self.pp_group, tied=tuple(self.tied))
 
 
 def _local_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

@@ -16,6 +16,8 @@ freed before the next module, so no rank ever holds more than its shards plus on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -28,33 +30,42 @@ from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@dataclass(frozen=True, kw_only=True)
 class BuildContext:
     """What every buffer of one engine shares."""
 
-    def __init__(
-        self,
-        config: ZeroConfig,
-        dtype: torch.dtype,
-        separate_master: bool,
-        group,
-        device: torch.device,
-        offload: OffloadConfig | None = None,
-        recordings: tuple[Recording, ...] = (),
-    ) -> None:
-        self.config = config
-        self.recordings = recordings
-        self.offload = offload
-        self.dtype = dtype
-        self.separate_master = separate_master
-        self.group = group
-        self.device = device
-        self.rank = comm.rank(group)
-        self.world_size = comm.world_size(group)
+    config: ZeroConfig
+    offload: OffloadConfig
+    dtype: torch.dtype
+    """The compute dtype of parameters and gradients."""
+    separate_master: bool
+    """Keep an fp32 master slice (mixed precision)."""
+    group: comm.ProcessGroup
+    """The data-parallel group."""
+    device: torch.device
+    recordings: tuple[Recording, ...] = ()
+    """How meta parameters were built (``configure_model`` under stage 3), for :func:`materialize`."""
+
+    @property
+    def rank(self) -> int:
+        return comm.rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return comm.world_size(self.group)
 
     def buffer(self, params: list[nn.Parameter], group: int | None, persistent: bool) -> FlatBuffer:
         layout = layout_flat_buffer([p.shape for p in params], self.world_size)
         return FlatBuffer(
-            params, layout, self.rank, group, self.dtype, self.device, self.separate_master, persistent, self.offload
+            params,
+            layout,
+            rank=self.rank,
+            optimizer_group=group,
+            dtype=self.dtype,
+            device=self.device,
+            separate_master=self.separate_master,
+            persistent=persistent,
+            offload=self.offload,
         )
 
     def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:

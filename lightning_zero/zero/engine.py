@@ -1,33 +1,51 @@
-"""The ZeRO engine: builds the flat buffers of every optimizer of a model and drives the data path
-(partition -> gather -> reduce -> step -> publish) for stages 1, 2 and 3.
+"""The ZeRO engine: the one owner of a model's flat buffers, gradients and optimizer states, driving
+the data path (partition -> gather -> reduce -> step -> publish) for stages 1, 2 and 3.
 
-The strategy calls, per optimizer step::
+Built once per fit from one :class:`~lightning_zero.config.StrategyConfig`, a precision string and a
+:class:`~lightning_zero.zero.surface.ModelParallelContext`. Every other layer uses only the methods
+below; flat buffers, the sharded optimizer and the gradient reducer do not leave ``zero/``.
 
-    [backward]              reducer hooks fill buckets and reduce-scatter them
-    finish_backward()       after every backward: remaining reductions complete
-    prepare_step(opt)       reduced slices become master.grad (unscaled)
-    clip_grad_norm(opt, c)  optional, from Lightning's gradient clipping
-    step(opt)               optimizer on the slices, then all-gather the updated slices
+Per micro-step and optimizer step (the precision plugin, the pipeline runner and the strategy call)::
+
+    [forward/backward]      stage 3 hooks gather; reducer hooks fill buckets and reduce-scatter them
+    backward_done()         after every backward: remaining reductions complete
+    end_pass()              stage 3: release what is gathered; this pass's module order plans the next
+    step(opt, before_update=...)
+                            reduced slices become master.grad (unscaled); ``before_update`` runs the
+                            user's hooks and clipping (grad_norm, clip_grad_norm); then the optimizer
+                            on the slices, publish, and the gradients are dropped
+
+Checkpoints and reports: :meth:`held_params`, :meth:`local_pieces`, :meth:`load_pieces`,
+:meth:`load_optimizer_pieces`, :meth:`publish`, :meth:`param_groups`, :meth:`memory_tensors`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.config import OffloadConfig, ZeroConfig
+from lightning_zero.config import PRECISIONS, StrategyConfig
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.gather import publish
-from lightning_zero.zero.hooks import GatherCoordinator, scatter_back
-from lightning_zero.zero.optimizer import ShardedOptimizer, check_optimizer
+from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.publish import publish
 from lightning_zero.zero.reduce import GradReducer
+from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
+from lightning_zero.zero.surface import (
+    HeldParam,
+    LocalPiece,
+    ModelParallelContext,
+    OptimizerPieceReader,
+    ParamGroup,
+    PieceReader,
+)
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -35,18 +53,28 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU in a storage of its own size: torch.save writes a view's whole storage,
+    and without a separate master the master slice is a view of the full flat buffer."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.to("cpu", copy=True).contiguous()
+
+
 class ZeroEngine:
     """Flat buffers, gradient reduction and sharded steps for ``optimizers`` of ``module``.
 
     Args:
-        module: the model; its parameters become views into flat buffers of ``compute_dtype``.
-        optimizers: the optimizers from ``configure_optimizers``; rewired in place to master slices.
-        config: the ZeRO options.
-        compute_dtype: dtype of parameters and gradients (fp32, bf16 or fp16).
-        separate_master: keep an fp32 master slice (mixed precision) instead of stepping the parameters.
-        group: the data-parallel process group (``None``: the default group).
+        module: the model; its parameters become views into flat buffers of the compute dtype.
+        optimizers: the optimizers from ``configure_optimizers``; rewired in place to master slices
+            (none under stage 3 evaluation, which shards the model all the same).
+        config: the strategy's options; the engine reads its ``zero`` and ``offload`` sections.
+        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true": the compute dtype and whether
+            an fp32 master is kept (:data:`~lightning_zero.config.PRECISIONS`).
         device: where flat buffers live.
-        offload: what lives in host memory instead (ZeRO-Offload).
+        parallel: the data-parallel group ZeRO shards over, the model-parallel groups and the
+            parameters tied across pipeline stages.
         recordings: how meta parameters were built (``configure_model`` under stage 3); stage 3
             replays them into the shards (see :mod:`lightning_zero.zero.deferred`).
     """
@@ -55,41 +83,65 @@ class ZeroEngine:
         self,
         module: nn.Module,
         optimizers: list[torch.optim.Optimizer],
-        config: ZeroConfig,
-        compute_dtype: torch.dtype,
-        separate_master: bool,
-        group: comm.ProcessGroup,
+        *,
+        config: StrategyConfig,
+        precision: str,
         device: torch.device,
-        offload: OffloadConfig | None = None,
+        parallel: ModelParallelContext | None = None,
         recordings: Sequence[Recording] = (),
     ) -> None:
+        parallel = parallel or ModelParallelContext()
         optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
-            check_optimizer(optimizer, config.allow_untested_optimizer)
+            check_optimizer(optimizer, config.zero.allow_untested_optimizer)
         self.config = config
-        self.group = group
+        self.group = group = parallel.data
         self.device = device
-        self.world_size = comm.world_size(group)
-        self.rank = comm.rank(group)
+        compute_dtype, separate_master = PRECISIONS[precision]
         owners = optimizer_owners(optimizers)
-        ctx = BuildContext(config, compute_dtype, separate_master, group, device, offload, tuple(recordings))
-        self.frozen: list[FlatBuffer] = []
-        if config.stage == 3:
-            per_optimizer, self.frozen = build_sharded(module, optimizers, owners, ctx)
+        ctx = BuildContext(
+            config=config.zero,
+            offload=config.offload,
+            dtype=compute_dtype,
+            separate_master=separate_master,
+            group=group,
+            device=device,
+            recordings=tuple(recordings),
+        )
+        self._frozen: list[FlatBuffer] = []
+        if config.zero.stage == 3:
+            per_optimizer, self._frozen = build_sharded(module, optimizers, owners, ctx)
         else:
             # Every rank starts from rank 0's weights, as DDP does when it wraps a module.
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group)
             per_optimizer = build_bucketed(optimizers, ctx)
-        self.sharded: dict[int, ShardedOptimizer] = {}
-        self.buffers: list[FlatBuffer] = []
+        elsewhere = frozenset(id(t.param) for t in parallel.tied if not t.counted_here)
+        self._optimizers = optimizers
+        self._sharded: dict[int, ShardedOptimizer] = {}
+        self._buffers: list[FlatBuffer] = []
         for optimizer, buffers in zip(optimizers, per_optimizer, strict=True):
-            self.buffers.extend(buffers)
-            self.sharded[id(optimizer)] = ShardedOptimizer(optimizer, buffers, group)
-        self.reducer = GradReducer(self.buffers, config.stage, group, device, config.overlap_comm)
-        self.coordinator: GatherCoordinator | None = None
-        if config.stage == 3:
-            self.coordinator = GatherCoordinator(module, self.buffers + self.frozen, config, group)
+            self._buffers.extend(buffers)
+            self._sharded[id(optimizer)] = ShardedOptimizer(
+                optimizer,
+                buffers,
+                group=group,
+                tensor_parallel_group=parallel.tensor,
+                pipeline_parallel_group=parallel.pipeline,
+                counted_elsewhere=elsewhere,
+            )
+        self._reducer = GradReducer(
+            self._buffers,
+            stage=config.zero.stage,
+            group=group,
+            device=device,
+            overlap_comm=config.zero.overlap_comm,
+            tied=parallel.tied,
+        )
+        self._coordinator: GatherCoordinator | None = None
+        if config.zero.stage == 3:
+            self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
         self._norms: dict[int, torch.Tensor] = {}
+        self._held = self._describe()
 
         orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]
         if orphans and optimizers:
@@ -101,15 +153,15 @@ class ZeroEngine:
 
     # -- per micro-step -----------------------------------------------------------------------
 
-    def finish_backward(self) -> None:
+    def backward_done(self) -> None:
         """Complete this backward's reductions. Call on all ranks after every backward."""
-        self.reducer.finish()
-        self.end_forward_backward()
+        self._reducer.finish()
+        self.end_pass()
 
-    def end_forward_backward(self) -> None:
+    def end_pass(self) -> None:
         """Stage 3: release what is still gathered; this pass's module order plans the next one."""
-        if self.coordinator is not None:
-            self.coordinator.end_step()
+        if self._coordinator is not None:
+            self._coordinator.end_pass()
 
     @contextmanager
     def gathered_parameters(self, module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
@@ -118,36 +170,69 @@ class ZeroEngine:
         Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
         # Whole parameters (stage 1/2, small ones under stage 3) are edited in place as well.
-        persistent = [b for b in self.buffers if b.persistent and any(id(p) in ids for p in b.params)]
-        sharded = self.coordinator.gathered_buffers(module) if self.coordinator is not None else []
-        if self.coordinator is not None:
-            self.coordinator.acquire(sharded)
+        persistent = [b for b in self._buffers if b.persistent and any(id(p) in ids for p in b.params)]
+        sharded = self._coordinator.gathered_buffers(module) if self._coordinator is not None else []
+        if self._coordinator is not None:
+            self._coordinator.acquire(sharded)
         try:
             yield
             if modifier_rank is not None:
                 scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
-            if self.coordinator is not None:
+            if self._coordinator is not None:
                 if torch.is_grad_enabled():
-                    self.coordinator.pin(sharded)
-                self.coordinator.drop(sharded)
+                    self._coordinator.pin(sharded)
+                self._coordinator.drop(sharded)
 
     # -- per optimizer step -------------------------------------------------------------------
 
-    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        return self.sharded[id(_unwrap(optimizer))]
+    def manages(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) steps ZeRO slices."""
+        return id(_unwrap(optimizer)) in self._sharded
 
-    def prepare_step(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> None:
-        """Expose the reduced gradient slices, unscaled, as ``master.grad``."""
-        self._norms.pop(id(_unwrap(optimizer)), None)
+    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        return self._sharded[id(_unwrap(optimizer))]
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        inv_scale: float = 1.0,
+        check_overflow: bool = False,
+        before_update: Callable[[], None] | None = None,
+        update: bool = True,
+    ) -> bool:
+        """One optimizer step on this rank's slices. Call on all ranks.
+
+        The reduced gradient slices become ``master.grad``, multiplied by ``inv_scale``;
+        ``before_update`` then runs (the user's hooks, clipping: :meth:`grad_norm` and
+        :meth:`clip_grad_norm` are valid there). Unless ``update`` is False (no backward ran), the
+        optimizer steps the slices and they are published; with ``check_overflow`` a non-finite
+        global norm skips that (one scalar all-reduce and one host sync, before anything is
+        written, so a bad batch never reaches the weights). The gradients are dropped either way.
+        Returns True when the update was skipped for non-finite gradients.
+        """
         sharded = self._get(optimizer)
-        self.reducer.reduce_for_step(sharded.buffers)
-        self.reducer.wait_host_copies()
-        self.reducer.add_tied(sharded.buffers)
+        self._norms.pop(id(sharded.optimizer), None)
+        self._reducer.reduce_for_step(sharded.buffers)
+        self._reducer.wait_host_copies()
+        self._reducer.add_tied(sharded.buffers)
         sharded.prepare(inv_scale)
+        if before_update is not None:
+            before_update()
+        overflow = False
+        if update:
+            overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
+            if not overflow:
+                sharded.step()
+                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+        sharded.release_grads()
+        self._reducer.zero_grad(sharded.buffers)
+        self._norms.pop(id(sharded.optimizer), None)
+        return overflow
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Global gradient L2 norm over all ranks. Call on all ranks."""
+        """Global gradient L2 norm over all ranks (fp32 scalar). Call on all ranks."""
         key = id(_unwrap(optimizer))
         if key not in self._norms:
             self._norms[key] = self._get(optimizer).grad_norm()
@@ -162,46 +247,164 @@ class ZeroEngine:
         return norm
 
     def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+        """Clamp every gradient element of this rank's slices to ``[-clip_value, clip_value]``."""
         self._get(optimizer).clip_grad_value(clip_value)
 
-    def step(self, optimizer: torch.optim.Optimizer, check_overflow: bool = False) -> bool:
-        """Step this rank's slices and publish them; returns True when skipped for non-finite
-        gradients (checked with ``check_overflow``: one scalar all-reduce and one host sync, before
-        anything is written, so a bad batch never reaches the weights). Call on all ranks."""
+    # -- the state other layers read and write ------------------------------------------------------
+
+    def _all_buffers(self) -> list[FlatBuffer]:
+        return self._buffers + self._frozen
+
+    def _describe(self) -> list[HeldParam]:
+        optimizer_of = {id(b): o for o, opt in enumerate(self._optimizers) for b in self._sharded[id(opt)].buffers}
+        out = []
+        for b_index, b in enumerate(self._all_buffers()):
+            local = {s.param_index: (s.param_offset, s.shard_offset, s.numel) for s in b.shards}
+            pieces: dict[int, list[tuple[int, int, int]]] = {}
+            for rank in range(b.layout.world_size):
+                for s in b.layout.shards(rank):
+                    pieces.setdefault(s.param_index, []).append((rank, s.param_offset, s.numel))
+            for index, (param, slot) in enumerate(zip(b.params, b.layout.slots, strict=True)):
+                held = HeldParam(
+                    param=param,
+                    shape=slot.shape,
+                    dtype=b.param_shard.dtype,
+                    saved_dtype=b.master.dtype,
+                    optimizer=optimizer_of.get(id(b)),
+                    buffer=b_index,
+                    pieces=tuple(pieces.get(index, ())),
+                    local=local.get(index),
+                )
+                out.append(held)
+        return out
+
+    def held_params(self) -> list[HeldParam]:
+        """Every parameter in the engine's flat buffers, in buffer order: those of the optimizers,
+        then (stage 3) frozen ones, which are partitioned without an optimizer. Local."""
+        return list(self._held)
+
+    def param_groups(self, optimizer: torch.optim.Optimizer) -> list[ParamGroup]:
+        """The parameter groups of a ZeRO-managed optimizer as the user built them."""
         sharded = self._get(optimizer)
-        overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
-        if not overflow:
-            sharded.step()
-            publish(sharded.buffers, self.group, self.config.allgather_bucket_size)
-        self.end_step(optimizer)
-        return overflow
+        return [
+            ParamGroup({k: v for k, v in group.items() if k != "params"}, tuple(original))
+            for group, original in zip(sharded.optimizer.param_groups, sharded.original_params, strict=True)
+        ]
 
-    def end_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop this step's gradients (after a step, or instead of one: nothing is updated here)."""
-        sharded = self._get(optimizer)
-        sharded.release_grads()
-        self.reducer.zero_grad(sharded.buffers)
-        self._norms.pop(id(_unwrap(optimizer)), None)
+    def local_pieces(self) -> list[LocalPiece | None]:
+        """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
+        host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
+        buffers = self._all_buffers()
+        copies: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]] = []
+        owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
+        for b in buffers:
+            raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
+            slices = {k: _host_copy(v) for k, v in raw.items() if self._is_slice(v, b)}
+            scalars = {
+                k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                for k, v in raw.items()
+                if not self._is_slice(v, b)
+            }
+            copies.append((_host_copy(b.master), slices, scalars))
+        out: list[LocalPiece | None] = []
+        for held in self._held:
+            if held.local is None:
+                out.append(None)
+                continue
+            _, shard_offset, numel = held.local
+            window = slice(shard_offset, shard_offset + numel)
+            master, slices, scalars = copies[held.buffer]
+            out.append(LocalPiece(master[window], {k: v[window] for k, v in slices.items()}, scalars))
+        return out
 
-    # -- checkpoints and teardown ---------------------------------------------------------------
+    @staticmethod
+    def _is_slice(value: Any, buffer: FlatBuffer) -> bool:
+        # one element per master element (exp_avg), not a scalar (step)
+        return torch.is_tensor(value) and value.shape == buffer.master.shape
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Consolidated (unsharded) state on rank 0, ``{}`` elsewhere. Call on all ranks."""
-        return self._get(optimizer).consolidated_state_dict()
+    def load_pieces(self, read: PieceReader) -> None:
+        """Overwrite this rank's master pieces with ``read(param, param_offset, numel)`` (where it
+        returns a tensor). Local: call :meth:`publish` afterwards."""
+        buffers = self._all_buffers()
+        with torch.no_grad():
+            for held in self._held:
+                if held.local is None:
+                    continue
+                param_offset, shard_offset, numel = held.local
+                value = read(held, param_offset, numel)
+                if value is not None:
+                    buffers[held.buffer].master[shard_offset : shard_offset + numel].copy_(value)
 
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    def load_optimizer_pieces(
+        self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader
+    ) -> None:
+        """Load ``optimizer``'s state piece by piece (``read`` returns each piece's states) and the
+        hyperparameters of ``saved_groups``. Local."""
+        index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
+        buffers = self._all_buffers()
+        state: dict[int, dict[str, Any]] = {}
+        for held in self._held:
+            if held.optimizer != index or held.local is None:
+                continue
+            param_offset, shard_offset, numel = held.local
+            piece = read(held, param_offset, numel)
+            if piece is None:
+                continue
+            buffer = buffers[held.buffer]
+            # Cloned: Adam increments "step" in place, so buffers must not share one tensor.
+            scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in piece.scalars.items()}
+            target = state.setdefault(id(buffer), scalars)
+            for key, value in piece.slices.items():
+                if key not in target:
+                    target[key] = torch.zeros(buffer.layout.shard_numel, dtype=value.dtype)
+                target[key][shard_offset : shard_offset + numel] = value
+        self._get(optimizer).load_slices(state, saved_groups)
+
+    def load_consolidated(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded optimizer state (a plain optimizer's); every rank keeps its slice. Local:
+        call :meth:`publish` afterwards (it may carry fp32 masters)."""
         self._get(optimizer).load_consolidated_state_dict(state_dict)
 
-    def find(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer | None:
-        return self.sharded.get(id(_unwrap(optimizer)))
+    def publish(self) -> None:
+        """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
+        Call on all ranks."""
+        buffers = self._all_buffers()
+        for buffer in buffers:
+            buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
+        publish(buffers, self.group, self.config.zero.allgather_bucket_size)
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The engine's live tensors by category (see :func:`lightning_zero.memory.memory_breakdown`),
+        in the order they should be counted (views of a counted storage are not counted again)."""
+        every = self._all_buffers()
+        stage1 = self.config.zero.stage == 1
+        out: dict[str, list[torch.Tensor]] = {
+            "parameters": [t for b in every if (t := b.flat_param if b.persistent else b.param_shard) is not None],
+            "master_weights": [b.master for b in self._buffers if b.separate_master],
+            "gradients": [b.grad_bucket for b in self._buffers if stage1 and b.grad_bucket is not None]
+            + [b.grad_shard for b in self._buffers if b.grad_shard is not None],
+            # freed buckets kept for reuse (a fresh multi-MB CPU allocation page-faults: see reduce.py)
+            "communication_buckets": [b.grad_bucket for b in self._buffers if not stage1 and b.grad_bucket is not None]
+            + list(self._reducer.pool.free),
+            "optimizer_states": [
+                value
+                for s in self._sharded.values()
+                for state in s.optimizer.state.values()
+                for value in state.values()
+                if torch.is_tensor(value)
+            ],
+        }
+        return out
+
+    # -- teardown ---------------------------------------------------------------------------------
 
     def close(self, unshard: bool = True) -> None:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
         whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
-        self.reducer.remove_hooks()
-        if self.coordinator is not None:
-            self.coordinator.remove_hooks()
+        self._reducer.remove_hooks()
+        if self._coordinator is not None:
+            self._coordinator.remove_hooks()
             if unshard:
-                for buffer in self.buffers + self.frozen:
+                for buffer in self._all_buffers():
                     buffer.unshard(self.group)
-            self.coordinator = None
+            self._coordinator = None

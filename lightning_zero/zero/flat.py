@@ -15,6 +15,14 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
 
 A sharded buffer is in one :class:`ParamState` at a time. While ``RELEASED`` its parameters'
 ``.data`` are empty tensors (shape ``(0,)``): reading one outside its module's forward fails.
+A trainable buffer's gradient roles are in one :class:`GradState` at a time; the methods under
+"gradients" are its transitions. :class:`~lightning_zero.zero.reduce.GradReducer` only decides
+when each happens (and issues the collectives)::
+
+    EMPTY --receive--> COLLECTING --start_reduce--> REDUCING --finish_reduce--> REDUCED [-> ON_HOST]
+      ^                                   ^                                        |
+      |                                   +------ start_reduce --- ACCUMULATING <--+ receive (next backward)
+      +------------------------------------ drop_grads (after the step) -----------+
 The padding at the end of the flat buffer is zero in every role, so norms and optimizer states
 computed over whole slices are exact.
 """
@@ -22,13 +30,14 @@ computed over whole slices are exact.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig
-from lightning_zero.offload.host import host_copy, host_empty
+from lightning_zero.zero.host import host_copy, host_empty
 from lightning_zero.zero.partition import FlatLayout
 
 
@@ -38,6 +47,27 @@ class ParamState(enum.Enum):
     RELEASED = "released"  # only param_shard exists
     GATHERING = "gathering"  # an all-gather into flat_param is in flight
     GATHERED = "gathered"  # flat_param is complete and the parameters are views into it
+
+
+class GradState(enum.Enum):
+    """What the gradient roles of a trainable flat buffer hold between two optimizer steps."""
+
+    EMPTY = "empty"  # grad_shard is zero since the last step (the first reduction writes straight into it)
+    COLLECTING = "collecting"  # grad_bucket receives this backward's gradients; grad_shard is still zero
+    ACCUMULATING = "accumulating"  # as COLLECTING, over a grad_shard holding earlier backwards' sums
+    REDUCING = "reducing"  # the bucket's reduce-scatter is in flight
+    REDUCED = "reduced"  # grad_shard holds the averaged gradients of every backward since the step
+    ON_HOST = "on_host"  # REDUCED, and host_grad a copy of it (complete once the reducer's event fired)
+
+
+# A gradient arriving: what the state becomes (REDUCING cannot receive: the reducer refuses first).
+_ON_RECEIVE = {
+    GradState.EMPTY: GradState.COLLECTING,
+    GradState.COLLECTING: GradState.COLLECTING,
+    GradState.ACCUMULATING: GradState.ACCUMULATING,
+    GradState.REDUCED: GradState.ACCUMULATING,
+    GradState.ON_HOST: GradState.ACCUMULATING,
+}
 
 
 class FlatBuffer:
@@ -61,6 +91,7 @@ class FlatBuffer:
         self,
         params: list[nn.Parameter],
         layout: FlatLayout,
+        *,
         rank: int,
         optimizer_group: int | None,
         dtype: torch.dtype,
@@ -117,11 +148,9 @@ class FlatBuffer:
         self.host_grad: torch.Tensor | None = None
         if self.offloaded and self.grad_shard is not None and self.grad_shard.device.type != "cpu":
             self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)  # type: ignore[union-attr]
-        self.host_grad_current = False
-        # True while grad_shard holds nothing since the last step (the first reduction can then be
-        # received straight into it instead of added).
-        self.grad_shard_fresh = True
-        self.arrived: set[int] = set()
+        self.grad_state = GradState.EMPTY
+        self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
+        self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice
         self._gather_handle: comm.Handle | None = None
 
     @property
@@ -180,16 +209,95 @@ class FlatBuffer:
 
     # -- gradients and the step -------------------------------------------------------------------
 
-    def bucket(self) -> torch.Tensor:
-        """The gradient bucket, allocated zeroed on first use."""
-        if self.grad_bucket is None:
-            self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        return self.grad_bucket
-
     @property
     def complete(self) -> bool:
-        """Every parameter's gradient of this backward has arrived in the bucket."""
+        """Every parameter's gradient of this backward has arrived."""
         return len(self.arrived) == len(self.params)
+
+    def keep_bucket(self) -> None:
+        """Stage 1: a zeroed bucket that accumulates over every micro-step and is reduced in place,
+        ``grad_shard`` being its slice r (the 2 bytes of full gradients of the ZeRO formula)."""
+        self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        start, end = self.layout.shard_range(self.rank)
+        self.grad_shard = self.grad_bucket[start:end]
+        self._bucket_kept = True
+
+    def arrive(self, p_index: int) -> None:
+        """Parameter ``p_index``'s gradient of this backward is accounted for (in the bucket or elsewhere)."""
+        self.arrived.add(p_index)
+
+    def receive(self, p_index: int, grad: torch.Tensor, new_bucket: Callable[[], torch.Tensor]) -> None:
+        """Add parameter ``p_index``'s gradient into ``grad_bucket`` (taken from ``new_bucket`` when
+        there is none): EMPTY -> COLLECTING, REDUCED/ON_HOST -> ACCUMULATING."""
+        assert self.grad_state is not GradState.REDUCING, "a gradient arrived while its bucket is being reduced"
+        if self.grad_bucket is None:
+            self.grad_bucket = new_bucket()
+        slot = self.layout.slots[p_index]
+        self.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        self.grad_state = _ON_RECEIVE[self.grad_state]
+        self.arrive(p_index)
+
+    def start_reduce(self, new_bucket: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> REDUCING. Returns ``(bucket, out)``: the reduce-scatter's input (a zero bucket from
+        ``new_bucket`` when no gradient arrived) and output: ``grad_shard`` itself while it holds
+        nothing, else a temporary that :meth:`finish_reduce` adds."""
+        if self.grad_bucket is None:
+            self.grad_bucket = new_bucket()
+        assert self.grad_shard is not None and self.grad_state is not GradState.REDUCING
+        fresh = self.grad_state in (GradState.EMPTY, GradState.COLLECTING)
+        out = self.grad_shard if fresh else torch.empty_like(self.grad_shard)
+        self.grad_state = GradState.REDUCING
+        return self.grad_bucket, out
+
+    def finish_reduce(self, out: torch.Tensor, world_size: int, to_host: bool) -> torch.Tensor | None:
+        """The reduction into ``out`` completed: average it into ``grad_shard`` -> REDUCED, and with
+        ``to_host`` start the copy to ``host_grad`` when offloaded -> ON_HOST (pinned memory: the
+        copy overlaps what follows). Returns the bucket to recycle (``None`` when kept)."""
+        assert self.grad_shard is not None and self.grad_state is GradState.REDUCING
+        # Average after the sum: one pass over the slice, not the whole bucket.
+        if out is self.grad_shard:
+            self.grad_shard.div_(world_size)
+        else:
+            self.grad_shard.add_(out.div_(world_size))
+        self.grad_state = GradState.REDUCED
+        if to_host and self.host_grad is not None:
+            self.host_grad.copy_(self.grad_shard, non_blocking=True)
+            self.grad_state = GradState.ON_HOST
+        if self._bucket_kept:
+            return None
+        bucket, self.grad_bucket = self.grad_bucket, None
+        return bucket
+
+    def end_backward(self) -> None:
+        """Forget which gradients this backward brought (the next one starts counting afresh)."""
+        self.arrived.clear()
+
+    def add_to_grads(self, start: int, piece: torch.Tensor) -> None:
+        """Add ``piece`` into the reduced gradient slice from element ``start`` on (and into its host
+        copy when that is current): gradients reduced outside the buckets (tied parameters)."""
+        assert self.grad_shard is not None
+        self.grad_shard[start : start + piece.numel()].add_(piece)
+        if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
+            self.host_grad[start : start + piece.numel()].add_(piece.to(self.host_grad.device))
+
+    def grad_for_step(self) -> torch.Tensor:
+        """The reduced slice as the optimizer's ``master.grad``: fp32 where the master is separate,
+        in host memory when offloaded (the host copy made during backward when there is one)."""
+        assert self.grad_shard is not None
+        if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
+            return self.host_grad.float()  # copied during backward (the engine waited for it)
+        if self.offloaded:
+            return self.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
+        return self.grad_shard.float() if self.separate_master else self.grad_shard
+
+    def drop_grads(self) -> None:
+        """After the step (or instead of one): every gradient role back to zero -> EMPTY."""
+        if self._bucket_kept:
+            assert self.grad_bucket is not None
+            self.grad_bucket.zero_()  # grad_shard is a view of it
+        elif self.grad_shard is not None:
+            self.grad_shard.zero_()
+        self.grad_state = GradState.EMPTY
 
     def params_from_master(self) -> None:
         """Overwrite this rank's parameter slice with the master slice (cast), offloaded or not."""

@@ -1,37 +1,250 @@
-"""Step 5 of the data path, **publish**: updated slices back into whole parameters.
+"""Step 2 of the data path for stage 3, **gather**: module hooks that bring sharded parameters in
+just before they are used and let them go right after.
 
-Stages 1 and 2 (and small, persistent parameters under stage 3) keep whole parameters on every rank. After the optimizer updated this rank's slice,
-each flat buffer is all-gathered in place: the input is this rank's slice of ``flat_param`` and the
-output is ``flat_param`` itself, so the parameters (views into it) are current again without an
-extra copy. At most ``allgather_bucket_size`` elements are in flight at once.
+* Before a module's forward, the sharded flat buffers of its own parameters (tied ones included:
+  ``head.weight is embed.weight`` makes the LM head gather the embedding's buffer) are all-gathered;
+  after its forward they are released, unless another module still holds them (reference counts,
+  for nesting and for modules called several times) or the recorded order shows they are needed
+  again within the prefetch window ("reused soon").
+* A gradient hook on the module's outputs (``register_multi_grad_hook``, fired by the first of their
+  gradients) gathers the buffers again before the gradients reach the module's own operations. (An
+  identity autograd Function would do the same but would forbid in-place ops on the outputs.)
+* After backward the gradient hooks of :mod:`~lightning_zero.zero.reduce` release a buffer as soon as
+  all of its gradients arrived; :meth:`GatherCoordinator.end_pass` releases whatever is left.
+* The order in which modules run is traced every step. The next step prefetches along the previous
+  step's trace, up to ``prefetch_bucket_size`` elements ahead and ``max_live_parameters`` gathered
+  in all; when a step deviates (a different branch, a shorter sequence), prefetching stops for the
+  rest of that step and the new trace replaces the old one. Nothing crashes on an order change.
 
-Under stage 3 the updated slice only replaces ``param_shard``; :mod:`~lightning_zero.zero.hooks`
-gathers it before the module's next forward.
+* Reading a released parameter as an attribute outside its module's forward (say
+  ``self.head.weight.norm()`` in ``training_step``) raises an error that names it: modules holding
+  sharded parameters get a subclass of their own class whose ``__getattr__`` checks, instead of
+  silently computing on an empty tensor. ``ZeroStrategy.gathered_parameters`` makes such reads legal.
+
+All ranks must run the same modules in the same order (the all-gathers are collectives); a
+data-dependent branch that differs between ranks hangs, as it does in every ZeRO-3 implementation;
+``ZeroStrategy(debug_collectives=True)`` turns that hang into an error naming each rank's module
+(the gathers are labelled with the module's qualified name for it).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 
 from lightning_zero import comm
-from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.config import ZeroConfig
+from lightning_zero.zero.flat import FlatBuffer, ParamState
+
+_GUARDED: dict[type, type] = {}
 
 
-def publish(buffers: list[FlatBuffer], group: comm.ProcessGroup, max_in_flight: int) -> None:
-    """All-gather every buffer's updated slice into its full ``flat_param``; the step has already
-    written ``param_shard`` (:meth:`ShardedOptimizer.step`). Call on all ranks."""
-    in_flight: deque[tuple[comm.Handle, int]] = deque()
-    issued = 0
-    for buffer in buffers:
-        if not buffer.persistent:
-            continue  # stage 3: the updated shard is gathered when a module next needs it
-        numel = buffer.layout.padded_numel
-        while in_flight and issued + numel > max_in_flight:
-            handle, done_numel = in_flight.popleft()
-            handle.wait()
-            issued -= done_numel
-        handle = comm.all_gather(buffer.flat_param, buffer.param_shard, group, async_op=True)
-        in_flight.append((handle, numel))
-        issued += numel
-    while in_flight:
-        in_flight.popleft()[0].wait()
+def _guarded_class(cls: type) -> type:
+    """``cls`` with a ``__getattr__`` that refuses released parameters (cached per class)."""
+    if cls not in _GUARDED:
+
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            # mypy cannot see that ``guarded`` (made below with type()) is a class
+            value = super(guarded, self).__getattr__(name)  # type: ignore[arg-type]
+            names = getattr(self, "_lightning_zero_sharded", None)
+            if names is not None and isinstance(value, nn.Parameter) and value.numel() == 0 and id(value) in names:
+                raise RuntimeError(
+                    f"parameter {names[id(value)]!r} is sharded by ZeRO stage 3 and was read outside the forward of "
+                    "the module that owns it, where it holds no data. Read it inside "
+                    "`with trainer.strategy.gathered_parameters(module):`, or use it through its module's forward."
+                )
+            return value
+
+        guarded = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__})
+        guarded.__qualname__ = cls.__qualname__
+        _GUARDED[cls] = guarded
+    return _GUARDED[cls]
+
+
+class GatherCoordinator:
+    """Owns the forward hooks of every module that uses sharded parameters."""
+
+    def __init__(
+        self, module: nn.Module, buffers: list[FlatBuffer], config: ZeroConfig, group: comm.ProcessGroup
+    ) -> None:
+        self.config = config
+        self.group = group
+        owner = {id(p): b for b in buffers if not b.persistent for p in b.params}
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner}
+        self._guarded: list[tuple[nn.Module, type]] = []
+        self.modules: list[nn.Module] = []
+        self.names: list[str] = []  # qualified module names, for the collective checker's messages
+        self.needs: list[list[FlatBuffer]] = []
+        self._handles = []
+        for qualname, sub in module.named_modules():
+            needed: list[FlatBuffer] = []
+            for param in sub._parameters.values():
+                b = owner.get(id(param)) if param is not None else None
+                if b is not None and all(b is not other for other in needed):
+                    needed.append(b)
+            if not needed:
+                continue
+            index = len(self.modules)
+            self.modules.append(sub)
+            self.names.append(repr(qualname) if qualname else "the root module")
+            self._guarded.append((sub, type(sub)))
+            sub.__class__ = _guarded_class(type(sub))
+            sub._lightning_zero_sharded = names
+            self.needs.append(needed)
+            self._handles.append(sub.register_forward_pre_hook(self._make_pre_forward(index)))
+            self._handles.append(sub.register_forward_hook(self._make_post_forward(index)))
+        self._refs: dict[int, int] = {}
+        self._pinned: set[int] = set()
+        self.trace: list[int] = []  # module indices in the order they ran this step
+        self.previous: list[int] = []  # last step's trace: the prefetch plan
+        self._on_plan = True
+        self._bwd_cursor = -1
+
+    # -- reference-counted gather/release ----------------------------------------------------
+
+    def acquire(self, buffers: list[FlatBuffer], label: str = "") -> None:
+        """Gather ``buffers`` (waiting for any in flight) and hold them. Call on all ranks."""
+        for b in buffers:
+            b.gather_start(self.group, label)
+        for b in buffers:
+            b.gather_wait()
+            self._refs[id(b)] = self._refs.get(id(b), 0) + 1
+
+    def drop(self, buffers: list[FlatBuffer], keep: bool = False) -> None:
+        """Let go of ``buffers``; one whose last holder left is released unless ``keep``."""
+        for b in buffers:
+            count = self._refs.get(id(b), 0) - 1
+            self._refs[id(b)] = max(count, 0)
+            if count <= 0 and not keep and id(b) not in self._pinned:
+                b.release()
+
+    def pin(self, buffers: list[FlatBuffer]) -> None:
+        """Keep ``buffers`` gathered until the end of this forward/backward: tensors computed from
+        them outside their modules (inside ``gathered_parameters``) need them again in backward, and
+        no module hook would gather them then. Their gradient hooks still release them once all of
+        their gradients have arrived, which happens after every use in backward."""
+        self._pinned.update(id(b) for b in buffers)
+
+    def _live_numel(self) -> int:
+        return sum(b.numel for needed in self.needs for b in needed if b.state is not ParamState.RELEASED)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        budget = self.config.prefetch_bucket_size
+        live = self._live_numel()
+        seen: set[int] = set()
+        for index in upcoming:
+            for b in self.needs[index]:
+                if id(b) in seen or b.state is not ParamState.RELEASED:
+                    continue
+                if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
+                    return
+                seen.add(id(b))
+                b.gather_start(self.group, f"{self.names[index]} (prefetch)")
+                budget -= b.numel
+                live += b.numel
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, index: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            position = len(self.trace)
+            self.trace.append(index)
+            if self._on_plan and (position >= len(self.previous) or self.previous[position] != index):
+                self._on_plan = False  # the order changed: no prefetch until the next step
+            self.acquire(self.needs[index], f"{self.names[index]} (forward)")
+            if self._on_plan:
+                self._prefetch(self.previous[position + 1 :])
+
+        return hook
+
+    def _reused_soon(self, index: int) -> bool:
+        if not self._on_plan:
+            return False
+        window = 0
+        for upcoming in self.previous[len(self.trace) :]:
+            if upcoming == index:
+                return True
+            window += sum(b.numel for b in self.needs[upcoming])
+            if window > self.config.prefetch_bucket_size:
+                return False
+        return False
+
+    def _make_post_forward(self, index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.drop(self.needs[index], keep=self._reused_soon(index))
+            if not torch.is_grad_enabled():
+                return output
+            leaves, _ = tree_flatten(output)
+            tensors = tuple(leaf for leaf in leaves if torch.is_tensor(leaf) and leaf.requires_grad)
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads: self.pre_backward(index), mode="any")
+            return output
+
+        return hook
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def pre_backward(self, index: int) -> None:
+        """Gather a module's parameters before its backward; prefetch the modules that ran before it."""
+        for b in self.needs[index]:
+            b.gather_start(self.group, f"{self.names[index]} (backward)")
+        for b in self.needs[index]:
+            b.gather_wait()
+        cursor = self._bwd_cursor if self._bwd_cursor >= 0 else len(self.trace)
+        found = next((p for p in range(min(cursor, len(self.trace)) - 1, -1, -1) if self.trace[p] == index), None)
+        if found is not None:
+            self._bwd_cursor = found
+            self._prefetch(self.trace[found - 1 :: -1] if found > 0 else [])
+
+    # -- step boundaries -------------------------------------------------------------------------
+
+    def end_pass(self) -> None:
+        """End of one forward/backward pass: release everything still gathered and make this pass's
+        trace the next pass's plan."""
+        for needed in self.needs:
+            for b in needed:
+                b.release()
+        self._refs.clear()
+        self._pinned.clear()
+        if self.trace:
+            self.previous = self.trace
+        self.trace = []
+        self._on_plan = True
+        self._bwd_cursor = -1
+
+    def gathered_buffers(self, module: nn.Module) -> list[FlatBuffer]:
+        """The sharded buffers holding parameters of ``module`` (recursively)."""
+        ids = {id(p) for p in module.parameters()}
+        out: list[FlatBuffer] = []
+        for needed in self.needs:
+            for b in needed:
+                if any(id(p) in ids for p in b.params) and all(b is not o for o in out):
+                    out.append(b)
+        return out
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for sub, cls in self._guarded:
+            sub.__class__ = cls
+            del sub._lightning_zero_sharded
+        self._guarded.clear()
+
+
+def scatter_back(buffers: list[FlatBuffer], source_rank: int | None, group: comm.ProcessGroup) -> None:
+    """After user code edited gathered parameters: make every rank's shards (and fp32 masters) match
+    the full parameters of ``source_rank`` (``None``: each rank keeps its own edits). Call on all ranks."""
+    for b in buffers:
+        assert b.flat_param is not None
+        if source_rank is not None:
+            comm.broadcast(b.flat_param, source_rank, group)
+        start, end = b.layout.shard_range(b.rank)
+        if b.param_shard.data_ptr() != b.flat_param[start:end].data_ptr():
+            b.param_shard.copy_(b.flat_param[start:end])
+        if b.separate_master:
+            b.master.copy_(b.flat_param[start:end])

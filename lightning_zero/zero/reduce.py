@@ -26,13 +26,14 @@ On a GPU the copies and collectives run on a side stream; see :class:`SideStream
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.surface import TiedAcrossStages
 
 
 class SideStream:
@@ -98,15 +99,19 @@ class BucketPool:
 
 
 class GradReducer:
-    """Owns the gradient hooks and buckets of a list of flat buffers (all optimizers of a model)."""
+    """Owns the gradient hooks, the bucket pool and the schedule of reductions of a list of flat
+    buffers (all optimizers of a model). What each buffer's gradients hold is the buffer's own
+    :class:`~lightning_zero.zero.flat.GradState`; the reducer only decides when it changes."""
 
     def __init__(
         self,
         buffers: list[FlatBuffer],
+        *,
         stage: int,
         group: comm.ProcessGroup,
         device: torch.device,
         overlap_comm: bool = True,
+        tied: Sequence[TiedAcrossStages] = (),
     ) -> None:
         self.buffers = buffers
         self.stage = stage
@@ -118,18 +123,18 @@ class GradReducer:
         self.pool = BucketPool(2 * largest)
         self.host_copies_done: torch.cuda.Event | None = None
         self._next_launch = 0
-        self._pending: list[tuple[FlatBuffer, comm.Handle, torch.Tensor | None]] = []
+        self._pending: list[tuple[FlatBuffer, comm.Handle, torch.Tensor]] = []  # (buffer, reduction, its output)
         self._handles = []
         # Pipeline parallelism: parameters tied across stages, id -> (accumulator, buffer, slot index, group)
         self._tied: dict[int, tuple[torch.Tensor, FlatBuffer, int, comm.ProcessGroup]] = {}
         for b_index, buffer in enumerate(buffers):
             if stage == 1:
-                bucket = buffer.bucket()
-                start, end = buffer.layout.shard_range(buffer.rank)
-                buffer.grad_shard = bucket[start:end]
+                buffer.keep_bucket()
             for p_index, param in enumerate(buffer.params):
                 hook = partial(self._on_grad, b_index, p_index)
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        for t in tied:
+            self._tie(t.param, t.group)
 
     # -- called by autograd -------------------------------------------------------------------
 
@@ -148,22 +153,22 @@ class GradReducer:
         if grad.is_sparse:
             raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
         tied = self._tied.get(id(param))
-        slot = buffer.layout.slots[p_index]
         with self.side.enter():
             if tied is not None:  # summed over its stages at the step (add_tied), not bucketed
                 tied[0].add_(grad.reshape(-1))
+                buffer.arrive(p_index)
             else:
-                if buffer.grad_bucket is None:
-                    buffer.grad_bucket = self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device)
-                buffer.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+                buffer.receive(p_index, grad, partial(self._new_bucket, buffer))
             self.side.keep_alive(grad)
         param.grad = None
-        buffer.arrived.add(p_index)
         if buffer.complete:
             buffer.release()  # stage 3: its parameters are not needed again in this backward
         if self.stage >= 2 and self.overlap_comm:
             self._launch(only_complete=True)
             self._drain(block=False)
+
+    def _new_bucket(self, buffer: FlatBuffer) -> torch.Tensor:
+        return self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device)
 
     # -- stages 2 and 3: reduce every backward -----------------------------------------------------
 
@@ -175,36 +180,25 @@ class GradReducer:
             if only_complete and not buffer.complete:
                 return
             with self.side.enter():
-                if buffer.grad_bucket is None:
-                    buffer.grad_bucket = self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device)
-                out = buffer.grad_shard if buffer.grad_shard_fresh else torch.empty_like(buffer.grad_shard)
-                handle = comm.reduce_scatter(out, buffer.grad_bucket, self.group, async_op=True, clobber_input=True)
-            self._pending.append((buffer, handle, None if buffer.grad_shard_fresh else out))
+                bucket, out = buffer.start_reduce(partial(self._new_bucket, buffer))
+                handle = comm.reduce_scatter(out, bucket, self.group, async_op=True, clobber_input=True)
+            self._pending.append((buffer, handle, out))
             self._next_launch += 1
 
     def _drain(self, block: bool) -> None:
-        """Finish reductions from the oldest on: average into ``grad_shard``, recycle the bucket.
+        """Finish reductions from the oldest on: average into ``grad_shard`` (ZeRO-Offload: start
+        moving the slice to the host now, overlapping the rest of backward), recycle the bucket.
         Without ``block`` stop at the first one still running."""
         with self.side.enter():
             while self._pending:
-                buffer, handle, extra = self._pending[0]
+                buffer, handle, out = self._pending[0]
                 if not block and not handle.is_completed():
                     break
                 handle.wait()
                 self._pending.pop(0)
-                # Average after the sum: one pass over the slice, not the whole bucket.
-                if extra is None:
-                    buffer.grad_shard.div_(self.world_size)
-                else:
-                    buffer.grad_shard.add_(extra.div_(self.world_size))
-                buffer.grad_shard_fresh = False
-                if buffer.host_grad is not None:
-                    # ZeRO-Offload: start moving the slice to the host now (pinned: asynchronous)
-                    buffer.host_grad.copy_(buffer.grad_shard, non_blocking=True)
-                    buffer.host_grad_current = True
-                assert buffer.grad_bucket is not None
-                self.pool.give(buffer.grad_bucket)
-                buffer.grad_bucket = None
+                bucket = buffer.finish_reduce(out, self.world_size, to_host=True)
+                if bucket is not None:
+                    self.pool.give(bucket)
 
     def finish(self) -> None:
         """End of one backward: complete every reduction of it. Call on all ranks after each backward."""
@@ -215,7 +209,7 @@ class GradReducer:
             self.host_copies_done = self.side.record()
         self._next_launch = 0
         for buffer in self.buffers:
-            buffer.arrived.clear()
+            buffer.end_backward()
 
     # -- stage 1: reduce at the accumulation boundary ----------------------------------------------
 
@@ -224,18 +218,20 @@ class GradReducer:
         if self.stage != 1:
             return
         with self.side.enter():
-            handles = [
-                comm.reduce_scatter(b.grad_shard, b.bucket(), self.group, async_op=True, clobber_input=True)
-                for b in buffers
-            ]
-            for b, handle in zip(buffers, handles, strict=True):
+            outs, handles = [], []
+            for b in buffers:
+                bucket, out = b.start_reduce(partial(self._new_bucket, b))  # in place: out is grad_shard
+                outs.append(out)
+                handles.append(comm.reduce_scatter(out, bucket, self.group, async_op=True, clobber_input=True))
+            for b, out, handle in zip(buffers, outs, handles, strict=True):
                 handle.wait()
-                b.grad_shard.div_(self.world_size)
+                # No host copy here: the offloaded step reads grad_shard right after, at the step.
+                b.finish_reduce(out, self.world_size, to_host=False)
         self.side.join()
 
     # -- pipeline parallelism: parameters tied across stages ---------------------------------------
 
-    def tie(self, param: torch.Tensor, group: comm.ProcessGroup) -> None:
+    def _tie(self, param: torch.Tensor, group: comm.ProcessGroup) -> None:
         """Sum ``param``'s gradient over ``group`` (the same rank of every pipeline stage holding a copy
         of it) before the data-parallel average, so that every copy takes the same step. Its
         gradients accumulate whole, outside the buckets, until :meth:`add_tied`."""
@@ -262,21 +258,13 @@ class GradReducer:
             start, end = buffer.layout.shard_range(buffer.rank)
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
-                piece = accum[lo - slot.offset : hi - slot.offset]
-                buffer.grad_shard[lo - start : hi - start].add_(piece)
-                if buffer.host_grad is not None and buffer.host_grad_current:
-                    buffer.host_grad[lo - start : hi - start].add_(piece.to(buffer.host_grad.device))
+                buffer.add_to_grads(lo - start, accum[lo - slot.offset : hi - slot.offset])
             accum.zero_()
 
     def zero_grad(self, buffers: list[FlatBuffer]) -> None:
         """Forget the gradients of ``buffers`` after their optimizer stepped."""
         for buffer in buffers:
-            if self.stage == 1:
-                buffer.bucket().zero_()  # grad_shard is a view of it
-            else:
-                buffer.grad_shard.zero_()
-            buffer.grad_shard_fresh = True
-            buffer.host_grad_current = False
+            buffer.drop_grads()
 
     def wait_host_copies(self) -> None:
         """Block the host until the offloaded gradient slices have reached host memory."""

@@ -16,10 +16,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import _free_port, run_ranks
 from models import ParityModel, build_strategy, make_loader, state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero.testing import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent
@@ -268,7 +269,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
     script = tmp_path / "kill.py"
     script.write_text(_KILL_SCRIPT.format(here=str(HERE)))
     path = tmp_path / "model.ckpt"
-    # One rank that looks like torchrun's, as in harness.py.
+    # One rank that looks like torchrun's, as in lightning_zero.testing.
     env = dict(
         os.environ,
         WORLD_SIZE="1",
@@ -278,7 +279,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
         GROUP_RANK="0",
         NODE_RANK="0",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         TORCHELASTIC_RUN_ID="kill_test",
         OMP_NUM_THREADS="1",
     )

@@ -20,8 +20,9 @@ import json
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -256,9 +257,10 @@ def _pipeline_worker(rank: int, tmp: str) -> dict:
 
     from lightning_zero.checkpoint import load as ckpt_load
     from lightning_zero.checkpoint.save import save_sharded
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.config import StrategyConfig, ZeroConfig
     from lightning_zero.layout import ParallelLayout
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.surface import ModelParallelContext
 
     dist.init_process_group("gloo")
     data_parallel = [dist.new_group([0]), dist.new_group([1])][rank]  # one data-parallel rank per stage
@@ -269,11 +271,10 @@ def _pipeline_worker(rank: int, tmp: str) -> dict:
         return optimizer, ZeroEngine(
             model,
             [optimizer],
-            ZeroConfig(stage=2, reduce_bucket_size=333),
-            torch.float32,
-            False,
-            data_parallel,
-            torch.device("cpu"),
+            config=StrategyConfig(zero=ZeroConfig(stage=2, reduce_bucket_size=333)),
+            precision="32-true",
+            device=torch.device("cpu"),
+            parallel=ModelParallelContext(data=data_parallel),
         )
 
     model = _stage(_gpt(0), rank)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
 from models import WIDTH, ParityModel, fit
 from torch import nn
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

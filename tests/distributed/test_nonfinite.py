@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
 from models import StateEveryStep, fit
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

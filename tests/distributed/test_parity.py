@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
 from lightning.pytorch import Callback
 from models import fit, state
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

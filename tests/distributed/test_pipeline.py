@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_ranks
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

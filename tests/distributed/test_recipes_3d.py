@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import run_ranks
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -12,9 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
 from models import SEQ, VOCAB, make_loader
 from torch import nn
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

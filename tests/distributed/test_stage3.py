@@ -7,8 +7,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from harness import run_ranks
 from models import BuiltInConfigureModel, HazardModel, fit, make_loader, state
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

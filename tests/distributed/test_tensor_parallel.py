@@ -30,7 +30,8 @@ import copy
 
 import pytest
 import torch
-from harness import run_ranks
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 

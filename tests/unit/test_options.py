@@ -9,7 +9,7 @@ import torch
 
 import lightning_zero
 from lightning_zero import LossScaleConfig, OffloadPrecision, ZeroStrategy
-from lightning_zero.zero.optimizer import check_optimizer
+from lightning_zero.zero.step import check_optimizer
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ This is exact only for elementwise optimizers, whose update of an element reads 
 alone: slices cut through parameters. Optimizers built on whole-tensor statistics (LAMB's trust
 ratio, Adafactor's factored moments, LBFGS) are rejected.
 
-Checkpoints use the *consolidated* format: exactly what ``optimizer.state_dict()`` of the same
-optimizer would return without ZeRO (state per original parameter, full shapes), plus the fp32
-master weights under ``"master"`` when they are separate from the parameters. A plain (DDP)
-checkpoint therefore loads into a ZeRO run and back.
+Checkpoints are written per piece (:mod:`lightning_zero.checkpoint`) and loaded back through
+:meth:`ShardedOptimizer.load_slices`; an unsharded optimizer state (a plain DDP checkpoint, or the
+earlier single-file format with the fp32 masters under ``"master"``) loads through
+:meth:`ShardedOptimizer.load_consolidated_state_dict`, so a DDP checkpoint loads into a ZeRO run.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from lightning_zero import comm
-from lightning_zero.offload.cpu_step import KernelStep
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.step_kernels import KernelStep
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -49,7 +49,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam):
         return
     if cls in (ops.CPULamb, ops.FusedLamb):
-        return  # stepped by the shard-aware LAMB kernels (lightning_zero.offload.cpu_step)
+        return  # stepped by the shard-aware LAMB kernels (lightning_zero.zero.step_kernels)
     name = cls.__name__
     if any(hint in name.lower() for hint in _WHOLE_TENSOR_HINTS):
         raise ValueError(
@@ -73,9 +73,28 @@ def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedOptimizer:
-    """The user's optimizer rewired to this rank's master slices; see the module docstring."""
+    """The user's optimizer rewired to this rank's master slices; see the module docstring.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup) -> None:
+    Args:
+        optimizer: the user's optimizer (its groups are rewired in place).
+        buffers: the flat buffers of its parameters.
+        group: the data-parallel group.
+        tensor_parallel_group: parameters marked ``tensor_parallel`` hold different shards on its
+            ranks; the others are replicas, counted on tensor-parallel rank 0 only (``None``: none).
+        pipeline_parallel_group: every stage holds other parameters: norms add up over it.
+        counted_elsewhere: ids of parameters tied across stages whose norm another stage counts.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        buffers: list[FlatBuffer],
+        *,
+        group: comm.ProcessGroup,
+        tensor_parallel_group: comm.ProcessGroup = None,
+        pipeline_parallel_group: comm.ProcessGroup = None,
+        counted_elsewhere: frozenset[int] = frozenset(),
+    ) -> None:
         if any(len(state) for state in optimizer.state.values()):
             raise ValueError(
                 f"{type(optimizer).__name__} already has optimizer state before ZeRO set it up; create it in "
@@ -85,13 +104,9 @@ class ShardedOptimizer:
         self.buffers = buffers
         self.group = group
         self.rank = comm.rank(group)
-        # Set by a tensor-parallel strategy: parameters marked ``tensor_parallel`` hold different
-        # shards on its ranks; the others are replicas, counted on tensor-parallel rank 0 only.
-        self.tensor_parallel_group: comm.ProcessGroup = None
-        # Set under pipeline parallelism: every stage holds other parameters (norms add up over the
-        # pipeline group), and a parameter tied across stages is counted on its first stage only.
-        self.pipeline_parallel_group: comm.ProcessGroup = None
-        self.counted_elsewhere: set[int] = set()  # ids of parameters whose norm another stage counts
+        self.tensor_parallel_group = tensor_parallel_group
+        self.pipeline_parallel_group = pipeline_parallel_group
+        self.counted_elsewhere = counted_elsewhere
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
         for g_index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [b.master for b in buffers if b.optimizer_group == g_index]
@@ -103,12 +118,7 @@ class ShardedOptimizer:
     def prepare(self, inv_scale: float) -> None:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
         for b in self.buffers:
-            if b.host_grad is not None and b.host_grad_current:
-                grad = b.host_grad.float()  # copied during backward (the engine waited for it)
-            elif b.offloaded:
-                grad = b.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
-            else:
-                grad = b.grad_shard.float() if b.separate_master else b.grad_shard
+            grad = b.grad_for_step()
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)
             b.master.grad = grad
@@ -171,46 +181,27 @@ class ShardedOptimizer:
         for b in self.buffers:
             b.master.grad = None
 
-    # -- checkpoints (consolidated format) ------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------
 
-    def _original_index(self) -> dict[int, int]:
-        ids = [id(p) for group in self.original_params for p in group]
-        return {pid: i for i, pid in enumerate(ids)}
-
-    def consolidated_state_dict(self) -> dict[str, Any]:
-        """The unsharded ``state_dict`` on group rank 0 (``{}`` on other ranks). Call on all ranks."""
-        index = self._original_index()
-        state: dict[int, dict[str, Any]] = {}
-        for b in self.buffers:
-            shard_state = dict(self.optimizer.state.get(b.master, {}))
-            if b.separate_master:
-                shard_state["master"] = b.master
-            for key in sorted(shard_state):
-                value = shard_state[key]
-                is_slice = torch.is_tensor(value) and value.shape == b.master.shape
-                full = None
-                if is_slice:
-                    full = torch.empty(b.layout.padded_numel, dtype=value.dtype, device=value.device)
-                    comm.all_gather(full, value.contiguous(), self.group)
-                if self.rank != 0:
-                    continue
-                for param, slot in zip(b.params, b.layout.slots, strict=True):
-                    entry = state.setdefault(index[id(param)], {})
-                    if is_slice:
-                        entry[key] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
-                    else:
-                        entry[key] = value.cpu().clone() if torch.is_tensor(value) else value
-        if self.rank != 0:
-            return {}
-        groups = []
-        for g_index, saved in enumerate(self.optimizer.state_dict()["param_groups"]):
-            group = {k: v for k, v in saved.items() if k != "params"}
-            group["params"] = [index[id(p)] for p in self.original_params[g_index]]
+    def load_slices(self, state: dict[int, dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
+        """Load per-buffer states (``id(buffer) -> {key: slice or scalar}``) and the hyperparameters
+        of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
+        # Optimizer.load_state_dict keys are positions in the optimizer's own parameter order (group
+        # by group), which under stage 3 is not the order of self.buffers.
+        position = {id(m): k for k, m in enumerate(m for g in self.optimizer.param_groups for m in g["params"])}
+        by_position = {position[id(b.master)]: state[id(b)] for b in self.buffers if id(b) in state}
+        groups, start = [], 0
+        for g_index, saved in enumerate(saved_groups):
+            group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            count = len(self.optimizer.param_groups[g_index]["params"])
+            group["params"] = list(range(start, start + count))
+            start += count
             groups.append(group)
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        self.optimizer.load_state_dict({"state": by_position, "param_groups": groups})
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load an unsharded optimizer ``state_dict`` (ours or a plain one); every rank keeps its slice."""
+        """Load an unsharded optimizer ``state_dict`` (a plain optimizer's, or our earlier
+        single-file format); every rank keeps its slice."""
         saved_groups = state_dict["param_groups"]
         sizes = [len(g) for g in self.original_params]
         saved_sizes = [len(g["params"]) for g in saved_groups]
@@ -220,30 +211,19 @@ class ShardedOptimizer:
                 f"{type(self.optimizer).__name__} here has {sizes}; load it into the same model and "
                 "configure_optimizers that wrote it."
             )
+        # Its keys are positions in the original parameter order; ours are the same parameters.
         saved_ids = [i for g in saved_groups for i in g["params"]]
-        by_position = {pos: saved_ids[pos] for pos in range(len(saved_ids))}
-        position = self._original_index()
+        position = {id(p): saved_ids[k] for k, p in enumerate(p for group in self.original_params for p in group)}
         full_state = state_dict["state"]
-        new_state: dict[int, dict[str, Any]] = {}
-        # load_state_dict keys are positions in the optimizer's parameter order (group by group),
-        # which under stage 3 is not the order of self.buffers.
-        slot = {id(m): i for i, m in enumerate(m for g in self.optimizer.param_groups for m in g["params"])}
+        state: dict[int, dict[str, Any]] = {}
         for b in self.buffers:
-            entries = [full_state.get(by_position[position[id(p)]], {}) for p in b.params]
-            shard_state = self._slice_state(b, entries)
+            shard_state = self._slice_state(b, [full_state.get(position[id(p)], {}) for p in b.params])
             master = shard_state.pop("master", None)
             if master is not None and b.separate_master:
                 b.master.copy_(master)
             if shard_state:
-                new_state[slot[id(b.master)]] = shard_state
-        groups, k = [], 0
-        for g_index, saved in enumerate(saved_groups):
-            group = {key: v for key, v in saved.items() if key != "params"}
-            count = len(self.optimizer.param_groups[g_index]["params"])
-            group["params"] = list(range(k, k + count))
-            k += count
-            groups.append(group)
-        self.optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+                state[id(b)] = shard_state
+        self.load_slices(state, saved_groups)
 
     @staticmethod
     def _slice_state(b: FlatBuffer, entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""Spawn CPU/gloo ranks that look to Lightning as if ``torchrun`` had started them.
+"""Spawn CPU/gloo ranks that look to Lightning as if ``torchrun`` had started them: the one harness
+of the distributed tests and the benchmarks.
 
 Each rank gets the torchelastic environment variables, so Lightning's ``TorchElasticEnvironment``
 is detected and no launcher of Lightning's own starts extra processes; several Trainers can then run
-one after the other in the same ranks (the DDP reference and the ZeRO runs) over one process group.
-A worker returns a picklable result; ``run_ranks`` returns the list of results in rank order and
-re-raises the first failure with the rank's traceback.
+one after the other in the same ranks (a reference and the ZeRO runs) over one process group. A
+worker returns a picklable result; :func:`run_ranks` returns the results in rank order, re-raises
+the first failure with the rank's traceback, and gives up after ``timeout`` seconds: a rank killed
+from outside (say for memory) never reports, and without the deadline its peers would wait on it
+forever.
 """
 
 from __future__ import annotations
@@ -12,20 +15,33 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    run_id: str,
+    prepare: Callable[[], None] | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -35,14 +51,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         LOCAL_WORLD_SIZE=str(world_size),
         GROUP_RANK="0",
         NODE_RANK="0",
-        TORCHELASTIC_RUN_ID="lightning_zero_tests",
+        TORCHELASTIC_RUN_ID=run_id,
         OMP_NUM_THREADS="1",
     )
-    import torch
-
-    # Two ranks share two cores: one thread each avoids oversubscription (and its timing noise).
+    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription (and its
+    # timing noise in the benchmarks).
     torch.set_num_threads(1)
     try:
+        if prepare is not None:
+            prepare()
         # Serialized to bytes: tensors sent through a torch queue would be shared through file
         # descriptors that vanish when this process exits.
         buffer = io.BytesIO()
@@ -53,24 +70,39 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         raise
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` spawned ranks; results in rank order."""
+def run_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 240.0,
+    run_id: str = "lightning_zero_tests",
+    prepare: Callable[[], None] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` spawned ranks; their results in rank order.
+
+    ``fn`` (and ``prepare``, run first in every rank) must be importable by the children: a
+    module-level function. Raises ``AssertionError`` when a rank fails (with its traceback), when
+    ranks end without a result, or after ``timeout`` seconds; the other ranks are killed then.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, run_id, prepare, fn, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
+    results: dict[int, bytes] = {}
     errors: list[str] = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size and time.monotonic() < deadline:
         if not queue.empty():
             rank, status, payload = queue.get()
-            (results.__setitem__(rank, payload) if status == "ok" else errors.append(f"rank {rank}:\n{payload}"))
-            if errors:
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
                 break
         elif not any(p.is_alive() for p in procs) and queue.empty():
             break
@@ -86,6 +118,4 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: 
     if len(results) < world_size:
         codes = [p.exitcode for p in procs]
         raise AssertionError(f"ranks ended without a result (exit codes {codes}) or timed out after {timeout}s")
-    import torch
-
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

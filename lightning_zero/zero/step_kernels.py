@@ -13,7 +13,7 @@ Two cases use it instead of the user's ``optimizer.step()``:
   step); phase 2 applies each parameter's ratio. Under tensor parallelism a parameter marked
   ``tensor_parallel`` is itself a shard of a larger one, whose norms also add up over the
   tensor-parallel group (a second all-reduce of the same small table), as the global gradient norm
-  of :mod:`lightning_zero.zero.optimizer` does; replicated parameters keep tensor-parallel rank 0's
+  of :mod:`lightning_zero.zero.step` does; replicated parameters keep tensor-parallel rank 0's
   sums, so every rank applies the same ratio to its replica.
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from lightning_zero import comm
-from lightning_zero.offload.host import host_empty
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.host import host_empty
 
 
 def _adam_family() -> tuple[type, ...]:
