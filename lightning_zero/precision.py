@@ -111,11 +111,15 @@ class OffloadPrecision(Precision):
         #: optimizer steps skipped for non-finite gradients ("16-mixed" counts in ``scaler.skipped_steps``)
         self.nonfinite_steps = 0
         self._engine: ZeroEngine | None = None
+        self._pipelined = False
 
-    def attach(self, engine: ZeroEngine | None, device: torch.device) -> None:
-        """Called by the strategy in ``setup``: the engine that owns the gradients, and the device."""
+    def attach(self, engine: ZeroEngine | None, device: torch.device, pipelined: bool = False) -> None:
+        """Called by the strategy in ``setup``: the engine that owns the gradients, the device, and
+        whether a pipeline schedule runs every backward inside ``training_step`` (Lightning's
+        backward call is then a no-op here; the strategy leaves ``Strategy.backward`` as Lightning's)."""
         self._engine = engine
         self.device_type = device.type
+        self._pipelined = pipelined
 
     # -- module and forward -------------------------------------------------------------------
 
@@ -152,10 +156,20 @@ class OffloadPrecision(Precision):
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self._pipelined:
+            return tensor  # the schedule already ran backward (and its hooks) in training_step
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
+    def backward(  # type: ignore[override]
+        self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if not self._pipelined:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
     def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self._pipelined:
+            return tensor
         if self._engine is not None:
             self._engine.backward_done()
         tensor = super().post_backward(tensor, module)

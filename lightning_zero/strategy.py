@@ -318,7 +318,7 @@ class ZeroStrategy(DDPStrategy):
         if on_meta:
             self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)
-        precision.attach(self._engine if fitting else None, self.root_device)
+        precision.attach(self._engine if fitting else None, self.root_device, pipelined=self._parallel.pipelined)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -415,11 +415,6 @@ class ZeroStrategy(DDPStrategy):
         assert self._parallel.spec is not None
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
         return loss
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._parallel.pipelined:
-            return closure_loss  # the schedule ran every backward in training_step
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _pipeline_eval(self, prefix: str, *args: Any, **kwargs: Any) -> Any:
         runner, module = self._parallel.runner, self.lightning_module

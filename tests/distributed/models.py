@@ -95,8 +95,8 @@ def build_strategy(spec: Any):
 
     if spec == "ddp":
         return DDPStrategy(find_unused_parameters=True)
-    if isinstance(spec, str):
-        return spec
+    if isinstance(spec, str) or not isinstance(spec, dict):
+        return spec  # a registered name or a strategy object
     from lightning_zero import ZeroStrategy
 
     return ZeroStrategy(**spec)

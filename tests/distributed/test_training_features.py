@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import StateEveryStep, fit, make_loader, state
+from models import StateEveryStep, build_strategy, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
 
@@ -143,3 +143,20 @@ def test_environment_left_as_found():
     for res in run_ranks(_environment_worker):
         assert ours(res["after_fit"]) == ours(res["before"])
         assert ours(res["after_failure"]) == ours(res["before"])
+
+
+def _backward_mock_worker(rank: int) -> int:
+    from unittest import mock
+
+    from lightning.pytorch.strategies import Strategy
+
+    # What Lightning's own tests do: wrap Strategy.backward and count the calls. A strategy that
+    # overrides backward and calls super() would recurse into the mock here.
+    strategy = build_strategy({"stage": 2, "reduce_bucket_size": 40})
+    with mock.patch.object(Strategy, "backward", wraps=strategy.backward) as backward:
+        fit(strategy, max_steps=2, accumulate=2)
+    return backward.call_count
+
+
+def test_strategy_backward_left_to_lightning():
+    assert run_ranks(_backward_mock_worker) == [4, 4]  # 2 steps x 2 accumulated micro-batches
