@@ -24,17 +24,26 @@ PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
     "bf16-mixed": (torch.bfloat16, True),
     "16-mixed": (torch.float16, True),
     "bf16-true": (torch.bfloat16, False),
+    "64-true": (torch.float64, False),
 }
 
 # Lightning spells some precisions in short forms; they mean the same thing.
-_PRECISION_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
+_PRECISION_ALIASES = {
+    "64": "64-true",
+    64: "64-true",
+    "32": "32-true",
+    32: "32-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    16: "16-mixed",
+}
 
 
 def normalize_precision(precision: str | int) -> str:
-    """Map Lightning's precision spellings onto the four :data:`PRECISIONS` keys.
+    """Map Lightning's precision spellings onto the :data:`PRECISIONS` keys.
 
     Raises:
-        ValueError: for a precision ZeRO does not support here (e.g. "64-true", "16-true").
+        ValueError: for a precision ZeRO does not support here (e.g. "16-true", "transformer-engine").
     """
     key = _PRECISION_ALIASES.get(precision, precision)
     if key not in PRECISIONS:

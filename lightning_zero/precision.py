@@ -9,7 +9,11 @@ precision     parameters, grads    master + optim states   forward
 bf16-mixed    bf16                 fp32, separate          under ``torch.autocast(bfloat16)``
 16-mixed      fp16                 fp32, separate          under ``torch.autocast(float16)``; dynamic loss scaling
 bf16-true     bf16                 bf16 (master = params)  floating inputs cast to bf16
+64-true       fp64                 fp64 (master = params)  floating inputs cast to fp64, as Lightning's
 ============  ===================  ======================  =============================================
+
+"64-true" also builds ``configure_model`` in float64 (the default dtype while it runs), as Lightning's
+``DoublePrecision`` does, so its random initialization is DDP's under "64-true".
 
 so the per-rank bytes follow the ZeRO formulas (2 bytes of parameters and of gradients, 12 of
 master and Adam states, per parameter). "16-mixed" scales the loss by a dynamic factor: a step whose
@@ -100,6 +104,11 @@ class OffloadPrecision(Precision):
         self.offload = OffloadConfig(
             offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
         )
+        if self.offload.offload_optimizer and self.precision == "64-true":
+            raise ValueError(
+                "precision='64-true' with offload_optimizer=True: the CPU optimizer kernels step fp32 masters; "
+                "use offload_optimizer=False for float64 training (the step then runs torch's optimizer)."
+            )
         if self.offload.offload_optimizer and self.precision == "bf16-true":
             raise ValueError(
                 "precision='bf16-true' keeps no fp32 master, but offload_optimizer=True steps fp32 masters on the "
@@ -123,12 +132,20 @@ class OffloadPrecision(Precision):
 
     # -- module and forward -------------------------------------------------------------------
 
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        if self.precision == "64-true":
+            return _default_dtype(torch.float64)
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast floating parameters (and for "bf16-true" also buffers) to the compute dtype.
 
         Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage.
         """
-        if self.precision == "bf16-true":
+        if self.precision in ("bf16-true", "64-true"):
             for buffer in list(module.buffers()):
                 if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:
                     buffer.data = buffer.data.to(self.compute_dtype)
@@ -143,7 +160,7 @@ class OffloadPrecision(Precision):
         return contextlib.nullcontext()
 
     def convert_input(self, data: Any) -> Any:
-        if self.precision != "bf16-true":
+        if self.precision not in ("bf16-true", "64-true"):
             return data
         return apply_to_collection(
             data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
@@ -237,3 +254,13 @@ class OffloadPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Any:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

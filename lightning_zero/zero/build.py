@@ -27,7 +27,7 @@ from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 
-_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SUPPORTED_PARAM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,8 +68,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
-    # vector_norm accumulates in fp32 without materializing an fp32 (or squared) copy of the slice
-    return torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
+    # vector_norm accumulates in fp32 (fp64 under "64-true") without materializing a copy of the slice
+    return torch.linalg.vector_norm(tensor, dtype=_norm_dtype(tensor)).square()
+
+
+def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 class ShardedOptimizer:
@@ -127,7 +131,8 @@ class ShardedOptimizer:
         """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
         tensor-parallel group and copies of pipeline-tied parameters counted once. Call on all ranks."""
         device = self.buffers[0].master.device if self.buffers else torch.device("cpu")
-        local = torch.zeros((), dtype=torch.float32, device=device)
+        dtype = _norm_dtype(self.buffers[0].master) if self.buffers else torch.float32
+        local = torch.zeros((), dtype=dtype, device=device)
         tp, pp = self.tensor_parallel_group, self.pipeline_parallel_group
         replicas_counted = tp is None or comm.rank(tp) == 0  # (None is not "the default group" here)
         for b in self.buffers:

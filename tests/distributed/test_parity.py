@@ -148,3 +148,22 @@ def test_manual_optimization_and_memory_breakdown():
         assert 4 * psi / n <= device["master_weights"] <= 4 * psi / n + 4 * 64
         assert 8 * psi / n <= device["optimizer_states"] <= 8 * psi / n + 8 * 64 + 4 * 64
         assert all(v == 0 for v in mem["breakdown"]["host"].values())
+
+
+def test_fp64_matches_ddp():
+    specs = [
+        ("ddp", "ddp"),
+        ("zero2", {"stage": 2, "reduce_bucket_size": 40}),
+        ("zero3", ZERO3),
+    ]
+    for res in run_ranks(_parity_worker, specs, "64-true", "adamw"):
+        ref = res["ddp"]
+        for name in ("zero2", "zero3"):
+            # fp64 (Lightning's "64-true" under DDP): only the summation order differs, ~1e-16 relative
+            # per step; 1e-12 leaves room for its growth over 6 steps and still fails any fp32 rounding.
+            torch.testing.assert_close(
+                torch.tensor(res[name]["losses"], dtype=torch.float64),
+                torch.tensor(ref["losses"], dtype=torch.float64),
+                rtol=1e-12,
+                atol=0,
+            )

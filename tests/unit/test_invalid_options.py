@@ -89,13 +89,13 @@ def test_invalid_loss_scale_option(kwargs, match):
 
 
 PRECISION_ROWS = [
-    ({"precision": "64-true"}, "precision='64-true' is not supported"),
     ({"precision": "16-true"}, "'16-mixed'"),
     ({"precision": "transformer-engine"}, "precision='transformer-engine'"),
     ({"precision": "8"}, "precision='8'"),
-    ({"precision": 64}, "precision=64"),
+    ({"precision": 65}, "precision=65"),
     ({"precision": None}, "precision=None"),
     ({"precision": "bf16-true", "offload_optimizer": True}, "use precision='bf16-mixed'"),
+    ({"precision": "64-true", "offload_optimizer": True}, "use offload_optimizer=False for float64"),
     ({"offload_parameters": True}, "offload_parameters=True needs offload_optimizer=True"),
 ]
 

@@ -49,7 +49,7 @@ def test_invalid_loss_scale(kwargs, match):
         LossScaleConfig(**kwargs)
 
 
-@pytest.mark.parametrize("precision", ["64-true", "16-true", "transformer-engine", "8"])
+@pytest.mark.parametrize("precision", ["16-true", "transformer-engine", "8"])
 def test_unknown_precision(precision):
     with pytest.raises(ValueError, match="is not supported by lightning_zero"):
         OffloadPrecision(precision)
@@ -94,7 +94,7 @@ def test_untested_optimizer_allowed_on_request():
 
 
 @pytest.mark.parametrize("name,stage", [("zero1", 1), ("zero2", 2)])
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
 def test_named_strategy_gets_offload_precision(name, stage, precision):
     trainer = pl.Trainer(strategy=name, precision=precision, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy)
