@@ -48,6 +48,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     cls = type(optimizer)
     if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam):
         return
+    if issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not issubclass(cls, (ops.CPULamb, ops.FusedLamb)):
+        return  # a subclass (a counter, a logging hook) is trusted to stay elementwise; it steps itself
     if cls in (ops.CPULamb, ops.FusedLamb):
         return  # stepped by the shard-aware LAMB kernels (lightning_zero.zero.step_kernels)
     name = cls.__name__

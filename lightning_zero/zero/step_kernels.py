@@ -91,12 +91,13 @@ class KernelStep:
             return KernelStep(optimizer, buffers, group, lamb=True)
         if not any(b.offloaded for b in buffers):
             return KernelStep._for_host_masters(optimizer, buffers, group)
-        if not isinstance(optimizer, _adam_family()):
-            raise ValueError(
-                f"offload_optimizer=True runs the step with CPU kernels for Adam, AdamW (torch.optim or "
-                f"lightning_zero.ops) and lightning_zero.ops.CPULamb/FusedLamb; {type(optimizer).__name__} has "
-                "none. Return one of those from configure_optimizers, or set offload_optimizer=False."
-            )
+        # Offloaded: the compiled kernel for exactly Adam/AdamW (a subclass may add to step(), so it
+        # steps itself), else the user's optimizer runs its own step() on the host masters, as
+        # DeepSpeed does with zero_force_ds_cpu_optimizer=False.
+        if type(optimizer) not in _adam_family() or any(
+            g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups
+        ):
+            return None
         for param_group in optimizer.param_groups:
             _hyper(optimizer, param_group)  # reject amsgrad/maximize before training starts
         return KernelStep(optimizer, buffers, group, lamb=False)

@@ -74,10 +74,24 @@ class ParityModel(pl.LightningModule):
             opt = CPULamb(groups, lr=self.lr, betas=(0.9, 0.99))
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr)
+        elif self.optimizer_name == "counting_adamw":
+            opt = CountingAdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         else:
             opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class CountingAdamW(torch.optim.AdamW):
+    """A user's optimizer class: AdamW plus its own bookkeeping in step(), which must run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.calls += 1
+        return super().step(closure)
 
 
 def make_loader(n: int = 48, batch_size: int = 3, seed: int = 1234, period: int | None = None) -> DataLoader:

@@ -79,7 +79,7 @@ def _params():
         (lambda: Lamb(_params()), "Lamb computes its update from whole-tensor statistics"),
         (lambda: torch.optim.LBFGS(_params()), "LBFGS computes"),
         (lambda: torch.optim.Adafactor(_params()), "Adafactor computes"),
-        (lambda: MyElementwise(_params(), lr=0.1), "allow_untested_optimizer=True"),
+        (lambda: Custom(_params()), "allow_untested_optimizer=True"),
     ],
 )
 def test_rejected_optimizers(optimizer, match):
@@ -87,8 +87,14 @@ def test_rejected_optimizers(optimizer, match):
         check_optimizer(optimizer(), allow_untested=False)
 
 
+class Custom(torch.optim.Optimizer):  # an optimizer of unknown arithmetic
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
+
+
 def test_untested_optimizer_allowed_on_request():
-    check_optimizer(MyElementwise(_params(), lr=0.1), allow_untested=True)
+    check_optimizer(Custom(_params()), allow_untested=True)
+    check_optimizer(MyElementwise(_params(), lr=0.1), allow_untested=False)  # a subclass of an elementwise one
     for cls in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop):
         check_optimizer(cls(_params(), lr=0.1), allow_untested=False)
 
