@@ -75,6 +75,11 @@ def _checked(group: ProcessGroup, op: str, label: str, *tensors: torch.Tensor) -
     return group
 
 
+def initialized() -> bool:
+    """True once the default process group exists (``False`` before ``fit`` starts the ranks' group)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size(group: ProcessGroup) -> int:
     """Ranks in ``group`` (1 without an initialized process group)."""
     if not dist.is_available() or not dist.is_initialized():

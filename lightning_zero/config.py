@@ -166,6 +166,27 @@ class LossScaleConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How ``trainer.save_checkpoint`` writes (the names of Lightning's ``FSDPStrategy``).
+
+    ``"sharded"`` (default): a directory, every rank writing its own shards in parallel; no rank
+    gathers anything, and it loads at any world size and layout. ``"full"``: one ordinary Lightning
+    checkpoint file written by rank 0 (the whole model and the optimizer states as torch writes them,
+    gathered tensor by tensor from a sharded save), which ``torch.load``, ``load_from_checkpoint``,
+    DDP and a single process read; it costs rank 0 host memory for the whole checkpoint.
+    """
+
+    state_dict_type: str = "sharded"
+
+    def __post_init__(self) -> None:
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r}; use 'sharded' (a directory, every rank writes its "
+                "shards) or 'full' (one Lightning checkpoint file from rank 0)."
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     """How a run notices a lost or stuck rank (see :mod:`lightning_zero.failures`)."""
 
@@ -318,6 +339,7 @@ class StrategyConfig:
     tensor: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         stage = self.zero.stage

@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -41,7 +42,9 @@ from lightning_zero import comm, debug, failures
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
+    CheckpointConfig,
     FailureConfig,
     LossScaleConfig,
     OffloadConfig,
@@ -101,6 +104,8 @@ class ZeroStrategy(DDPStrategy):
         tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
             to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
             takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
+        state_dict_type: "sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint
+            file from rank 0); see :class:`~lightning_zero.config.CheckpointConfig`.
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -138,6 +143,7 @@ class ZeroStrategy(DDPStrategy):
         pipeline_partition: str = "parameters",
         pipeline_chunks: int = 1,
         sequence_parallel: bool = False,
+        state_dict_type: str = "sharded",
     ) -> None:
         #: Every option, validated once (sections and the checks across them).
         self.config = StrategyConfig(
@@ -169,6 +175,7 @@ class ZeroStrategy(DDPStrategy):
                 **({} if timeout is None else {"timeout": timeout}),
                 debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
             ),
+            checkpoint=CheckpointConfig(state_dict_type=state_dict_type),
         )
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
@@ -465,11 +472,21 @@ class ZeroStrategy(DDPStrategy):
         return ckpt_save.optimizer_groups(self.lightning_module, self._engine, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`)."""
+        """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`),
+        or with ``state_dict_type="full"`` one Lightning checkpoint file from rank 0. Before ``fit``
+        (no process group yet: every rank holds the same whole model) only global rank 0 writes."""
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO."
             )
+        if not comm.initialized() and not self.is_global_zero:
+            return
+        if self.config.checkpoint.state_dict_type == "full":
+            self._save_full(checkpoint, Path(filepath).absolute())
+            return
+        self._save_sharded(checkpoint, filepath)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         assert self.lightning_module is not None
         ckpt_save.save_sharded(
             checkpoint,
@@ -480,6 +497,24 @@ class ZeroStrategy(DDPStrategy):
             self.precision_plugin.precision,
             self._parallel.layout,
         )
+
+    def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """A sharded save into a hidden staging directory beside ``path`` (every rank), turned by rank 0
+        into the plain file (one tensor gathered at a time from the shards) and then deleted; every
+        rank learns whether rank 0 succeeded, so a failure raises everywhere instead of hanging."""
+        staging = path.with_name(f".{path.name}.zero-full-staging")
+        self._save_sharded(checkpoint, staging)
+        error = None
+        if self.is_global_zero:
+            try:
+                to_lightning_checkpoint(staging, path)
+            except Exception as exc:  # reported on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                ckpt_save.remove_sharded(staging)
+        errors = [e for e in comm.all_gather_object(error, None) if e] if comm.initialized() else [error]
+        if any(errors):
+            raise RuntimeError(f"writing the full checkpoint {path} failed on rank 0: {errors[0]}")
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

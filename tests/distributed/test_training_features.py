@@ -58,7 +58,14 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
     with_ckpt = {"callbacks": [every_epoch], "enable_checkpointing": True, **no_sampler}
     _, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
     path = f"{tmp}/epoch=0-step=4.ckpt"
-    if second == "ddp" and first != "ddp":
+    full_file = isinstance(first, dict) and first.get("state_dict_type") == "full"
+    if full_file:  # one ordinary Lightning file, readable without lightning_zero
+        import os
+
+        loaded = torch.load(path, weights_only=False, map_location="cpu")
+        assert os.path.isfile(path) and "embed.weight" in loaded["state_dict"], sorted(loaded)
+        assert not any(p.name.startswith(".") for p in __import__("pathlib").Path(tmp).iterdir())  # no staging
+    if second == "ddp" and first != "ddp" and not full_file:
         from lightning_zero.checkpoint import to_lightning_checkpoint
 
         # DDP reads one file: the sharded directory is converted first (what
@@ -76,8 +83,10 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
         ({"stage": 1}, {"stage": 2, "reduce_bucket_size": 30}, "bf16-mixed"),
         ("ddp", {"stage": 2, "reduce_bucket_size": 50}, "32-true"),
         ({"stage": 2, "reduce_bucket_size": 50}, "ddp", "32-true"),
+        ({"stage": 3, "param_persistence_threshold": 10, "state_dict_type": "full"}, "ddp", "32-true"),
+        ({"stage": 2, "state_dict_type": "full"}, {"stage": 3, "param_persistence_threshold": 10}, "32-true"),
     ],
-    ids=["zero2-zero2-fp32", "zero1-zero2-bf16", "ddp-zero2", "zero2-ddp"],
+    ids=["zero2-zero2-fp32", "zero1-zero2-bf16", "ddp-zero2", "zero2-ddp", "zero3full-ddp", "zero2full-zero3"],
 )
 def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
     for res in run_ranks(_resume_worker, str(tmp_path), first, second, precision):
@@ -160,3 +169,36 @@ def _backward_mock_worker(rank: int) -> int:
 
 def test_strategy_backward_left_to_lightning():
     assert run_ranks(_backward_mock_worker) == [4, 4]  # 2 steps x 2 accumulated micro-batches
+
+
+def _save_before_fit_worker(rank: int, tmp: str, state_dict_type: str) -> dict:
+    import os
+
+    from models import ParityModel
+
+    from lightning_zero import ZeroStrategy
+
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel()
+    strategy = ZeroStrategy(stage=3, param_persistence_threshold=10, state_dict_type=state_dict_type)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False)
+    trainer.strategy.connect(model)
+    path = f"{tmp}/before-fit.ckpt"
+    trainer.save_checkpoint(path)  # no process group yet: only global rank 0 may write
+    return {"exists": os.path.exists(path), "state": state(model)}
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_save_checkpoint_before_fit(tmp_path, state_dict_type):
+    results = run_ranks(_save_before_fit_worker, str(tmp_path), state_dict_type)
+    assert all(r["exists"] for r in results[:1])
+    path = tmp_path / "before-fit.ckpt"
+    if state_dict_type == "full":
+        saved = torch.load(path, weights_only=False)["state_dict"]
+    else:
+        from lightning_zero.checkpoint import to_lightning_checkpoint
+
+        to_lightning_checkpoint(path, tmp_path / "plain.ckpt")
+        saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)["state_dict"]
+    for key, value in results[0]["state"].items():
+        assert torch.equal(saved[key].float(), value), key  # the whole model, as built
