@@ -199,13 +199,22 @@ class FailureConfig:
     debug_collectives: bool = False
     """Compare every collective across ranks before issuing it (:mod:`lightning_zero.debug`)."""
 
+    @property
+    def collective_timeout(self) -> timedelta:
+        """``timeout`` as a ``timedelta`` (a number of seconds is converted at construction)."""
+        assert isinstance(self.timeout, timedelta)
+        return self.timeout
+
     def __post_init__(self) -> None:
         timeout = self.timeout
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
-            object.__setattr__(self, "timeout", timedelta(seconds=timeout))  # frozen: normalize once here
-        elif not isinstance(timeout, timedelta):
+            normalized = timedelta(seconds=timeout)
+            object.__setattr__(self, "timeout", normalized)  # frozen: normalize once here
+        elif isinstance(timeout, timedelta):
+            normalized = timeout
+        else:
             raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta or a number of seconds (e.g. 600).")
-        if self.timeout <= timedelta(0):
+        if normalized <= timedelta(0):
             raise ValueError(f"timeout={timeout!r} must be positive; the default is 10 minutes (600 s).")
         if not isinstance(self.debug_collectives, bool):
             raise ValueError(f"debug_collectives={self.debug_collectives!r} must be True or False.")

@@ -191,7 +191,7 @@ class ZeroStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=self.failure_config.timeout,
+            timeout=self.failure_config.collective_timeout,
             start_method=start_method,
         )
 
@@ -265,10 +265,12 @@ class ZeroStrategy(DDPStrategy):
         for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
             self._environment_before.setdefault(name, value)  # the first value seen is the user's
         super().setup_distributed()
-        self.rank_processes = failures.register_rank(self.global_rank, self.world_size, self.failure_config.timeout)
+        self.rank_processes = failures.register_rank(
+            self.global_rank, self.world_size, self.failure_config.collective_timeout
+        )
         self._parallel.build_groups(self.world_size, self.root_device.type)
         if self.failure_config.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(self._parallel.dp_group, self.failure_config.timeout)
+            self._checked_group = debug.checked_group(self._parallel.dp_group, self.failure_config.collective_timeout)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""

@@ -26,7 +26,7 @@ and in ``training_step`` runs the schedule of :mod:`.schedules` with :mod:`.runn
 
 Why not ``torch.distributed.pipelining``: its schedules run every micro-batch's backward inside one
 ``step()`` call, without a hook between them, but ZeRO stage 2 must complete a bucket reduction
-after each backward (:meth:`~lightning_zero.zero.engine.ZeroEngine.finish_backward`); its loss
+after each backward (:meth:`~lightning_zero.zero.engine.ZeroEngine.backward_done`); its loss
 function takes ``(output, target)`` tensors where a Lightning batch is any structure; and it has no
 notion of parameters tied across stages. The schedules are small (:mod:`.schedules`); owning them
 keeps ZeRO's reduction, loss scaling and Lightning's gradient accumulation in one place.

@@ -10,6 +10,8 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
     grad_bucket  (padded_numel,) c    full-size gradients collected from autograd for one reduction;
                                       stage 1 keeps it across micro-steps, stages 2/3 free it after each
     grad_shard   (shard_numel,)  c    rank r's slice of the reduced (averaged) gradients
+    host_grad    (shard_numel,)  c    offload with a GPU: grad_shard's copy in (pinned) host memory, made
+                                      as each reduction of stages 2/3 completes
     master       (shard_numel,)  fp32 rank r's slice of the master weights that the optimizer steps;
                                       param_shard itself when c needs no separate master (32-true, bf16-true)
 
@@ -19,10 +21,15 @@ A trainable buffer's gradient roles are in one :class:`GradState` at a time; the
 "gradients" are its transitions. :class:`~lightning_zero.zero.reduce.GradReducer` only decides
 when each happens (and issues the collectives)::
 
-    EMPTY --receive--> COLLECTING --start_reduce--> REDUCING --finish_reduce--> REDUCED [-> ON_HOST]
-      ^                                   ^                                        |
-      |                                   +------ start_reduce --- ACCUMULATING <--+ receive (next backward)
-      +------------------------------------ drop_grads (after the step) -----------+
+    EMPTY --receive--> COLLECTING --start_reduce--> REDUCING --finish_reduce--> REDUCED (ON_HOST when offloaded)
+                                                       ^                           |
+                                                       +-- start_reduce --- ACCUMULATING <-- receive (next backward)
+    any state but REDUCING --drop_grads (after the step)--> EMPTY
+
+Stage 1 receives into a bucket kept across steps and reduces once, at the step (COLLECTING ->
+REDUCING -> REDUCED); stages 2 and 3 reduce after every backward, so from the second micro-step on a
+buffer accumulates (ACCUMULATING: the next reduction is added to ``grad_shard``, not written).
+
 The padding at the end of the flat buffer is zero in every role, so norms and optimizer states
 computed over whole slices are exact.
 """
