@@ -95,7 +95,7 @@ class OffloadPrecision(Precision):
         pin_memory: bool = True,
         loss_scale: LossScaleConfig | None = None,
     ) -> None:
-        self.precision = normalize_precision(precision)  # type: ignore[assignment]
+        self.precision = normalize_precision(precision)  # type: ignore[assignment]  # Lightning types it as its Literal
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
             raise ValueError(
                 f"loss_scale={loss_scale!r} must be a lightning_zero.LossScaleConfig (e.g. "
@@ -172,19 +172,19 @@ class OffloadPrecision(Precision):
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's takes Module
         if self._pipelined:
             return tensor  # the schedule already ran backward (and its hooks) in training_step
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
-    def backward(  # type: ignore[override]
+    def backward(  # type: ignore[override]  # Lightning's names optimizer Steppable
         self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
         if not self._pipelined:
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
-    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+    def post_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's takes Module
         if self._pipelined:
             return tensor
         if self._engine is not None:
@@ -192,7 +192,7 @@ class OffloadPrecision(Precision):
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(  # type: ignore[override]  # Lightning's takes Steppable and Module
         self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Run the closure (forward + backward), expose this rank's unscaled gradient slices, call

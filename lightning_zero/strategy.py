@@ -213,7 +213,9 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self) -> OffloadPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = self._new_precision("32-true")
-        return self._precision_plugin
+        plugin = self._precision_plugin
+        assert isinstance(plugin, OffloadPrecision)  # the setter converts whatever Lightning assigns
+        return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
@@ -526,7 +528,7 @@ class ZeroStrategy(DDPStrategy):
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
         plain = super().load_checkpoint
         return ckpt_load.load_checkpoint(
-            checkpoint_path, weights_only, self.global_rank, lambda p: plain(p, weights_only)
+            checkpoint_path, weights_only, self.global_rank, lambda p: plain(str(p), weights_only)
         )
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -30,7 +30,7 @@ fi
 job="${1:-test}"; shift || true
 case "$job" in
   test) exec "$VPY" -m pytest tests "$@" ;;
-  lint) "$VPY" -m ruff check . && exec "$VPY" -m ruff format --check . ;;  # mypy joins when it reports zero errors
+  lint) "$VPY" -m ruff check . && "$VPY" -m ruff format --check . && exec "$VPY" -m mypy ;;
   demo) exec "$VPY" recipes/gpt2/train.py fit --config recipes/gpt2/configs/cpu-tiny.yaml "$@" ;;
   *) echo "usage: bash scripts/run.sh {demo|test|lint} [args...]" >&2; exit 2 ;;
 esac

@@ -98,8 +98,9 @@ class ShardedReader:
         """The whole tensor ``name`` (``split`` ``None``) or one part of it, assembled from the saved
         parts that overlap it. The last one is kept: a load reads one parameter after another."""
         cache_key = (name, split, state_key)
-        if self._block[0] == cache_key:
-            return self._block[1]
+        cached_key, cached = self._block
+        if cached_key == cache_key and cached is not None:
+            return cached
         full = torch.Size(self.params[name]["shape"])
         saved = self._saved(name)
         if saved is None:

@@ -11,7 +11,7 @@ ISA_ENV = "LIGHTNING_ZERO_CPU_ISA"
 _CPU_CHOICES = ("auto", "avx512", "avx2", "scalar", "reference")
 
 try:
-    from lightning_zero import _C  # noqa: F401  (loading the library registers the ops)
+    from lightning_zero import _C  # type: ignore[attr-defined]  # noqa: F401  (the built extension; loading it registers the ops)
 
     _LOAD_ERROR: str | None = None
 except ImportError as exc:  # not built: no compiler at install time, or a source checkout

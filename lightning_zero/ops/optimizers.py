@@ -37,6 +37,9 @@ class _AdamFamily(torch.optim.Optimizer):
 
     _device_type: str | None = None  # "cpu" for the CPU optimizers: checked at construction
 
+    def _step_group(self, group: dict, live: list, grad_scale: float | Tensor) -> None:
+        raise NotImplementedError  # each optimizer class steps its groups with its own kernel
+
     def __init__(
         self,
         params: Iterable,
@@ -138,7 +141,7 @@ class CPUAdam(_AdamFamily):
     ):
         super().__init__(params, lr, betas, eps, weight_decay, bias_correction, state_dtype, adamw_mode=adamw_mode)
 
-    def _step_group(self, group: dict, live: list, grad_scale: float) -> None:
+    def _step_group(self, group: dict, live: list, grad_scale: float | Tensor) -> None:
         for p, copy in live:
             state = self._state(p)
             state["step"] += 1
@@ -182,7 +185,7 @@ class CPULamb(_AdamFamily):
     ):
         super().__init__(params, lr, betas, eps, weight_decay, bias_correction, state_dtype)
 
-    def _step_group(self, group: dict, live: list, grad_scale: float) -> None:
+    def _step_group(self, group: dict, live: list, grad_scale: float | Tensor) -> None:
         hp = dict(
             beta1=group["betas"][0],
             beta2=group["betas"][1],

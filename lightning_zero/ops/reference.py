@@ -47,7 +47,7 @@ def cpu_adam_step(
     step: int,
     adamw_mode: bool,
     bias_correction: bool,
-    grad_scale: float,
+    grad_scale: float | Tensor,
 ) -> None:
     """Adam (``adamw_mode=False``: L2 decay in the gradient) or AdamW, as torch.optim computes it.
 
@@ -106,7 +106,7 @@ def cpu_lamb_moments(
     weight_decay: float,
     step: int,
     bias_correction: bool,
-    grad_scale: float,
+    grad_scale: float | Tensor,
 ) -> Tensor:
     """LAMB phase 1: update the moments, return per-segment squared norms.
 
@@ -186,7 +186,7 @@ def fused_adam_step(
     bias_correction: bool,
 ) -> None:
     """Multi-tensor Adam: :func:`cpu_adam_step` on each list entry (any device)."""
-    copies = list(param_copies) or [None] * len(params)
+    copies: list[Tensor | None] = list(param_copies) or [None] * len(params)
     for p, g, m, v, c in zip(params, grads, exp_avgs, exp_avg_sqs, copies, strict=True):
         cpu_adam_step(
             p.view(-1),
@@ -255,7 +255,7 @@ def fused_lamb_apply(
     bias_correction: bool,
 ) -> None:
     """Multi-tensor LAMB phase 2; trust_ratio: fp32 (len(params),)."""
-    copies = list(param_copies) or [None] * len(params)
+    copies: list[Tensor | None] = list(param_copies) or [None] * len(params)
     for i, (p, m, v, c) in enumerate(zip(params, exp_avgs, exp_avg_sqs, copies, strict=True)):
         cpu_lamb_apply(
             p.view(-1),

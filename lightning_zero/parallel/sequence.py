@@ -40,7 +40,7 @@ def mark_sequence_parallel(param: nn.Parameter, group: comm.ProcessGroup) -> Non
     """Sum ``param``'s gradients over the tensor-parallel ``group`` (once per parameter, however often
     marked) and mark it ``param.sequence_parallel``. No-op for frozen parameters."""
     if param.requires_grad and not getattr(param, "sequence_parallel", False):
-        param.sequence_parallel = True  # type: ignore[attr-defined]
+        param.sequence_parallel = True  # type: ignore[attr-defined]  # a tag on the Parameter
         all_reduce_gradient(param, group)
 
 

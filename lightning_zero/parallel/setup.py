@@ -189,7 +189,7 @@ class ParallelSetup:
                     "there (a tensor-parallel plan splits one side only); split both tied modules alike or neither"
                 )
             # Its names on the other stages: a checkpoint stores the weight once, under every name.
-            param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here)  # type: ignore[attr-defined]
+            param.tied_names = tuple(tied.names[s] for s in tied.stages if s != here)  # type: ignore[attr-defined]  # a tag on the Parameter
             self.tied.append(TiedAcrossStages(param, group, counted_here=here == tied.stages[0]))
 
     def context(self, data: comm.ProcessGroup) -> ModelParallelContext:

@@ -57,8 +57,8 @@ _SEQUENCE_STYLES = ("sequence", "sequence_scatter")
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
     """Mark ``param`` as this rank's shard along ``partition_dim`` of a tensor-parallel parameter."""
-    param.tensor_parallel = True  # type: ignore[attr-defined]
-    param.partition_dim = partition_dim  # type: ignore[attr-defined]
+    param.tensor_parallel = True  # type: ignore[attr-defined]  # a tag on the Parameter, read by checkpoints
+    param.partition_dim = partition_dim  # type: ignore[attr-defined]  # a tag on the Parameter
     return param
 
 

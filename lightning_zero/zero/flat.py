@@ -123,7 +123,9 @@ class FlatBuffer:
 
         # The fp32 master is taken from the parameters before they are cast to the compute dtype,
         # so that mixed precision starts from exactly the fp32 initialization.
-        master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        # fp32, or fp64 under "64-true" (an fp32 copy would round a float64 model's weights)
+        master_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
         for piece in self.shards:
             source = params[piece.param_index].detach().reshape(-1)
             master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
@@ -143,8 +145,8 @@ class FlatBuffer:
                 self.param_shard = host_copy(self.param_shard, pin=offload.pin_memory)
             self.state = ParamState.GATHERED
             self.release()
-        if self.offloaded and master.device.type != "cpu":
-            master = host_copy(master, pin=offload.pin_memory)  # type: ignore[union-attr]
+        if offload is not None and self.offloaded and master.device.type != "cpu":
+            master = host_copy(master, pin=offload.pin_memory)
         self.master = master if self.separate_master else self.param_shard
         self.grad_shard: torch.Tensor | None = (
             torch.zeros(layout.shard_numel, dtype=dtype, device=device) if self.trainable else None
@@ -153,8 +155,13 @@ class FlatBuffer:
         # Offload: the reduced slice's copy in (pinned) host memory, refreshed as each reduction of
         # stages 2/3 completes so the device-to-host copy overlaps the rest of backward.
         self.host_grad: torch.Tensor | None = None
-        if self.offloaded and self.grad_shard is not None and self.grad_shard.device.type != "cpu":
-            self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)  # type: ignore[union-attr]
+        if (
+            offload is not None
+            and self.offloaded
+            and self.grad_shard is not None
+            and self.grad_shard.device.type != "cpu"
+        ):
+            self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)
         self.grad_state = GradState.EMPTY
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
         self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice

@@ -179,7 +179,7 @@ class KernelStep:
                 )
                 self._write_back(b, copy)
         # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
 
     # -- LAMB on shards ---------------------------------------------------------------------------
 
@@ -215,6 +215,7 @@ class KernelStep:
         from lightning_zero.ops import functional as F
 
         phase1 = {k: v for k, v in hyper.items() if k != "lr"}
+        assert b.master.grad is not None  # only buffers with a gradient this step get here
         grad = b.master.grad.contiguous()
         if self.fused:
             views = [self._segments(b, t) for t in (b.master, grad, state["exp_avg"], state["exp_avg_sq"])]
@@ -229,12 +230,13 @@ class KernelStep:
 
         offsets, owners = self.segments[id(b)]
         if self.fused:
-            views = [self._segments(b, t) for t in (b.master, state["exp_avg"], state["exp_avg_sq"])]
+            params, exp_avgs, exp_avg_sqs = (
+                self._segments(b, t) for t in (b.master, state["exp_avg"], state["exp_avg_sq"])
+            )
             direct = b.separate_master and not b.offloaded and b.param_shard.device == b.master.device
             copies = self._segments(b, b.param_shard) if direct else []
-            F.fused_lamb_apply(
-                *views, ratio[owners.to(ratio.device)].contiguous(), step=step, param_copies=copies, **hyper
-            )
+            trust = ratio[owners.to(ratio.device)].contiguous()
+            F.fused_lamb_apply(params, exp_avgs, exp_avg_sqs, trust, step=step, param_copies=copies, **hyper)
             if not direct:
                 self._write_back(b, None)
             return
@@ -272,6 +274,7 @@ class KernelStep:
         sums = torch.zeros(self.num_params + 1, 2, dtype=torch.float32, device=device)
         hypers, steps = {}, {}
         for b in live:
+            assert b.optimizer_group is not None  # buffers of an optimizer (frozen ones are never stepped)
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
             hyper.pop("adamw_mode")
             state = self._state(b.master)
@@ -282,4 +285,4 @@ class KernelStep:
         ratio = F.lamb_trust_ratio(self._whole_norms(sums, tensor_parallel_group)).to(device)
         for b in live:
             self._lamb_apply(b, self.optimizer.state[b.master], ratio, steps[id(b)], hypers[id(b)])
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
