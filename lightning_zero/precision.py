@@ -241,10 +241,13 @@ class OffloadPrecision(Precision):
         """Clip over the shards: the norm is global across ranks, as in DDP."""
         if clip_val <= 0 or self._engine is None:
             return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        # Inside the step or before it (manual optimization): the engine exposes the window's reduced
+        # gradients once, unscaled, so the clip applies to what the step will use, as under DDP.
+        inv_scale = 1.0 / self.loss_scale
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self._engine.clip_grad_value(optimizer, float(clip_val))
+            self._engine.clip_grad_value(optimizer, float(clip_val), inv_scale)
         else:
-            self._engine.clip_grad_norm(optimizer, float(clip_val))
+            self._engine.clip_grad_norm(optimizer, float(clip_val), inv_scale)
 
     # -- checkpoint ---------------------------------------------------------------------------
 

@@ -441,11 +441,12 @@ class ZeroStrategy(DDPStrategy):
     # -- training hooks ---------------------------------------------------------------------------
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Global L2 norm of the reduced, unscaled gradients (valid from ``on_before_optimizer_step``
-        until the step). Call on all ranks."""
+        """Global L2 norm of the reduced, unscaled gradients (valid after the last backward of an
+        accumulation window until the step: in ``on_before_optimizer_step``, or before
+        ``optimizer.step()`` in manual optimization). Call on all ranks."""
         if self._engine is None:
             raise RuntimeError("grad_norm() is only available while fitting.")
-        return self._engine.grad_norm(optimizer)
+        return self._engine.grad_norm(optimizer, 1.0 / self.precision_plugin.loss_scale)
 
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by category (see :func:`lightning_zero.memory.memory_breakdown`)."""

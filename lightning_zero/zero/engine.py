@@ -33,7 +33,7 @@ from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, StrategyConfig
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
-from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
 from lightning_zero.zero.publish import publish
 from lightning_zero.zero.reduce import GradReducer
@@ -141,6 +141,10 @@ class ZeroEngine:
         if config.zero.stage == 3:
             self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
         self._norms: dict[int, torch.Tensor] = {}
+        self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
+        self._routed: list[torch.optim.Optimizer] = []
+        for optimizer in optimizers:
+            self._route_zero_grad(optimizer)
         self._held = self._describe()
 
         orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]
@@ -212,12 +216,7 @@ class ZeroEngine:
         written, so a bad batch never reaches the weights). The gradients are dropped either way.
         Returns True when the update was skipped for non-finite gradients.
         """
-        sharded = self._get(optimizer)
-        self._norms.pop(id(sharded.optimizer), None)
-        self._reducer.reduce_for_step(sharded.buffers)
-        self._reducer.wait_host_copies()
-        self._reducer.add_tied(sharded.buffers)
-        sharded.prepare(inv_scale)
+        sharded = self._prepare(optimizer, inv_scale)
         if before_update is not None:
             before_update()
         overflow = False
@@ -226,29 +225,72 @@ class ZeroEngine:
             if not overflow:
                 sharded.step()
                 publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
-        sharded.release_grads()
-        self._reducer.zero_grad(sharded.buffers)
-        self._norms.pop(id(sharded.optimizer), None)
+        self.zero_grad(optimizer)
         return overflow
 
-    def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Global gradient L2 norm over all ranks (fp32 scalar). Call on all ranks."""
-        key = id(_unwrap(optimizer))
+    def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer:
+        """Once per optimizer step: finish the window's reductions and expose the reduced, unscaled
+        slices as ``master.grad``. A second call before the step (or :meth:`zero_grad`) is a no-op,
+        so clipping or a norm asked for before ``optimizer.step()`` (manual optimization) sees the
+        gradients the step will use, as under DDP. Call on all ranks."""
+        sharded = self._get(optimizer)
+        key = id(sharded.optimizer)
+        if key not in self._prepared:
+            self._norms.pop(key, None)
+            self._reducer.reduce_for_step(sharded.buffers)
+            self._reducer.wait_host_copies()
+            self._reducer.add_tied(sharded.buffers)
+            sharded.prepare(inv_scale)
+            self._prepared.add(key)
+        return sharded
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget every gradient of ``optimizer``'s slices since its last step: what
+        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point."""
+        sharded = self._get(optimizer)
+        key = id(sharded.optimizer)
+        self._reducer.wait_host_copies()  # an offloaded copy in flight must not land after the drop
+        sharded.release_grads()
+        if key in self._prepared or any(b.grad_state is not GradState.EMPTY for b in sharded.buffers):
+            self._reducer.zero_grad(sharded.buffers)
+        self._prepared.discard(key)
+        self._norms.pop(key, None)
+
+    def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad()`` clears the master slices' ``.grad`` only; ZeRO also holds the
+        window's gradients in its flat buffers, so the call is extended to drop those (manual
+        optimization calls it anywhere, e.g. between two backwards). Undone by :meth:`close`."""
+        original = optimizer.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none)
+            self.zero_grad(optimizer)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # an instance attribute, removed at close
+        self._routed.append(optimizer)
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> torch.Tensor:
+        """Global gradient L2 norm over all ranks (fp32 scalar), valid from the last backward of a
+        window until the step. Call on all ranks."""
+        sharded = self._prepare(optimizer, inv_scale)
+        key = id(sharded.optimizer)
         if key not in self._norms:
-            self._norms[key] = self._get(optimizer).grad_norm()
+            self._norms[key] = sharded.grad_norm()
         return self._norms[key]
 
-    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float, inv_scale: float = 1.0) -> torch.Tensor:
         """Clip to a global norm of ``max_norm``; returns the norm before clipping. Call on all ranks."""
         # No isfinite() check here: it would synchronize the host. A non-finite norm makes the
         # coefficient 0 or NaN, and "16-mixed" skips such a step anyway (as torch's clip_grad_norm_).
-        norm = self.grad_norm(optimizer)
+        norm = self.grad_norm(optimizer, inv_scale)
         self._get(optimizer).clip_grad_norm(max_norm, norm)
+        self._norms.pop(id(_unwrap(optimizer)), None)  # clipped: the next norm is another one
         return norm
 
-    def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float) -> None:
+    def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float, inv_scale: float = 1.0) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_value, clip_value]``."""
-        self._get(optimizer).clip_grad_value(clip_value)
+        self._prepare(optimizer, inv_scale).clip_grad_value(clip_value)
+        self._norms.pop(id(_unwrap(optimizer)), None)
 
     # -- the state other layers read and write ------------------------------------------------------
 
@@ -402,6 +444,9 @@ class ZeroEngine:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
         whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
         self._reducer.remove_hooks()
+        for optimizer in self._routed:
+            optimizer.__dict__.pop("zero_grad", None)  # back to the class's zero_grad
+        self._routed.clear()
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
             if unshard:
