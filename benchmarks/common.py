@@ -26,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import testing  # noqa: E402
-from recipes.bert.model import Bert, BertConfig  # noqa: E402
-from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
+from lightning_zero import testing
+from recipes.bert.model import Bert, BertConfig
+from recipes.gpt2.model import GPT, GPTConfig
 
 WORLD_SIZE = 2
 #: ~14M parameters: 6 blocks of 1.77M plus a 3.1M tied embedding. Big enough that the gradient

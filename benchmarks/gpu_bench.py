@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from recipes.common.flops import transformer_training_flops  # noqa: E402
-from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
+from recipes.common.flops import transformer_training_flops
+from recipes.gpt2.model import GPT, GPTConfig
 
 #: GPT-2 medium
 GPT_350M = GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024)

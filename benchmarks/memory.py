@@ -35,9 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
+import common
+import lightning.pytorch as pl
+import torch
 
 #: (strategy, precision, options). The extra zero2 row with small buckets shows how much of the
 #: transient bucket memory is alive at once when the model spans several buckets.

@@ -86,13 +86,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402 - also puts the repository root (``recipes``) on sys.path
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+import yaml
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from recipes.common.optim import OptimizerConfig  # noqa: E402
-from recipes.gpt2.model import GPTConfig  # noqa: E402
+from recipes.common.optim import OptimizerConfig
+from recipes.gpt2.model import GPTConfig
 
 CPU_TINY = common.ROOT / "recipes" / "gpt2" / "configs" / "cpu-tiny.yaml"
 GLOBAL_BATCH = 16  # sequences per step over all data-parallel replicas (step-time table)

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
-import common  # noqa: E402
-import report  # noqa: E402
-import systems  # noqa: E402
+import common
+import report
+import systems
 
 OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 TORCH = ("ddp", "fsdp2", "fsdp2_no_reshard", "zero_redundancy")
@@ -42,7 +42,7 @@ TORCH = ("ddp", "fsdp2", "fsdp2_no_reshard", "zero_redundancy")
 def deepspeed_available() -> bool:
     """True when ``deepspeed`` imports (it is optional; nothing here requires it)."""
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401 (only whether it imports)
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False
     return True
@@ -86,7 +86,7 @@ def _profile_worker(rank: int, system: str, precision: str, workload: str, warmu
     import torch
     from measure import Clock
 
-    import lightning_zero  # noqa: F401
+    import lightning_zero  # noqa: F401 (registers the strategy names)
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # DeepSpeed picks its accelerator at import; the ranks inherit this.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import common  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
+import common
+import lightning.pytorch as pl
+import torch
 
 STRATEGIES = ("ddp", "zero1", "zero2")
 PRECISIONS = ("bf16-mixed", "32-true")
@@ -41,7 +41,7 @@ TARGET = 1.05
 def deepspeed_available() -> bool:
     """True when ``deepspeed`` imports (it is optional; nothing here requires it)."""
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401 (only whether it imports)
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False
     return True
@@ -119,7 +119,7 @@ def _worker(rank: int, steps: int, warmup: int, rounds: int, with_deepspeed: boo
 
 def _profile_worker(rank: int, configs: list[str], steps: int, warmup: int) -> dict:
     """Self CPU ms per step of every op (rank 0), for each ``strategy:precision`` in ``configs``."""
-    import lightning_zero  # noqa: F401
+    import lightning_zero  # noqa: F401 (registers the strategy names)
 
     class Profile(pl.Callback):
         """Profiles the steps after the warm-up (from the end of step ``warmup`` to the end of training)."""

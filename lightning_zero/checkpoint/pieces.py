@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.parallel.tensor import is_tensor_parallel
+from lightning_zero.zero.gather import placeholders_allowed
 from lightning_zero.zero.surface import HeldParam
 
 TIED_NAMES = "tied_names"
@@ -113,7 +114,8 @@ def state_dict_keys(params: dict[str, PartitionedParam]) -> set[str]:
 def non_partitioned_state_dict(module: nn.Module, params: dict[str, PartitionedParam]) -> dict[str, Any]:
     """``module.state_dict()`` without the partitioned parameters (frozen parameters, buffers, extra state)."""
     skip = state_dict_keys(params)
-    return {k: v for k, v in module.state_dict().items() if k not in skip}
+    with placeholders_allowed():  # the partitioned ones are skipped: they come from the shards
+        return {k: v for k, v in module.state_dict().items() if k not in skip}
 
 
 def local_shards(

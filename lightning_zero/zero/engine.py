@@ -143,8 +143,11 @@ class ZeroEngine:
         self._norms: dict[int, torch.Tensor] = {}
         self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
         self._routed: list[torch.optim.Optimizer] = []
-        for optimizer in optimizers:
-            self._route_zero_grad(optimizer)
+        if parallel.pipeline is None:
+            # Under a pipeline the schedule runs every backward inside training_step, and Lightning
+            # calls zero_grad between training_step and its (then empty) backward: not routed there.
+            for optimizer in optimizers:
+                self._route_zero_grad(optimizer)
         self._held = self._describe()
 
         orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]

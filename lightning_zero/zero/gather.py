@@ -29,6 +29,9 @@ data-dependent branch that differs between ranks hangs, as it does in every ZeRO
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +44,19 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.zero.flat import FlatBuffer, ParamState
 
 _GUARDED: dict[type, type] = {}
+# Set while the checkpoint code reads ``state_dict()`` knowing that sharded parameters are placeholders.
+_PLACEHOLDERS_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("placeholders_ok", default=False)
+
+
+@contextlib.contextmanager
+def placeholders_allowed() -> Iterator[None]:
+    """``module.state_dict()`` may return the empty placeholders of sharded parameters inside this
+    block (the checkpoint code, which writes those parameters from the shards instead)."""
+    token = _PLACEHOLDERS_OK.set(True)
+    try:
+        yield
+    finally:
+        _PLACEHOLDERS_OK.reset(token)
 
 
 def _guarded_class(cls: type) -> type:
@@ -59,7 +75,22 @@ def _guarded_class(cls: type) -> type:
                 )
             return value
 
-        guarded = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__})
+        def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
+            super(guarded, self)._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[arg-type]  # as above
+            names = getattr(self, "_lightning_zero_sharded", None)
+            if names is None or keep_vars or _PLACEHOLDERS_OK.get():
+                return  # keep_vars: the Parameter objects themselves are asked for, not their values
+            for name, param in self._parameters.items():
+                if param is not None and param.numel() == 0 and id(param) in names:
+                    raise RuntimeError(
+                        f"state_dict() of {type(self).__name__} under ZeRO stage 3 outside a forward: its parameter "
+                        f"{prefix + name!r} is sharded and holds no data here. Call it inside "
+                        "`with trainer.strategy.gathered_parameters(module):` on every rank, save with "
+                        "trainer.save_checkpoint, or read it after fit (the parameters are whole again)."
+                    )
+
+        members = {"__getattr__": __getattr__, "_save_to_state_dict": _save_to_state_dict, "__module__": cls.__module__}
+        guarded = type(cls.__name__, (cls,), members)
         guarded.__qualname__ = cls.__qualname__
         _GUARDED[cls] = guarded
     return _GUARDED[cls]

@@ -10,9 +10,9 @@ from pathlib import Path
 # run as a script from anywhere: the repository root holds the ``recipes`` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from recipes.bert.data import BertDataModule  # noqa: E402
-from recipes.bert.module import BertMLM  # noqa: E402
-from recipes.common.cli import RecipeCLI  # noqa: E402
+from recipes.bert.data import BertDataModule
+from recipes.bert.module import BertMLM
+from recipes.common.cli import RecipeCLI
 
 
 def main(args: list[str] | None = None) -> RecipeCLI:

@@ -32,7 +32,7 @@ class GPT2LM(LightningModule):
     def __init__(
         self,
         config: GPTConfig = GPTConfig(),  # noqa: B008 (frozen dataclass: a shared default is safe)
-        optimizer: optim.OptimizerConfig = optim.OptimizerConfig(),  # noqa: B008
+        optimizer: optim.OptimizerConfig = optim.OptimizerConfig(),  # noqa: B008 (frozen dataclass)
         init_from: str | None = None,
     ) -> None:
         super().__init__()

@@ -10,9 +10,9 @@ from pathlib import Path
 # run as a script from anywhere: the repository root holds the ``recipes`` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from recipes.common.cli import RecipeCLI  # noqa: E402
-from recipes.gpt2.data import GPT2DataModule  # noqa: E402
-from recipes.gpt2.module import GPT2LM  # noqa: E402
+from recipes.common.cli import RecipeCLI
+from recipes.gpt2.data import GPT2DataModule
+from recipes.gpt2.module import GPT2LM
 
 
 def main(args: list[str] | None = None) -> RecipeCLI:

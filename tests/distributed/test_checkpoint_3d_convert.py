@@ -114,7 +114,7 @@ def test_tp2_pp2_checkpoint_loads_as_dp4_and_back(tmp_path):
 
     results = run_ranks(_worker, str(tmp_path), world_size=4, timeout=420)
     # dp4: every rank holds a quarter of the batch; the step's loss is their mean.
-    mean = lambda key: [sum(step) / 4 for step in zip(*(r[key] for r in results), strict=True)]  # noqa: E731
+    mean = lambda key: [sum(step) / 4 for step in zip(*(r[key] for r in results), strict=True)]  # noqa: E731 (a one-line helper)
     three_d, dp = results[0]["3d"], mean("dp")
     assert all(r["3d"] == three_d for r in results)  # every rank logs the true loss
     _close(dp, three_d, "dp4 vs tp2 x pp2 from the same weights")

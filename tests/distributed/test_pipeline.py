@@ -28,7 +28,7 @@ from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-from gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens  # noqa: E402
+from gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens
 
 EPS = 1e-6  # AdamW's eps: see the module docstring
 

@@ -76,7 +76,7 @@ class _Snapshot(pl.Callback):
 
 
 def _sharded_init_worker(rank: int) -> dict:
-    import lightning_zero  # noqa: F401
+    import lightning_zero  # noqa: F401 (registers the strategy names)
 
     pl.seed_everything(11, verbose=False)
     reference = BuiltInConfigureModel()
@@ -154,3 +154,25 @@ def test_sharded_construction_matches_unsharded_and_stays_small():
         # The same weights evaluated sharded (all-gathered per module) and whole: fp32, identical
         # arithmetic except the mean over ranks, so 1e-6 relative.
         assert abs(res["eval_loss"] - res["plain_first_batch"]) <= 1e-6 * abs(res["plain_first_batch"])
+
+
+class _StateDictInHook(pl.Callback):
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        try:
+            pl_module.state_dict()
+        except RuntimeError as error:
+            self.error = str(error)
+        with trainer.strategy.gathered_parameters(pl_module):
+            self.gathered = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def _state_dict_worker(rank: int) -> dict:
+    hook = _StateDictInHook()
+    fit(ZERO3, max_steps=2, accumulate=1, trainer_kwargs={"callbacks": [hook]}, loader=make_loader(n=12))
+    return {"error": getattr(hook, "error", None), "shapes": {k: tuple(v.shape) for k, v in hook.gathered.items()}}
+
+
+def test_state_dict_outside_forward_is_an_error_not_empty_tensors():
+    for res in run_ranks(_state_dict_worker):
+        assert res["error"] is not None and "gathered_parameters" in res["error"]
+        assert res["shapes"]["up.weight"] == (7, 15)  # whole inside gathered_parameters

@@ -35,7 +35,7 @@ from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-from gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens  # noqa: E402
+from gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens
 
 
 def _gpt():

@@ -101,7 +101,7 @@ def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
 def _eval_worker(rank: int) -> dict:
     from models import ParityModel
 
-    import lightning_zero  # noqa: F401
+    import lightning_zero  # noqa: F401 (registers the strategy names)
 
     trainer, model = fit(
         "zero2", max_steps=2, devices=1, precision="bf16-mixed", trainer_kwargs={"limit_val_batches": 1.0}

@@ -15,9 +15,9 @@ import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from recipes.bert.data import BertDataModule  # noqa: E402
-from recipes.common.hf import HFLightningModule  # noqa: E402
-from recipes.gpt2.data import GPT2DataModule  # noqa: E402
+from recipes.bert.data import BertDataModule
+from recipes.common.hf import HFLightningModule
+from recipes.gpt2.data import GPT2DataModule
 
 
 def _gpt2():

@@ -20,18 +20,18 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from recipes.bert import train as bert_train  # noqa: E402
-from recipes.bert.data import BertDataModule  # noqa: E402
-from recipes.bert.model import TENSOR_PARALLEL_PLAN as BERT_PLAN  # noqa: E402
-from recipes.bert.model import Bert, BertConfig  # noqa: E402
-from recipes.common import cache, corpus  # noqa: E402
-from recipes.common.flops import transformer_training_flops  # noqa: E402
-from recipes.common.tokenizer import BERT_VOCAB_SIZE, GPT2_VOCAB_SIZE, get_tokenizer  # noqa: E402
-from recipes.gpt2 import train as gpt2_train  # noqa: E402
-from recipes.gpt2.data import GPT2DataModule  # noqa: E402
-from recipes.gpt2.model import GPT, GPTConfig  # noqa: E402
-from recipes.gpt2.model import TENSOR_PARALLEL_PLAN as GPT_PLAN  # noqa: E402
-from recipes.gpt2.module import GPT2LM  # noqa: E402
+from recipes.bert import train as bert_train
+from recipes.bert.data import BertDataModule
+from recipes.bert.model import TENSOR_PARALLEL_PLAN as BERT_PLAN
+from recipes.bert.model import Bert, BertConfig
+from recipes.common import cache, corpus
+from recipes.common.flops import transformer_training_flops
+from recipes.common.tokenizer import BERT_VOCAB_SIZE, GPT2_VOCAB_SIZE, get_tokenizer
+from recipes.gpt2 import train as gpt2_train
+from recipes.gpt2.data import GPT2DataModule
+from recipes.gpt2.model import GPT, GPTConfig
+from recipes.gpt2.model import TENSOR_PARALLEL_PLAN as GPT_PLAN
+from recipes.gpt2.module import GPT2LM
 
 TINY_GPT = [
     "--model.config.n_layer=2",
