@@ -39,6 +39,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_zero.config import PRECISIONS, LossScaleConfig, OffloadConfig, normalize_precision
+from lightning_zero.hardware import warn_if_slow_bf16
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -129,6 +130,7 @@ class OffloadPrecision(Precision):
         self._engine = engine
         self.device_type = device.type
         self._pipelined = pipelined
+        warn_if_slow_bf16(self.precision, device)
 
     # -- module and forward -------------------------------------------------------------------
 

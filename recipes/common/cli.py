@@ -3,16 +3,23 @@
 ``train.py`` of each recipe is ``RecipeCLI(Module, DataModule)``. The CLI imports ``lightning_zero`` so
 that its strategy names (``zero1``, ``zero2``, ...) are registered before the trainer is built, and
 checks the model against the data (sequence length vs context) before any tokenizing or training.
+
+``trainer.precision: auto`` (the CPU configs' choice) is resolved by :class:`RecipeTrainer` before
+Lightning sees it: "bf16-mixed" where the device multiplies bf16 natively (CPUs with AVX512_BF16 or
+AMX, GPUs from Ampere on), else "32-true" (see :mod:`lightning_zero.hardware`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from lightning.fabric.connector import _PRECISION_INPUT
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_zero.hardware import resolve_precision
 from recipes.common.data import batch_size, batch_tokens
 
 
@@ -44,6 +51,21 @@ class TokenThroughputMonitor(ThroughputMonitor):
             meter.available_flops = self.available_flops
 
 
+def _run_device(accelerator: Any) -> torch.device:
+    """The device a Trainer with this ``accelerator`` runs on, for resolving "auto" precision."""
+    if accelerator in ("auto", "gpu", "cuda", None) and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class RecipeTrainer(Trainer):
+    """Lightning's Trainer that also takes ``precision="auto"``: the fastest precision of the device it runs on."""
+
+    def __init__(self, precision: _PRECISION_INPUT | Literal["auto"] | None = None, **kwargs: Any) -> None:
+        resolved = resolve_precision(precision, _run_device(kwargs.get("accelerator", "auto")))
+        super().__init__(precision=resolved, **kwargs)  # type: ignore[arg-type]  # "auto" resolved above
+
+
 class RecipeCLI(LightningCLI):
     """LightningCLI with the recipe defaults: config overwrite allowed, data checked before ``fit``."""
 
@@ -55,6 +77,7 @@ class RecipeCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # the modules configure their own optimizer: no top-level optimizer/lr_scheduler options
         kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("trainer_class", RecipeTrainer)
         super().__init__(*args, **kwargs)
 
     def before_fit(self) -> None:

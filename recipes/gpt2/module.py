@@ -100,7 +100,9 @@ class GPT2LM(LightningModule):
     def on_validation_epoch_end(self) -> None:
         """``val_ppl``: exp of the mean loss per token over the whole validation set (all ranks; the
         ranks of a tensor-parallel group hold equal numbers, which leave the weighted mean unchanged)."""
-        self.log("val_ppl", self.val_nll.compute().exp())
+        # compute() already reduced over all ranks; sync_dist averages equal values (no change) and
+        # tells Lightning the epoch-level value is global (else it warns on every validation)
+        self.log("val_ppl", self.val_nll.compute().exp(), sync_dist=True)
         self.val_nll.reset()
 
     def tensor_parallel_plan(self) -> dict[str, str]:

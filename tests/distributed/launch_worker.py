@@ -1,0 +1,46 @@
+"""One rank of the launcher tests (``test_launchers.py``): trains zero3 on the parity model, however the
+process was started (torchrun on one or two "nodes", or SLURM's variables), and writes what it saw.
+
+    python tests/distributed/launch_worker.py OUT_DIR DEVICES NUM_NODES
+
+writes ``OUT_DIR/rank{global_rank}.json``: the cluster environment Lightning detected, the global,
+local and node ranks, the world size, the losses of every micro-batch, and the node-local directory
+this rank would put its offload files and caches in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import fit  # noqa: E402  (the parity model and its Trainer options, from this folder)
+
+
+def main(out_dir: str, devices: int, num_nodes: int) -> None:
+    torch.set_num_threads(1)  # two ranks share the cores
+    trainer, model = fit(
+        {"stage": 3, "reduce_bucket_size": 40, "param_persistence_threshold": 0},
+        devices=devices,
+        trainer_kwargs={"num_nodes": num_nodes},
+    )
+    strategy = trainer.strategy
+    record = {
+        "environment": type(strategy.cluster_environment).__name__,
+        "global_rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "world_size": trainer.world_size,
+        "losses": model.losses,
+    }
+    Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
