@@ -37,7 +37,11 @@ def _extensions():
     except ImportError as exc:  # metadata-only invocations (sdist) or a missing torch
         _warn(f"torch not importable ({exc}); building without the compiled ops")
         return [], {}
-    cxx = ["-O3", "-fvisibility=hidden", "-Wall"]
+    # -fopenmp at compile time only: ATen's inline at::parallel_for is an `omp parallel` region that
+    # is compiled in only when _OPENMP is defined (without it the loop runs on the calling thread).
+    # Nothing is added at link time: the GOMP_* symbols resolve to the libgomp that libtorch_cpu
+    # already loads (torch's own runtime, the one torch.set_num_threads governs), never a second one.
+    cxx = ["-O3", "-fvisibility=hidden", "-Wall"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     use_cuda = (
         torch.version.cuda is not None

@@ -1,6 +1,11 @@
 """CPU Adam step throughput against torch, DeepSpeed (if installed) and the memory bandwidth.
 
-    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 2] [--repeats 5]
+    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 1,2,all] [--repeats 5]
+
+Every table is measured once per thread count in ``--threads`` (``all`` = the cores in this
+process's affinity mask), then a thread-scaling table compares them: each row's "vs torch" is
+against torch's fused AdamW at the same thread count, and "x own 1T" is the speed-up over the
+same implementation at the first thread count listed.
 
 An Adam step is memory bound: it reads param, grad, exp_avg, exp_avg_sq (4 x 4 bytes) and writes
 param, exp_avg, exp_avg_sq (3 x 4 bytes): 28 bytes per parameter. GB/s below is those bytes over
@@ -140,23 +145,54 @@ def measure(sizes: str, repeats: int) -> list[dict]:
     return records
 
 
+def thread_counts(spec: str) -> list[int]:
+    """``"1,2,all"`` -> ``[1, 2, <cores in the affinity mask>]``, duplicates dropped, order kept."""
+    counts: list[int] = []
+    for item in spec.split(","):
+        n = len(os.sched_getaffinity(0)) if item.strip() == "all" else int(item)
+        if n < 1:
+            raise ValueError(f"--threads {spec}: thread counts must be >= 1 (or 'all')")
+        if n not in counts:
+            counts.append(n)
+    return counts
+
+
+def scaling(records: list[dict]) -> list[str]:
+    """The thread-scaling table: one line per (size, implementation, threads)."""
+    first = {(r["size"], r["what"]): r["ms"] for r in records if r["threads"] == records[0]["threads"]}
+    lines = [f"{'size':>6} {'what':<34} {'threads':>7} {'ms':>9} {'vs torch':>9} {'x own 1T':>9}"]
+    keep = [r for r in records if r["ms"] is not None and not r["what"].startswith("torch AdamW foreach")]
+    for r in sorted(keep, key=lambda r: (r["size"], r["what"], r["threads"])):
+        own = first[(r["size"], r["what"])] / r["ms"]
+        lines.append(
+            f"{r['size']:>6} {r['what']:<34} {r['threads']:>7} {r['ms']:9.1f} {r['vs_torch']:8.2f}x {own:8.2f}x"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100M,500M", help="comma-separated, M = 1e6 parameters")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="1,2,all", help="comma-separated thread counts; 'all' = affinity mask")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__}")
-    print(f"{'size':>6} {'what':<34} {'ms':>9} {'GB/s':>7} {'vs torch fused':>15} {'of bandwidth':>13}")
-    for r in measure(args.sizes, args.repeats):
-        if r["ms"] is None:
-            print(f"{r['size']:>6} {r['what']:<34} {'':>9} {r['gbs']:7.1f}")
-        else:
-            print(
-                f"{r['size']:>6} {r['what']:<34} {r['ms']:9.1f} {r['gbs']:7.1f} {r['vs_torch']:14.2f}x "
-                f"{r['of_bandwidth']:12.2f}"
-            )
+    counts = thread_counts(args.threads)
+    records = []
+    for threads in counts:
+        torch.set_num_threads(threads)
+        print(f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__}")
+        print(f"{'size':>6} {'what':<34} {'ms':>9} {'GB/s':>7} {'vs torch fused':>15} {'of bandwidth':>13}")
+        for r in measure(args.sizes, args.repeats):
+            records.append(dict(r, threads=threads))
+            if r["ms"] is None:
+                print(f"{r['size']:>6} {r['what']:<34} {'':>9} {r['gbs']:7.1f}")
+            else:
+                print(
+                    f"{r['size']:>6} {r['what']:<34} {r['ms']:9.1f} {r['gbs']:7.1f} {r['vs_torch']:14.2f}x "
+                    f"{r['of_bandwidth']:12.2f}"
+                )
+    print(f"\nthread scaling ({', '.join(map(str, counts))} threads; 'x own 1T' against {counts[0]} thread(s))")
+    print("\n".join(scaling(records)))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 // CPU implementations of the lightning_zero optimizer ops: argument checks, per-step scalars,
 // ISA selection and threading. The element loops live in the per-ISA units behind kernels.h.
 //
-// Threads: at::parallel_for, which in the CPU wheels of torch is OpenMP on torch's own libgomp;
-// linking a second OpenMP runtime into this library would give two thread pools fighting for the
-// same cores, and torch.set_num_threads would not govern ours.
+// Threads: at::parallel_for, which in the CPU wheels of torch is OpenMP on torch's own libgomp.
+// Its body is inline in ATen's headers and is an `omp parallel` region only when this unit is
+// compiled with -fopenmp (setup.py does; without it the loop silently runs on the calling thread).
+// Nothing links a second OpenMP runtime into this library: that would give two thread pools
+// fighting for the same cores, and torch.set_num_threads would not govern ours. The thread count
+// per rank is chosen in lightning_zero/threads.py.
 // Tiles: the flat range is cut into TILE-element pieces. 16384 fp32 is 64 KiB per stream, so the
 // five to seven streams of one tile (~400 KiB) stay in L2 while a thread works on it; tiles are also
 // the unit of the LAMB norm reduction, which is summed tile by tile in a fixed order, so the norms
