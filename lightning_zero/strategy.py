@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures
+from lightning_zero import comm, debug, failures, threads
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
@@ -301,6 +301,9 @@ class ZeroStrategy(DDPStrategy):
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin
+        if precision.offload.offload_optimizer:
+            # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
+            threads.apply_threads(self.num_processes)
         # The precision plugin may carry its own offload options (OffloadPrecision given by the
         # user): the engine's config takes them, checked against the stage like the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
