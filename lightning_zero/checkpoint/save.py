@@ -50,7 +50,7 @@ SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
 def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
     parameter names (the states themselves are in the rank files). Local, no communication."""
-    names = {}
+    names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
     sharded = engine.find(optimizer)
