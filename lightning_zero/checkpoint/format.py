@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from lightning_zero.checkpoint import io as ckpt_io
+
 FORMAT_NAME = "lightning_zero.sharded_checkpoint"
 FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
@@ -155,8 +157,10 @@ def resolve(path: PathLike) -> Path | None:
     Raises ``ValueError`` for a file inside a checkpoint directory and for a directory that is not a
     complete checkpoint (a save that did not finish). When a save overwriting ``path`` was killed
     between its two renames, the previous checkpoint is found under its temporary name and returned.
+    ``path`` may be a ``file://`` URL (:func:`~lightning_zero.checkpoint.io.local_path`; a URL of
+    another filesystem raises ``ValueError``).
     """
-    path = Path(path)
+    path = ckpt_io.local_path(path)
     if path.is_file():
         parent = path.parent
         if _read_format(parent) is not None or (parent / LIGHTNING_FILE).is_file():

@@ -10,7 +10,10 @@ so a failure on one rank raises on every rank instead of leaving the others wait
 
 So a kill at any moment leaves either the previous checkpoint at PATH (or, between the two renames,
 at .zero-old-HASH, which :func:`~lightning_zero.checkpoint.format.resolve` finds), or the new one;
-a directory without ``metadata.json`` is never loaded. Ranks must share one filesystem.
+a directory without ``metadata.json`` is never loaded. A save that fails on any rank removes its
+temporary directory. Every rank writes under the path rank 0 resolved, on a filesystem all ranks
+share; a rank that cannot see it is named in a ``ValueError`` before any file is written
+(:mod:`~lightning_zero.checkpoint.io`).
 
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
@@ -32,6 +35,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.merge import Placement, merge_reports
 from lightning_zero.checkpoint.pieces import param_names, rank_payload, rank_report
@@ -146,17 +150,26 @@ def save_sharded(
     group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
     placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
     rank, world_size = placement.rank, placement.layout.world_size
-    path = Path(filepath).absolute()
-    tmp = fmt.temporary_path(path)
+    mine = ckpt_io.local_path(filepath)  # raises for a non-local URL on every rank alike, before any work
 
-    def prepare() -> dict[str, Any]:
+    def prepare() -> tuple[str | None, dict[str, Any]]:
         if rank == 0:
+            tmp = fmt.temporary_path(mine)
             _clear(tmp)
             tmp.mkdir(parents=True)
-        return rank_report(module, engine, optimizers, placement)
+        return (str(mine) if rank == 0 else None), rank_report(module, engine, optimizers, placement)
 
-    merged = merge_reports(_agree(_guarded(prepare), group, f"creating {tmp}"))
+    prepared = _agree(_guarded(prepare), group, f"creating the temporary directory of {mine}")
+    path = Path(prepared[0][0])  # rank 0's resolution: one directory whatever each rank's working directory
+    tmp = fmt.temporary_path(path)
+    merged = merge_reports([report for _, report in prepared])
     has_optimizer_states = "optimizer_states" in checkpoint
+
+    blind = [r for r, seen in enumerate(comm.all_gather_object(tmp.is_dir(), group)) if not seen]
+    if blind:
+        if rank == 0:
+            _clear(tmp)
+        raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
 
     def write_own() -> int:
         values, optim = rank_payload(module, engine, optimizers, merged, rank)
@@ -166,7 +179,14 @@ def save_sharded(
             _write(_lightning_state(checkpoint, merged), tmp / fmt.LIGHTNING_FILE)
         return size
 
-    sizes = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
+    try:
+        sizes = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
+    except RuntimeError:
+        # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
+        # previous checkpoint at ``path`` was never touched).
+        if rank == 0:
+            _clear(tmp)
+        raise
 
     def finish() -> None:
         meta = {
@@ -201,7 +221,7 @@ def remove_sharded(filepath: fmt.PathLike) -> None:
     leaves a partial directory under a checkpoint's name. A directory that is not a lightning_zero
     checkpoint is refused.
     """
-    path = Path(filepath)
+    path = ckpt_io.local_path(filepath)
     if path.is_symlink() or path.is_file():
         path.unlink()
         return
