@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
 from test_checkpoint import _fit
+
+from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 ZERO2 = {"stage": 2, "reduce_bucket_size": 50}
