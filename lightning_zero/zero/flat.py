@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig
-from lightning_zero.zero.host import host_copy, host_empty
+from lightning_zero.offload.host import host_copy, host_empty
 from lightning_zero.zero.partition import FlatLayout
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from lightning_zero import comm
+from lightning_zero.offload.host import host_empty
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.host import host_empty
 
 
 def _adam_family() -> tuple[type, ...]:
