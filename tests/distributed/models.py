@@ -8,6 +8,7 @@ scheduler stepped every optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
@@ -270,4 +271,7 @@ class StateEveryStep(pl.Callback):
         self.states: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.states.append(state(pl_module))
+        # stage 3: whole parameters only inside gathered_parameters (every rank runs this hook)
+        gathered = getattr(trainer.strategy, "gathered_parameters", None)
+        with gathered(pl_module) if gathered is not None else contextlib.nullcontext(), torch.no_grad():
+            self.states.append(state(pl_module))
