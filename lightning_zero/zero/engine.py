@@ -67,7 +67,7 @@ class ZeroEngine:
 
     Args:
         module: the model; its parameters become views into flat buffers of the compute dtype.
-        optimizers: the optimizers from ``configure_optimizers``; rewired in place to master slices
+        optimizers: the optimizers from ``configure_optimizers``; they step master slices
             (none under stage 3 evaluation, which shards the model all the same).
         config: the strategy's options; the engine reads its ``zero`` and ``offload`` sections.
         precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true": the compute dtype and whether

@@ -1,9 +1,9 @@
 """Step 4 of the data path, **step**: the user's optimizer on this rank's slices only.
 
 The optimizer the LightningModule returned is kept (its class, hyperparameters, parameter groups,
-and identity, so LR schedulers and ``self.optimizers()`` keep working), but each parameter group's
-``params`` is rewired to the fp32 ``master`` slices of the flat buffers of that group. Its ``state``
-therefore holds optimizer states for this rank's slice only: 12/N bytes per parameter for Adam.
+and identity, so LR schedulers and ``self.optimizers()`` keep working), but it steps the fp32 ``master`` slices of the flat buffers of each group (its groups hold them
+only while torch's ``step()`` runs: :meth:`ShardedOptimizer.masters`). Its ``state`` therefore holds
+optimizer states for this rank's slice only: 12/N bytes per parameter for Adam.
 
 This is exact only for elementwise optimizers, whose update of an element reads that element
 alone: slices cut through parameters. Optimizers built on whole-tensor statistics (LAMB's trust
@@ -17,6 +17,8 @@ earlier single-file format with the fp32 masters under ``"master"``) loads throu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -114,10 +116,27 @@ class ShardedOptimizer:
         self.pipeline_parallel_group = pipeline_parallel_group
         self.counted_elsewhere = counted_elsewhere
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
-        for g_index, param_group in enumerate(optimizer.param_groups):
-            param_group["params"] = [b.master for b in buffers if b.optimizer_group == g_index]
+        self.master_params = [
+            [b.master for b in buffers if b.optimizer_group == g_index]
+            for g_index in range(len(optimizer.param_groups))
+        ]
         optimizer.state.clear()
         self.kernel = KernelStep.for_optimizer(optimizer, buffers, group)
+
+    @contextmanager
+    def masters(self) -> Iterator[None]:
+        """Inside the block the optimizer's groups hold this rank's master slices, for torch's own
+        ``step()`` and ``load_state_dict()``. Outside it they hold the model's parameters, as the user
+        built them: Lightning's ``toggle_optimizer``, fine-tuning callbacks and the user's code read
+        ``param_groups`` to find parameters (``optimizer.state`` stays keyed by the masters)."""
+        for param_group, masters in zip(self.optimizer.param_groups, self.master_params, strict=True):
+            param_group["params"] = masters
+        try:
+            yield
+        finally:
+            # load_state_dict() replaces the group dicts: restore into the ones there now
+            for param_group, original in zip(self.optimizer.param_groups, self.original_params, strict=True):
+                param_group["params"] = original
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -180,7 +199,8 @@ class ShardedOptimizer:
         if self.kernel is not None:
             self.kernel.step(self.tensor_parallel_group)
             return
-        self.optimizer.step()
+        with self.masters():
+            self.optimizer.step()
         for b in self.buffers:
             b.params_from_master()
 
@@ -195,16 +215,17 @@ class ShardedOptimizer:
         of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
         # Optimizer.load_state_dict keys are positions in the optimizer's own parameter order (group
         # by group), which under stage 3 is not the order of self.buffers.
-        position = {id(m): k for k, m in enumerate(m for g in self.optimizer.param_groups for m in g["params"])}
+        position = {id(m): k for k, m in enumerate(m for masters in self.master_params for m in masters)}
         by_position = {position[id(b.master)]: state[id(b)] for b in self.buffers if id(b) in state}
         groups, start = [], 0
         for g_index, saved in enumerate(saved_groups):
             group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            count = len(self.optimizer.param_groups[g_index]["params"])
+            count = len(self.master_params[g_index])
             group["params"] = list(range(start, start + count))
             start += count
             groups.append(group)
-        self.optimizer.load_state_dict({"state": by_position, "param_groups": groups})
+        with self.masters():
+            self.optimizer.load_state_dict({"state": by_position, "param_groups": groups})
 
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an unsharded optimizer ``state_dict`` (a plain optimizer's, or our earlier
