@@ -79,6 +79,9 @@ class ZeroStrategy(DDPStrategy):
             :func:`lightning_zero.zero.step.check_optimizer`).
         on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
             outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
+        absorb_param_edits: in-place edits of whole parameters in hooks and callbacks (weight
+            clipping, an EMA swapped in) reach the fp32 master before the next step and checkpoint,
+            as under DDP (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -122,6 +125,7 @@ class ZeroStrategy(DDPStrategy):
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
+        absorb_param_edits: bool = True,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         pin_memory: bool = True,
@@ -157,6 +161,7 @@ class ZeroStrategy(DDPStrategy):
                 max_live_parameters=max_live_parameters,
                 allow_untested_optimizer=allow_untested_optimizer,
                 on_nonfinite=on_nonfinite,
+                absorb_param_edits=absorb_param_edits,
             ),
             offload=OffloadConfig(
                 offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory

@@ -239,6 +239,9 @@ class ZeroEngine:
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
         if key not in self._prepared:
+            if self.config.zero.absorb_param_edits:
+                for buffer in sharded.buffers:
+                    buffer.absorb_edits()  # the user's in-place edits since the last step reach the master
             self._norms.pop(key, None)
             self._reducer.reduce_for_step(sharded.buffers)
             self._reducer.wait_host_copies()
@@ -340,6 +343,9 @@ class ZeroEngine:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
         buffers = self._all_buffers()
+        if self.config.zero.absorb_param_edits:
+            for b in buffers:
+                b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
         copies: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]] = []
         owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
         for b in buffers:

@@ -313,6 +313,33 @@ class FlatBuffer:
             self.grad_shard.zero_()
         self.grad_state = GradState.EMPTY
 
+    def absorb_edits(self, chunk: int = 1 << 20) -> None:
+        """Write in-place edits of whole parameters into the master (stages 1/2 and small stage-3
+        parameters; the user's hooks and callbacks edit ``param.data``: weight clipping, an EMA
+        swapped in). Every element of this rank's parameter slice that differs from the cast master
+        is copied into it, so the next step starts from the edited value, as under DDP (under mixed
+        precision with the 16-bit value: the edit itself was made in 16 bits). One pass over the
+        slice, ``chunk`` elements at a time (no slice-sized temporaries, no host synchronization when
+        both live on one device). No-op where the master is the parameter slice itself (fp32
+        without offload) and for sharded stage-3 buffers (edits there go through
+        ``gathered_parameters(modifier_rank=...)``)."""
+        if not self.separate_master or not self.persistent:
+            return
+        device = self.master.device
+        chunk = min(chunk, self.layout.shard_numel)
+        cast = torch.empty(chunk, dtype=self.param_shard.dtype, device=device)  # reused by every chunk
+        edited = torch.empty(chunk, dtype=torch.bool, device=device)
+        with torch.no_grad():
+            for start in range(0, self.layout.shard_numel, chunk):
+                master = self.master[start : start + chunk]
+                param = self.param_shard[start : start + chunk].to(device)  # offloaded: a copy to the host
+                n = master.numel()
+                cast[:n].copy_(master)
+                torch.ne(param, cast[:n], out=edited[:n])
+                if device.type == "cpu" and not bool(edited[:n].any()):
+                    continue  # nothing edited here (on a GPU the check would synchronize the host)
+                torch.where(edited[:n], param.to(master.dtype), master, out=master)
+
     def params_from_master(self) -> None:
         """Overwrite this rank's parameter slice with the master slice (cast), offloaded or not."""
         if self.separate_master:

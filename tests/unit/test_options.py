@@ -152,6 +152,7 @@ def test_public_names():
         (lambda: OffloadPrecision("bf16-mixed", offload_parameters=True), "offload_optimizer=True"),
         (lambda: ZeroStrategy(stage=2, offload_optimizer=True, offload_parameters=True), "stage=3"),
         (lambda: ZeroStrategy(on_nonfinite="maybe"), "on_nonfinite='maybe'"),
+        (lambda: ZeroStrategy(absorb_param_edits="yes"), "absorb_param_edits='yes'"),
         (lambda: ZeroStrategy(pin_memory="yes"), "pin_memory='yes'"),
         (lambda: OffloadPrecision("16-mixed", loss_scale=1024), "loss_scale=1024"),
     ],
