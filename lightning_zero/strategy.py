@@ -38,12 +38,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, threads
+from lightning_zero import comm, debug, failures, summary, threads
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
+    PRECISIONS,
     CheckpointConfig,
     FailureConfig,
     LossScaleConfig,
@@ -341,6 +342,8 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self._engine is not None:
+            summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
 
     def teardown(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still

@@ -208,3 +208,55 @@ def _largest_trainable(weights: dict[str, torch.Tensor]) -> float:
 
 def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _summary_worker(rank: int) -> dict:
+    from lightning.pytorch.callbacks import ModelSummary
+
+    out = {}
+    for name, spec in SPECS.items():
+        for precision in ("32-true", "bf16-mixed"):
+            seen: dict[str, Any] = {}
+
+            class Probe(pl.Callback):
+                def on_fit_start(self, trainer: Any, pl_module: Any, seen: dict = seen) -> None:
+                    callback = next(c for c in trainer.callbacks if isinstance(c, ModelSummary))
+                    table = callback._summary(trainer, pl_module)
+                    seen.update(
+                        total=table.total_parameters,
+                        trainable=table.trainable_parameters,
+                        size=table.model_size,
+                        layers=dict(zip(table.layer_names, table.param_nums, strict=True)),
+                        per_rank=getattr(table, "parameters_per_rank", None),
+                    )
+
+            fit(
+                spec,
+                precision=precision,
+                max_steps=1,
+                accumulate=1,
+                trainer_kwargs={"callbacks": [ModelSummary(max_depth=1), Probe()], "enable_model_summary": True},
+            )
+            out[name, precision] = seen
+    return out
+
+
+def test_model_summary_counts_full_parameters_and_the_rank_share():
+    for res in run_ranks(_summary_worker):
+        ref = res["ddp", "32-true"]
+        assert ref["total"] > 0
+        for name in ("zero1", "zero2", "zero3"):
+            for precision, bytes_per in (("32-true", 4), ("bf16-mixed", 2)):
+                got = res[name, precision]
+                # exact counts: the same model; before the fix stage 3 reported 0 (sharded placeholders)
+                assert (got["total"], got["trainable"], got["layers"]) == (
+                    ref["total"],
+                    ref["trainable"],
+                    ref["layers"],
+                ), (name, precision)
+                assert got["size"] == ref["total"] * bytes_per * 1e-6, (name, precision)  # compute dtype
+                per_rank = sum(got["per_rank"])
+                if name == "zero3":  # the shards, plus the small parameters kept whole
+                    assert 0 < per_rank < ref["total"], per_rank
+                else:
+                    assert per_rank == sum(ref["layers"].values()), per_rank
