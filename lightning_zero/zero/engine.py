@@ -36,7 +36,7 @@ from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
 from lightning_zero.zero.publish import publish
-from lightning_zero.zero.reduce import GradReducer
+from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
     HeldParam,
@@ -239,6 +239,10 @@ class ZeroEngine:
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
         if key not in self._prepared:
+            if self._reducer.unfinished():
+                raise RuntimeError(
+                    f"gradients of an unfinished backward reached the optimizer step: {BACKWARD_OUTSIDE}."
+                )
             if self.config.zero.absorb_param_edits:
                 for buffer in sharded.buffers:
                     buffer.absorb_edits()  # the user's in-place edits since the last step reach the master

@@ -35,6 +35,12 @@ from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.surface import TiedAcrossStages
 
+BACKWARD_OUTSIDE = (
+    "a backward called as loss.backward() or torch.autograd.backward() instead of self.manual_backward(loss) "
+    "in manual optimization, or fabric.backward(loss) under Fabric: ZeRO completes its gradient reductions "
+    "there; call that instead"
+)
+
 
 class SideStream:
     """A CUDA stream for gradient copies and reductions; a no-op on other devices.
@@ -146,9 +152,9 @@ class GradReducer:
         if self.stage >= 2 and b_index < self._next_launch:
             raise RuntimeError(
                 f"a gradient for parameter {p_index} of bucket {b_index} (shape {tuple(param.shape)}) arrived after "
-                "its bucket was reduced in this backward. This happens when a parameter gets gradients from "
-                "two separate backward passes inside one backward call (e.g. reentrant checkpointing); use "
-                "torch.utils.checkpoint with use_reentrant=False."
+                "its bucket was reduced. Either the previous backward was not finished by the strategy "
+                f"({BACKWARD_OUTSIDE}), or a parameter got gradients from two separate backward passes inside one "
+                "backward call (reentrant checkpointing: use torch.utils.checkpoint with use_reentrant=False)."
             )
         if grad.is_sparse:
             raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
@@ -260,6 +266,10 @@ class GradReducer:
             if lo < hi:
                 buffer.add_to_grads(lo - start, accum[lo - slot.offset : hi - slot.offset])
             accum.zero_()
+
+    def unfinished(self) -> bool:
+        """A backward brought gradients that :meth:`finish` has not completed (it was not called)."""
+        return self._next_launch > 0 or bool(self._pending) or any(b.arrived for b in self.buffers)
 
     def zero_grad(self, buffers: list[FlatBuffer]) -> None:
         """Forget the gradients of ``buffers`` after their optimizer stepped."""

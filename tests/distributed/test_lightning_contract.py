@@ -260,3 +260,31 @@ def test_model_summary_counts_full_parameters_and_the_rank_share():
                     assert 0 < per_rank < ref["total"], per_rank
                 else:
                     assert per_rank == sum(ref["layers"].values()), per_rank
+
+
+class PlainBackward(ManualContract):
+    """Manual optimization calling ``loss.backward()`` instead of ``self.manual_backward(loss)``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self._loss(batch[0]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _plain_backward_worker(rank: int) -> dict:
+    out = {}
+    for name in ("zero1", "zero2", "zero3"):
+        try:
+            fit(SPECS[name], max_steps=2, accumulate=1, clip=None, model_cls=PlainBackward)
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_loss_backward_in_manual_optimization_says_to_call_manual_backward():
+    for res in run_ranks(_plain_backward_worker):
+        for name, message in res.items():
+            # before: silently stepped on unfinished reductions, or an error about reentrant checkpointing
+            assert "self.manual_backward(loss)" in message, (name, message)
