@@ -188,6 +188,7 @@ class ZeroStrategy(DDPStrategy):
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
+        self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
@@ -309,6 +310,7 @@ class ZeroStrategy(DDPStrategy):
         precision = self.precision_plugin
         if precision.offload.offload_optimizer:
             # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
+            self._threads_before = torch.get_num_threads()  # put back at teardown
             threads.apply_threads(self.num_processes)
         # The precision plugin may carry its own offload options (OffloadPrecision given by the
         # user): the engine's config takes them, checked against the stage like the strategy's.
@@ -357,6 +359,9 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.attach(None, self.root_device)
         failures.restore_environment(self._environment_before)
         self._environment_before.clear()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)  # the process's thread count left as found
+            self._threads_before = None
         super().teardown()
 
     @contextmanager

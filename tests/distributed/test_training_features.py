@@ -124,8 +124,11 @@ def _environment_worker(rank: int) -> dict:
     import os
 
     before = dict(os.environ)
+    torch.set_num_threads(3)  # not what offload's per-rank choice gives here (1 or 2 on this machine)
     fit({"stage": 3, "param_persistence_threshold": 10}, max_steps=2)
+    fit({"stage": 2, "offload_optimizer": True}, max_steps=2)  # offload sets torch's threads per rank
     after_fit = dict(os.environ)
+    threads_after_fit = torch.get_num_threads()
     from models import ParityModel
 
     class FailsAtStep1(ParityModel):
@@ -135,10 +138,20 @@ def _environment_worker(rank: int) -> dict:
             return super().training_step(batch, batch_idx)
 
     try:  # a failing fit tears down through Lightning's exception path
-        fit({"stage": 3, "param_persistence_threshold": 10}, max_steps=3, accumulate=1, model_cls=FailsAtStep1)
+        fit(
+            {"stage": 2, "offload_optimizer": True, "reduce_bucket_size": 40},
+            max_steps=3,
+            accumulate=1,
+            model_cls=FailsAtStep1,
+        )
     except RuntimeError as error:
         assert "planned failure" in str(error)
-    return {"before": before, "after_fit": after_fit, "after_failure": dict(os.environ)}
+    return {
+        "before": before,
+        "after_fit": after_fit,
+        "after_failure": dict(os.environ),
+        "threads": (threads_after_fit, torch.get_num_threads()),
+    }
 
 
 def test_environment_left_as_found():
@@ -152,6 +165,7 @@ def test_environment_left_as_found():
     for res in run_ranks(_environment_worker):
         assert ours(res["after_fit"]) == ours(res["before"])
         assert ours(res["after_failure"]) == ours(res["before"])
+        assert res["threads"] == (3, 3)  # torch's thread count put back after fit and after a failure
 
 
 def _backward_mock_worker(rank: int) -> int:
