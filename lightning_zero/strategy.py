@@ -464,6 +464,21 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError("grad_norm() is only available while fitting.")
         return self._engine.grad_norm(optimizer, 1.0 / self.precision_plugin.loss_scale)
 
+    @contextmanager
+    def full_gradients(self, module: torch.nn.Module | None = None) -> Generator[None, None, None]:
+        """Inside the block the trainable parameters of ``module`` (default: the LightningModule) have
+        ``.grad`` as under DDP: the full reduced, unscaled gradients of the window (stage 3 gathers
+        the parameters too), so Lightning's ``grad_norm(module, norm_type)`` utility and code that
+        reads ``param.grad`` work. Valid where :meth:`grad_norm` is (``on_before_optimizer_step``, or
+        before ``optimizer.step()`` in manual optimization). Costs one all-gather of the gradients
+        and their full size in memory while inside. Call on all ranks."""
+        if self._engine is None:
+            raise RuntimeError("full_gradients() is only available while fitting.")
+        module = module or self.lightning_module
+        assert module is not None
+        with self._engine.full_gradients(module, 1.0 / self.precision_plugin.loss_scale):
+            yield
+
     def memory_breakdown(self) -> dict[str, dict[str, int]]:
         """This rank's bytes by category (see :func:`lightning_zero.memory.memory_breakdown`)."""
         assert self.lightning_module is not None

@@ -302,6 +302,38 @@ class ZeroEngine:
         self._prepare(optimizer, inv_scale).clip_grad_value(clip_value)
         self._norms.pop(id(_unwrap(optimizer)), None)
 
+    @contextmanager
+    def full_gradients(self, module: nn.Module, inv_scale: float = 1.0) -> Iterator[None]:
+        """Inside the block every trainable parameter of ``module`` that received a gradient in the
+        current window has ``.grad``: the full reduced, unscaled gradient, as DDP's ``param.grad``
+        (in the parameter's dtype; the others keep ``None``, as under DDP);
+        under stage 3 the parameters are gathered too. Valid where :meth:`grad_norm` is (after the
+        window's last backward, until the step). Costs one all-gather of the module's gradient slices
+        and a full-size gradient per parameter while inside; the ``.grad`` are dropped at exit. Call
+        on all ranks."""
+        ids = {id(p) for p in module.parameters()}
+        buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
+        for sharded in self._sharded.values():
+            if any(b in buffers for b in sharded.buffers):
+                self._prepare(sharded.optimizer, inv_scale)
+        assigned: list[nn.Parameter] = []
+        with self.gathered_parameters(module):
+            try:
+                for b in buffers:
+                    grad = b.master.grad
+                    assert grad is not None  # _prepare exposed every buffer's slice
+                    full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
+                    comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
+                    for param, slot in zip(b.params, b.layout.slots, strict=True):
+                        if id(param) in ids and id(param) in self._reducer.got_gradient:
+                            piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                            param.grad = piece.to(param.dtype)
+                            assigned.append(param)
+                yield
+            finally:
+                for param in assigned:
+                    param.grad = None
+
     # -- the state other layers read and write ------------------------------------------------------
 
     def _all_buffers(self) -> list[FlatBuffer]:

@@ -131,6 +131,9 @@ class GradReducer:
         self._next_launch = 0
         self._pending: list[tuple[FlatBuffer, comm.Handle, torch.Tensor]] = []  # (buffer, reduction, its output)
         self._handles = []
+        #: ids of the parameters that received a gradient since their optimizer's last zero_grad
+        #: (DDP leaves ``param.grad`` None for the others: :meth:`ZeroEngine.full_gradients` too)
+        self.got_gradient: set[int] = set()
         # Pipeline parallelism: parameters tied across stages, id -> (accumulator, buffer, slot index, group)
         self._tied: dict[int, tuple[torch.Tensor, FlatBuffer, int, comm.ProcessGroup]] = {}
         for b_index, buffer in enumerate(buffers):
@@ -158,6 +161,7 @@ class GradReducer:
             )
         if grad.is_sparse:
             raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
+        self.got_gradient.add(id(param))
         tied = self._tied.get(id(param))
         with self.side.enter():
             if tied is not None:  # summed over its stages at the step (add_tied), not bucketed
@@ -275,6 +279,7 @@ class GradReducer:
         """Forget the gradients of ``buffers`` after their optimizer stepped."""
         for buffer in buffers:
             buffer.drop_grads()
+            self.got_gradient.difference_update(id(p) for p in buffer.params)
 
     def wait_host_copies(self) -> None:
         """Block the host until the offloaded gradient slices have reached host memory."""
