@@ -84,8 +84,11 @@ def optimizer_owners(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple
                     continue
                 if id(param) in owners:
                     raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} appears in two optimizers or parameter groups; "
-                        "give each parameter to exactly one."
+                        f"a parameter of shape {tuple(param.shape)} appears in two optimizers or parameter groups "
+                        f"(optimizer {owners[id(param)][0]} group {owners[id(param)][1]} and optimizer {o_index} group "
+                        f"{g_index}). ZeRO keeps one fp32 master and one gradient slice per parameter, so it cannot be "
+                        "stepped by two optimizers: give each parameter to exactly one (for other hyperparameters, "
+                        "use a parameter group of its own)."
                     )
                 if param.dtype not in _SUPPORTED_PARAM_DTYPES:
                     raise ValueError(

@@ -129,6 +129,7 @@ class ShardedOptimizer:
         ``step()`` and ``load_state_dict()``. Outside it they hold the model's parameters, as the user
         built them: Lightning's ``toggle_optimizer``, fine-tuning callbacks and the user's code read
         ``param_groups`` to find parameters (``optimizer.state`` stays keyed by the masters)."""
+        self.check_groups()
         for param_group, masters in zip(self.optimizer.param_groups, self.master_params, strict=True):
             param_group["params"] = masters
         try:
@@ -138,10 +139,22 @@ class ShardedOptimizer:
             for param_group, original in zip(self.optimizer.param_groups, self.original_params, strict=True):
                 param_group["params"] = original
 
+    def check_groups(self) -> None:
+        """Refuse parameter groups added after setup, naming what to do instead."""
+        if len(self.optimizer.param_groups) != len(self.master_params):
+            raise ValueError(
+                f"{type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} parameter groups but ZeRO "
+                f"partitioned {len(self.master_params)} at setup: optimizer.add_param_group() during fit (e.g. "
+                "Lightning's BackboneFinetuning) is not supported, because the new parameters have no flat buffer, "
+                "gradient reduction or master. Give every parameter group to the optimizer in configure_optimizers "
+                "(a group that should not train yet can have lr=0 and be raised by an LR scheduler or a callback)."
+            )
+
     # -- gradients ----------------------------------------------------------------------------
 
     def prepare(self, inv_scale: float) -> None:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
+        self.check_groups()
         for b in self.buffers:
             grad = b.grad_for_step()
             if inv_scale != 1.0:

@@ -147,3 +147,29 @@ def test_strategy_config_checks_across_sections(sections, match):
     # Each section alone was valid (built in the parameter list above): the check is the composed config's.
     with pytest.raises(ValueError, match=match):
         StrategyConfig(**sections)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_in_two_optimizers_is_refused_naming_both(stage):
+    model = _model(0)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer 0 group 0 and optimizer 1 group 0.*exactly one"):
+        ZeroEngine(
+            model, [first, second], config=StrategyConfig(zero=ZeroConfig(stage=stage)), precision="32-true", device=CPU
+        )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_add_param_group_during_fit_is_refused_with_what_to_do(stage):
+    model = _model(0)
+    model[2].requires_grad_(False)  # frozen at setup, as a fine-tuning callback leaves the backbone
+    optimizer = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0)
+    engine = ZeroEngine(model, [optimizer], config=StrategyConfig(zero=zero), precision="32-true", device=CPU)
+    model[2].requires_grad_(True)
+    optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 1e-3})
+    model(torch.randn(5, 15)).square().mean().backward()
+    engine.backward_done()
+    with pytest.raises(ValueError, match=r"2 parameter groups but ZeRO partitioned 1 .*add_param_group"):
+        engine.step(optimizer)
