@@ -1,6 +1,6 @@
 """The ``lightning-zero`` command.
 
-    lightning-zero consolidate CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16|saved] [--lightning]
+    lightning-zero consolidate CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16|saved] [--lightning] [--trust-pickles]
     lightning-zero report --params 1.5B --dp 8 --stage 3 [--precision bf16-mixed] [--offload-optimizer] [--offload-parameters]
 
 ``consolidate`` turns a sharded checkpoint directory into one file, on any machine (no GPU, no
@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     cons.add_argument(
         "--lightning", action="store_true", help="write a whole Lightning checkpoint that DDP resumes from"
+    )
+    cons.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle Lightning's state fully (hyperparameters holding a pathlib.Path or your own classes); "
+        "only for a checkpoint you trust (default: weights only)",
     )
     rep = commands.add_parser("report", help="per-rank model-state memory estimate (ZeRO formulas)")
     rep.add_argument("--params", required=True, help="parameter count, e.g. 124M, 1.5B")
@@ -74,9 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = None if args.dtype == "saved" else DTYPES[args.dtype]
     try:
         if args.lightning:
-            to_lightning_checkpoint(args.checkpoint, args.out, dtype)
+            to_lightning_checkpoint(args.checkpoint, args.out, dtype, trust_pickles=args.trust_pickles)
         else:
-            consolidate(args.checkpoint, args.out, dtype)
+            consolidate(args.checkpoint, args.out, dtype, trust_pickles=args.trust_pickles)
     except (ValueError, FileNotFoundError) as error:
         print(f"lightning-zero consolidate: error: {error}", file=sys.stderr)
         return 2

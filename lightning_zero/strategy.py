@@ -543,7 +543,7 @@ class ZeroStrategy(DDPStrategy):
         error = None
         if self.is_global_zero:
             try:
-                to_lightning_checkpoint(staging, path)
+                to_lightning_checkpoint(staging, path, trust_pickles=True)  # our own file, just written
             except Exception as exc:  # reported on every rank below
                 error = f"{type(exc).__name__}: {exc}"
             finally:

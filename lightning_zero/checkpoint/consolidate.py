@@ -34,12 +34,21 @@ from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _open(path: fmt.PathLike) -> ShardedReader:
+def _open(path: fmt.PathLike, trust_pickles: bool = False) -> tuple[ShardedReader, dict[str, Any]]:
+    """The reader of the checkpoint at ``path`` and its Lightning state (``lightning.pt``), read with
+    ``weights_only`` unless ``trust_pickles`` (objects such as a ``pathlib.Path`` in hyperparameters
+    need full unpickling: only for a checkpoint you trust)."""
     directory = fmt.resolve(path)
     if directory is None:
         raise ValueError(f"{path} is not a lightning_zero sharded checkpoint directory (a plain file, or missing).")
-    state = fmt.load_file(directory / fmt.LIGHTNING_FILE)
-    return ShardedReader(directory, state.get("state_dict", {}))
+    meta = fmt.read_metadata(directory)
+    state = fmt.load_file(
+        directory / fmt.LIGHTNING_FILE,
+        meta.get("lightning_file_crc32"),
+        "Lightning's state",
+        weights_only=not trust_pickles,
+    )
+    return ShardedReader(directory, state.get("state_dict", {})), state
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -114,11 +123,17 @@ def stream_save(entries: dict[str, Any], out: fmt.PathLike) -> None:
     os.replace(tmp, out)
 
 
-def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = torch.float32) -> None:
+def consolidate(
+    checkpoint_dir: fmt.PathLike,
+    out: fmt.PathLike,
+    dtype: torch.dtype | None = torch.float32,
+    trust_pickles: bool = False,
+) -> None:
     """Write the LightningModule's whole state dict from a sharded checkpoint to ``out`` (``torch.save``
     format), one parameter in memory at a time. Floating tensors are cast to ``dtype`` (``None``: as
-    saved, i.e. the fp32 masters under mixed precision). No process group or GPU needed."""
-    reader = _open(checkpoint_dir)
+    saved, i.e. the fp32 masters under mixed precision). No process group or GPU needed. Every file
+    is checked against the CRC-32 recorded at save. ``trust_pickles``: see :func:`_open`."""
+    reader, _ = _open(checkpoint_dir, trust_pickles)
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     entries: dict[str, Any] = {}
     by_name: dict[str, _TensorRef] = {}
@@ -143,12 +158,14 @@ def consolidate(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dt
     stream_save(entries, out)
 
 
-def to_lightning_checkpoint(checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = None) -> None:
+def to_lightning_checkpoint(
+    checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = None, trust_pickles: bool = False
+) -> None:
     """Write a plain Lightning checkpoint (one file) from a sharded one: the whole model, consolidated
     optimizer states (per original parameter, full shapes, as the optimizer without ZeRO writes them),
-    and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory."""
-    reader = _open(checkpoint_dir)
-    checkpoint = fmt.load_file(reader.path / fmt.LIGHTNING_FILE)
+    and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory.
+    ``trust_pickles``: see :func:`_open`."""
+    reader, checkpoint = _open(checkpoint_dir, trust_pickles)
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     checkpoint["state_dict"] = {k: _cast(reader.full(k), dtype) for k in keys}
     states = []

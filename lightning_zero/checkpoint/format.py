@@ -51,7 +51,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +116,14 @@ def _read_format(path: Path) -> dict[str, Any] | None:
     marker = path / METADATA_FILE
     if not (path.is_dir() and marker.is_file()):
         return None
-    with open(marker) as f:
-        meta = json.load(f)
+    try:
+        with open(marker) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{marker} is damaged (truncated or overwritten: {exc}); the checkpoint in {path} cannot be read. "
+            "Copy it again from where it was written, or resume from an earlier checkpoint."
+        ) from exc
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME else None
 
 
@@ -205,6 +213,50 @@ def check_rank_files(path: Path, meta: dict[str, Any]) -> None:
         )
 
 
-def load_file(file: Path) -> Any:
-    """``torch.load`` of one checkpoint file: weights only, memory-mapped, onto the CPU."""
-    return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+def crc32_of(file: Path, chunk: int = 16 << 20) -> int:
+    """CRC-32 of a file's bytes, read in ``chunk``-byte pieces."""
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def verify_file(file: Path, expected_crc32: int | None, what: str) -> None:
+    """Raise ``ValueError`` naming ``file`` (and ``what`` wrote it) when its bytes do not have the
+    CRC-32 recorded at save (``None``: a checkpoint written before checksums, not checked)."""
+    if expected_crc32 is None:
+        return
+    actual = crc32_of(file)
+    if actual != expected_crc32:
+        raise ValueError(
+            f"{file} ({what}) is corrupted: its CRC-32 is {actual:#010x}, the checkpoint recorded "
+            f"{expected_crc32:#010x} when it was written. Copy the checkpoint again from where it was written, "
+            "or resume from an earlier one."
+        )
+
+
+def load_file(file: Path, expected_crc32: int | None = None, what: str = "checkpoint file", **kwargs: Any) -> Any:
+    """``torch.load`` of one checkpoint file: weights only, memory-mapped, onto the CPU; its CRC-32
+    checked first when given. A file torch cannot read raises ``ValueError`` naming it."""
+    verify_file(file, expected_crc32, what)
+    options = {"map_location": "cpu", "weights_only": True, "mmap": True, **kwargs}
+    try:
+        return torch.load(file, **options)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"{file} ({what}) holds objects that only full unpickling restores (e.g. hyperparameters saved "
+            f"with a pathlib.Path or your own class): {exc}. If you trust this checkpoint, load it with "
+            "weights_only=False (Trainer.fit(..., weights_only=False)) or `lightning-zero consolidate "
+            "--trust-pickles`."
+        ) from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise ValueError(
+            f"{file} ({what}) cannot be read: {type(exc).__name__}: {exc}. The file is truncated or damaged: "
+            "copy the checkpoint again from where it was written, or resume from an earlier one."
+        ) from exc
+
+
+def rank_file_crc32(meta: dict[str, Any], rank: int) -> int | None:
+    crcs = meta.get("rank_file_crc32")
+    return None if crcs is None else int(crcs[rank])

@@ -56,12 +56,17 @@ def load_checkpoint(
     fmt.check_rank_files(directory, meta)
     # weights_only=None means torch's default (True): Lightning's state is plain containers; pass
     # weights_only=False to Trainer.fit only for a trusted checkpoint with arbitrary hyperparameters.
-    checkpoint = torch.load(
-        directory / fmt.LIGHTNING_FILE, map_location="cpu", weights_only=True if weights_only is None else weights_only
+    checkpoint = fmt.load_file(
+        directory / fmt.LIGHTNING_FILE,
+        meta.get("lightning_file_crc32"),
+        "Lightning's state, written by rank 0",
+        weights_only=True if weights_only is None else weights_only,
+        mmap=False,
     )
     checkpoint[SHARDED_KEY] = str(directory)
     if rank < meta["world_size"]:
-        rng.restore(fmt.load_file(directory / meta["rank_files"][rank])["rng"])
+        own = directory / meta["rank_files"][rank]
+        rng.restore(fmt.load_file(own, fmt.rank_file_crc32(meta, rank), f"rank {rank}'s shards")["rng"])
     return checkpoint
 
 

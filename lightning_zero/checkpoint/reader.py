@@ -64,7 +64,9 @@ class ShardedReader:
 
     def rank_data(self, rank: int) -> Any:
         if rank not in self._files:
-            self._files[rank] = fmt.load_file(self.path / self.meta["rank_files"][rank])
+            self._files[rank] = fmt.load_file(
+                self.path / self.meta["rank_files"][rank], fmt.rank_file_crc32(self.meta, rank), f"rank {rank}'s shards"
+            )
         return self._files[rank]
 
     def _saved(self, name: str) -> Split | None:

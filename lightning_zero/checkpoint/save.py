@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import traceback
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,13 +78,30 @@ def _guarded(fn: Callable[[], Any]) -> tuple[bool, Any]:
         return False, traceback.format_exc()
 
 
-def _write(obj: Any, file: Path) -> int:
-    """``torch.save`` and fsync (the rename that publishes the checkpoint must not overtake the data)."""
+class _Checksummed:
+    """A file object that computes the CRC-32 of what is written through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.crc32 = 0
+
+    def write(self, data: Any) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        return int(self.f.write(data))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write(obj: Any, file: Path) -> tuple[int, int]:
+    """``torch.save`` and fsync (the rename that publishes the checkpoint must not overtake the
+    data). Returns the file's size and the CRC-32 of its bytes, computed while writing."""
     with open(file, "wb") as f:
-        torch.save(obj, f)
+        out = _Checksummed(f)
+        torch.save(obj, out)  # type: ignore[arg-type]  # a write()/flush() object is all torch.save uses
         f.flush()
         os.fsync(f.fileno())
-    return file.stat().st_size
+    return file.stat().st_size, out.crc32
 
 
 def _clear(path: Path) -> None:
@@ -171,16 +189,17 @@ def save_sharded(
             _clear(tmp)
         raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
 
-    def write_own() -> int:
+    def write_own() -> tuple[int, int, int | None]:
         values, optim = rank_payload(module, engine, optimizers, merged, rank)
         payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
-        size = _write(payload, tmp / fmt.rank_file(rank))
+        size, crc = _write(payload, tmp / fmt.rank_file(rank))
+        lightning_crc = None
         if rank == 0:
-            _write(_lightning_state(checkpoint, merged), tmp / fmt.LIGHTNING_FILE)
-        return size
+            _, lightning_crc = _write(_lightning_state(checkpoint, merged), tmp / fmt.LIGHTNING_FILE)
+        return size, crc, lightning_crc
 
     try:
-        sizes = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
+        written = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
     except RuntimeError:
         # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
         # previous checkpoint at ``path`` was never touched).
@@ -202,7 +221,10 @@ def save_sharded(
             "precision": precision,
             "has_optimizer_states": has_optimizer_states,
             "rank_files": [fmt.rank_file(r) for r in range(world_size)],
-            "rank_file_bytes": sizes,
+            "rank_file_bytes": [size for size, _, _ in written],
+            # CRC-32 of every file, checked by each reader before it trusts a file's bytes
+            "rank_file_crc32": [crc for _, crc, _ in written],
+            "lightning_file_crc32": written[0][2],
             "state_dict_keys": merged["state_dict_keys"],
             "params": merged["params"],
             "torch_version": torch.__version__,
