@@ -493,9 +493,14 @@ class ZeroStrategy(DDPStrategy):
         return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Only the tensors ZeRO does not partition (frozen parameters, buffers): ``save_checkpoint``
-        writes the partitioned parameters from every rank's own slices."""
+        """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
+        so callbacks that keep it (an EMA callback moves it to ``current_model_state``) have every
+        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers).
+        ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
+        values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
+        if self.zero_config.stage < 3:
+            return self.lightning_module.state_dict()
         return ckpt_pieces.non_partitioned_state_dict(
             self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine)
         )

@@ -13,7 +13,7 @@ engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +38,52 @@ SHARDED_KEY = "lightning_zero_sharded_checkpoint"
 """Key of the checkpoint dict that :func:`load_checkpoint` returns for a sharded checkpoint: its directory."""
 
 
+class SavedStateDict(MutableMapping[str, Any]):
+    """``checkpoint["state_dict"]`` of a sharded checkpoint at load: every key the model saved, as
+    under DDP. Lightning's saved tensors are held; each partitioned parameter is read whole from the
+    rank files when it is asked for (not kept), so callbacks that read the saved weights (an EMA
+    callback's ``on_load_checkpoint``) see them and nothing is read when none does."""
+
+    def __init__(self, directory: Path, saved: dict[str, Any], keys: list[str]) -> None:
+        self._directory = directory
+        self._saved = saved
+        self._keys = list(dict.fromkeys([*keys, *saved]))
+        self._reader: ShardedReader | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._saved:
+            return self._saved[key]
+        if key not in self._keys:
+            raise KeyError(key)
+        if self._reader is None:
+            self._reader = ShardedReader(self._directory, self._saved)
+        return self._reader.full(key).clone()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self._keys:
+            self._keys.append(key)
+        self._saved[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self._keys.remove(key)
+        self._saved.pop(key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+
 def reader_for(checkpoint: Mapping[str, Any]) -> ShardedReader | FullReader:
     if SHARDED_KEY in checkpoint:
-        return ShardedReader(Path(checkpoint[SHARDED_KEY]), checkpoint["state_dict"])
+        saved = checkpoint["state_dict"]
+        # the tensors Lightning's file holds (the partitioned ones come from the rank files)
+        held = saved._saved if isinstance(saved, SavedStateDict) else saved
+        return ShardedReader(Path(checkpoint[SHARDED_KEY]), held)
     return FullReader(checkpoint["state_dict"])
 
 
@@ -64,6 +107,8 @@ def load_checkpoint(
         mmap=False,
     )
     checkpoint[SHARDED_KEY] = str(directory)
+    keys = meta.get("state_dict_keys") or list(meta.get("params", {}))
+    checkpoint["state_dict"] = SavedStateDict(directory, checkpoint.get("state_dict", {}), keys)
     if rank < meta["world_size"]:
         own = directory / meta["rank_files"][rank]
         rng.restore(fmt.load_file(own, fmt.rank_file_crc32(meta, rank), f"rank {rank}'s shards")["rng"])

@@ -220,24 +220,66 @@ def _group_names(
     return [[names[id(p)] for p in group.params if id(p) in names] for group in engine.param_groups(optimizer)]
 
 
+def overrides(state_dict: dict[str, Any], module: nn.Module, engine: ZeroEngine | None) -> dict[str, torch.Tensor]:
+    """The entries of ``checkpoint["state_dict"]`` that hooks or callbacks replaced (an EMA callback
+    puts its averaged weights there in ``on_save_checkpoint``): tensors of the module's full shape
+    that are not the module's own tensor. The checkpoint stores those values, as under DDP, where
+    ``checkpoint["state_dict"]`` is what is written."""
+    own: dict[str, torch.Tensor] = {}
+    with placeholders_allowed():
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            if torch.is_tensor(tensor):
+                own[key] = tensor
+    shapes = {name: p.shape for name, p in partitioned_params(module, engine).items()}
+    for p in partitioned_params(module, engine).values():
+        for alias in p.aliases:
+            shapes[alias] = p.shape
+    out = {}
+    for key, value in state_dict.items():
+        if not torch.is_tensor(value) or key not in own:
+            continue
+        mine = own[key]
+        if mine.numel() > 0 and value.data_ptr() == mine.data_ptr():
+            continue  # the module's own tensor (or a view of it): nothing was replaced
+        if tuple(value.shape) != tuple(shapes.get(key, mine.shape)):
+            raise ValueError(
+                f'checkpoint["state_dict"]["{key}"] was replaced by a tensor of shape {tuple(value.shape)} in a '
+                f"hook or callback, but the parameter has shape {tuple(shapes.get(key, mine.shape))}; a checkpoint "
+                "can only store a value of the parameter's shape."
+            )
+        out[key] = value
+    return out
+
+
 def rank_payload(
     module: nn.Module,
     engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
     merged: dict[str, Any],
     rank: int,
+    replaced: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
     """This rank's file contents (see :func:`local_shards`), keyed by the merged (primary) names:
-    only the pieces that the merged metadata lists under ``rank``."""
+    only the pieces that the merged metadata lists under ``rank``. ``replaced`` (see
+    :func:`overrides`) gives values that take the place of the weights the engine holds."""
     params = partitioned_params(module, engine)
     mine = {name for name, e in merged["params"].items() if any(piece[0] == rank for piece in e["pieces"])}
     alias_of = merged["alias_of"]
     values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [{} for _ in optimizers])
+    replaced = replaced or {}
+    for p in params.values():
+        value = next((replaced[k] for k in (p.name, *p.aliases) if k in replaced), None)
+        local = p.local_piece()
+        if value is not None and local is not None:
+            param_offset, _, numel = local
+            flat = value.detach().reshape(-1)[param_offset : param_offset + numel]
+            values[p.name] = flat.to("cpu", p.held.saved_dtype, copy=True)
     values = {alias_of[n]: v for n, v in values.items() if alias_of.get(n) in mine}
     optim = [{alias_of[n]: v for n, v in o.items() if alias_of.get(n) in mine} for o in optim]
     skip = state_dict_keys(params)
     for key, tensor in module.state_dict(keep_vars=True).items():
         primary = alias_of.get(key)
         if torch.is_tensor(tensor) and key not in skip and primary in mine and primary not in values:
+            tensor = replaced.get(key, tensor)
             values[primary] = tensor.detach().reshape(-1).to("cpu", copy=True)
     return values, optim

@@ -39,7 +39,7 @@ from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.merge import Placement, merge_reports
-from lightning_zero.checkpoint.pieces import param_names, rank_payload, rank_report
+from lightning_zero.checkpoint.pieces import overrides, param_names, rank_payload, rank_report
 from lightning_zero.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -190,7 +190,8 @@ def save_sharded(
         raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
 
     def write_own() -> tuple[int, int, int | None]:
-        values, optim = rank_payload(module, engine, optimizers, merged, rank)
+        replaced = overrides(checkpoint["state_dict"], module, engine)  # an EMA's weights, put there by its callback
+        values, optim = rank_payload(module, engine, optimizers, merged, rank, replaced)
         payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
         size, crc = _write(payload, tmp / fmt.rank_file(rank))
         lightning_crc = None
