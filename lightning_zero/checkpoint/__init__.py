@@ -17,7 +17,7 @@ to add anyway. The format here is as small: one ``torch.save`` file per rank wit
 each parameter, and a JSON file saying where each piece starts.
 """
 
-from lightning_zero.checkpoint.consolidate import consolidate, to_lightning_checkpoint
+from lightning_zero.checkpoint.consolidate import consolidate, load_from_checkpoint, to_lightning_checkpoint
 from lightning_zero.checkpoint.format import is_sharded_checkpoint, read_metadata
 
-__all__ = ["consolidate", "is_sharded_checkpoint", "read_metadata", "to_lightning_checkpoint"]
+__all__ = ["consolidate", "is_sharded_checkpoint", "load_from_checkpoint", "read_metadata", "to_lightning_checkpoint"]

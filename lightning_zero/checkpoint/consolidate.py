@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, SupportsIndex
@@ -194,3 +195,20 @@ def to_lightning_checkpoint(
     tmp = out.with_name(f".{out.name}.tmp")
     torch.save(checkpoint, tmp)
     os.replace(tmp, out)
+
+
+def load_from_checkpoint(cls: Any, checkpoint_path: fmt.PathLike, trust_pickles: bool = False, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` that also takes a sharded checkpoint
+    directory (Lightning's own opens the path as one file and raises ``IsADirectoryError``): the
+    directory is consolidated into a temporary plain Lightning checkpoint (in memory one parameter
+    and the optimizer states at a time, see :func:`to_lightning_checkpoint`), which Lightning then
+    loads as usual (hyperparameters, ``strict``, ``map_location``). A plain file goes straight to
+    Lightning. ``trust_pickles``: hyperparameters that need full unpickling (pass
+    ``weights_only=False`` in ``kwargs`` too)."""
+    directory = fmt.resolve(checkpoint_path)
+    if directory is None:
+        return cls.load_from_checkpoint(checkpoint_path, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="lightning-zero-load-") as tmp:
+        plain = Path(tmp) / "checkpoint.ckpt"
+        to_lightning_checkpoint(directory, plain, trust_pickles=trust_pickles)
+        return cls.load_from_checkpoint(plain, **kwargs)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from models import ParityModel, build_strategy, make_loader
 
-from lightning_zero.checkpoint.consolidate import consolidate
+from lightning_zero.checkpoint import consolidate, load_from_checkpoint
 from lightning_zero.cli import main
 from lightning_zero.testing import run_ranks
 
@@ -90,6 +90,10 @@ def test_damaged_files_are_named_and_pickles_need_trust(tmp_path, capsys):
     run_ranks(_save_worker, str(tmp_path))
     plain = tmp_path / "plain.ckpt"
     consolidate(plain, tmp_path / "ok.pt")  # the intact checkpoint consolidates (and its CRCs match)
+    # Model.load_from_checkpoint(dir) raises IsADirectoryError in Lightning; ours takes the directory
+    model = load_from_checkpoint(ParityModel, plain)
+    expected = torch.load(tmp_path / "ok.pt", weights_only=True)
+    torch.testing.assert_close(model.state_dict(), expected, rtol=0, atol=0)  # the same values, bit for bit
 
     flipped = _damaged(plain, "flipped", lambda d: _flip_bytes(d / "rank-00001.pt"))
     with pytest.raises(ValueError, match=r"rank-00001\.pt \(rank 1's shards\) is corrupted: its CRC-32"):
