@@ -15,8 +15,11 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
     master       (shard_numel,)  fp32 rank r's slice of the master weights that the optimizer steps;
                                       param_shard itself when c needs no separate master (32-true, bf16-true)
 
-A sharded buffer is in one :class:`ParamState` at a time. While ``RELEASED`` its parameters'
-``.data`` are empty tensors (shape ``(0,)``): reading one outside its module's forward fails.
+A sharded buffer is in one :class:`ParamState` at a time. While ``RELEASED`` each parameter's
+``.data`` is a 1-D view of this rank's piece of it in ``param_shard`` (empty where the rank holds
+none; in the parameter's shape where the piece is all of it): reading one as a module attribute
+outside its module's forward fails (:mod:`~lightning_zero.zero.gather`), and elementwise in-place
+edits land in the shard (and reach the master: :meth:`FlatBuffer.absorb_edits`).
 A trainable buffer's gradient roles are in one :class:`GradState` at a time; the methods under
 "gradients" are its transitions. :class:`~lightning_zero.zero.reduce.GradReducer` only decides
 when each happens (and issues the collectives)::
@@ -207,11 +210,23 @@ class FlatBuffer:
         if self.persistent or self.state is ParamState.RELEASED:
             return
         self.gather_wait()
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for param in self.params:
-            param.data = empty
+        empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        for index, param in enumerate(self.params):
+            param.data = self._own_piece(index, empty)
         self.flat_param = None
         self.state = ParamState.RELEASED
+
+    def _own_piece(self, index: int, empty: torch.Tensor) -> torch.Tensor:
+        """What parameter ``index`` holds while released: a view of this rank's piece of it in
+        ``param_shard`` (1-D; in its own shape when the piece is the whole parameter), so that
+        elementwise in-place edits outside forward (``p.data.clamp_(-c, c)`` in a hook) change the
+        shard, as they change DDP's parameter; ``empty`` where this rank holds none of it."""
+        piece = next((s for s in self.shards if s.param_index == index), None)
+        if piece is None:
+            return empty
+        view = self.param_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        slot = self.layout.slots[index]
+        return view.view(slot.shape) if piece.numel == slot.numel else view
 
     def unshard(self, group: comm.ProcessGroup) -> None:
         """Stage 3 teardown: gather for good; the parameters keep the full buffer. Call on all ranks."""
@@ -314,16 +329,15 @@ class FlatBuffer:
         self.grad_state = GradState.EMPTY
 
     def absorb_edits(self, chunk: int = 1 << 20) -> None:
-        """Write in-place edits of whole parameters into the master (stages 1/2 and small stage-3
-        parameters; the user's hooks and callbacks edit ``param.data``: weight clipping, an EMA
-        swapped in). Every element of this rank's parameter slice that differs from the cast master
-        is copied into it, so the next step starts from the edited value, as under DDP (under mixed
-        precision with the 16-bit value: the edit itself was made in 16 bits). One pass over the
-        slice, ``chunk`` elements at a time (no slice-sized temporaries, no host synchronization when
-        both live on one device). No-op where the master is the parameter slice itself (fp32
-        without offload) and for sharded stage-3 buffers (edits there go through
-        ``gathered_parameters(modifier_rank=...)``)."""
-        if not self.separate_master or not self.persistent:
+        """Write in-place edits of parameters into the master (the user's hooks and callbacks edit
+        ``param.data``: weight clipping, an EMA swapped in; under stage 3 the released parameters are
+        views of this rank's pieces, so elementwise edits land in ``param_shard``). Every element of
+        this rank's parameter slice that differs from the cast master is copied into it, so the next
+        step starts from the edited value, as under DDP (under mixed precision with the 16-bit value:
+        the edit itself was made in 16 bits). One pass over the slice, ``chunk`` elements at a time
+        (no slice-sized temporaries, no host synchronization when both live on one device). No-op
+        where the master is the parameter slice itself (fp32 without offload)."""
+        if not self.separate_master:
             return
         device = self.master.device
         chunk = min(chunk, self.layout.shard_numel)

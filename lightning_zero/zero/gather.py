@@ -19,7 +19,9 @@ just before they are used and let them go right after.
 * Reading a released parameter as an attribute outside its module's forward (say
   ``self.head.weight.norm()`` in ``training_step``) raises an error that names it: modules holding
   sharded parameters get a subclass of their own class whose ``__getattr__`` checks, instead of
-  silently computing on an empty tensor. ``ZeroStrategy.gathered_parameters`` makes such reads legal.
+  silently computing on this rank's piece (a released parameter is a view of its piece in the
+  shard, so that elementwise in-place edits over ``module.parameters()`` land in the shards).
+  ``ZeroStrategy.gathered_parameters`` makes such reads legal.
 
 All ranks must run the same modules in the same order (the all-gathers are collectives); a
 data-dependent branch that differs between ranks hangs, as it does in every ZeRO-3 implementation;
@@ -59,6 +61,12 @@ def placeholders_allowed() -> Iterator[None]:
         _PLACEHOLDERS_OK.reset(token)
 
 
+def _released(param: nn.Parameter, names: dict[int, tuple[str, torch.Size]]) -> bool:
+    """A sharded parameter that holds only this rank's piece (or nothing) right now."""
+    entry = names.get(id(param))
+    return entry is not None and param.shape != entry[1]
+
+
 def _guarded_class(cls: type) -> type:
     """``cls`` with a ``__getattr__`` that refuses released parameters (cached per class)."""
     if cls not in _GUARDED:
@@ -67,9 +75,9 @@ def _guarded_class(cls: type) -> type:
             # mypy cannot see that ``guarded`` (made below with type()) is a class
             value = super(guarded, self).__getattr__(name)  # type: ignore[arg-type]
             names = getattr(self, "_lightning_zero_sharded", None)
-            if names is not None and isinstance(value, nn.Parameter) and value.numel() == 0 and id(value) in names:
+            if names is not None and isinstance(value, nn.Parameter) and _released(value, names):
                 raise RuntimeError(
-                    f"parameter {names[id(value)]!r} is sharded by ZeRO stage 3 and was read outside the forward of "
+                    f"parameter {names[id(value)][0]!r} is sharded by ZeRO stage 3 and was read outside the forward of "
                     "the module that owns it, where it holds no data. Read it inside "
                     "`with trainer.strategy.gathered_parameters(module):`, or use it through its module's forward."
                 )
@@ -81,7 +89,7 @@ def _guarded_class(cls: type) -> type:
             if names is None or keep_vars or _PLACEHOLDERS_OK.get():
                 return  # keep_vars: the Parameter objects themselves are asked for, not their values
             for name, param in self._parameters.items():
-                if param is not None and param.numel() == 0 and id(param) in names:
+                if param is not None and _released(param, names):
                     raise RuntimeError(
                         f"state_dict() of {type(self).__name__} under ZeRO stage 3 outside a forward: its parameter "
                         f"{prefix + name!r} is sharded and holds no data here. Call it inside "
@@ -105,7 +113,15 @@ class GatherCoordinator:
         self.config = config
         self.group = group
         owner = {id(p): b for b in buffers if not b.persistent for p in b.params}
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner}
+        shapes = {
+            id(p): slot.shape
+            for b in buffers
+            if not b.persistent
+            for p, slot in zip(b.params, b.layout.slots, strict=True)
+        }
+        names = {  # id -> (name, full shape): the guard below tells a released parameter by its shape
+            id(p): (n, shapes[id(p)]) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner
+        }
         self._guarded: list[tuple[nn.Module, type]] = []
         self.modules: list[nn.Module] = []
         self.names: list[str] = []  # qualified module names, for the collective checker's messages

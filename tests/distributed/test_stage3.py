@@ -86,14 +86,23 @@ def _sharded_init_worker(rank: int) -> dict:
 
     from lightning_zero.zero import deferred
 
-    # Bytes of whole (non-meta) parameter storages each time the build replays one tensor: what the
-    # module being built holds so far, the tensor just replayed, and the shards (empty views here).
+    # Bytes of whole (non-meta) parameters each time the build replays one tensor: what the module
+    # being built holds so far and the tensor just replayed. Released parameters are views of the
+    # rank's pieces in the shards (1-D, or their own shape when the piece is all of them): the
+    # shards, not counted here (a view into a larger storage).
+    shapes = {name: p.shape for name, p in reference.named_parameters()}
     record: list[int] = []
     replay = deferred.Recording.materialize
 
     def counting(self: deferred.Recording, t: torch.Tensor) -> torch.Tensor:
         out = replay(self, t)
-        whole = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta)
+        whole = sum(
+            p.numel() * p.element_size()
+            for name, p in model.named_parameters()
+            if not p.is_meta
+            and p.shape == shapes[name]
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        )
         record.append(whole + out.untyped_storage().nbytes())
         return out
 
