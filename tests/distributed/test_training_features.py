@@ -216,3 +216,26 @@ def test_save_checkpoint_before_fit(tmp_path, state_dict_type):
         saved = torch.load(tmp_path / "plain.ckpt", weights_only=False)["state_dict"]
     for key, value in results[0]["state"].items():
         assert torch.equal(saved[key].float(), value), key  # the whole model, as built
+
+
+def _class_step_mock_worker(rank: int) -> dict:
+    from unittest import mock
+
+    counts = {}
+    for name, spec in {
+        "zero1": {"stage": 1},
+        "zero2": {"stage": 2},
+        "zero3": {"stage": 3, "param_persistence_threshold": 10},
+        "zero2_offload": {"stage": 2, "offload_optimizer": True},
+    }.items():
+        # What Lightning's own tests do: patch the optimizer class's step (wrapping the real one) and
+        # count; the user's optimizer must be what steps, whichever ZeRO path runs.
+        with mock.patch.object(torch.optim.SGD, "step", autospec=True, side_effect=torch.optim.SGD.step) as step:
+            fit(spec, max_steps=3, accumulate=1, model_kwargs={"optimizer": "sgd"})
+        counts[name] = step.call_count
+    return counts
+
+
+def test_a_class_level_step_mock_sees_every_step():
+    for counts in run_ranks(_class_step_mock_worker):
+        assert counts == {"zero1": 3, "zero2": 3, "zero3": 3, "zero2_offload": 3}, counts
