@@ -5,8 +5,10 @@ and DeepSpeed on 2 CPU/gloo ranks; one table of step time and bytes per rank; JS
 
 Full run: GPT and BERT, "bf16-mixed" and "32-true", 6 timed steps after 2 warm-up steps per run,
 3 interleaved rounds, CPU Adam at 100M parameters (estimated 40-50 minutes on 2 busy cores, not
-yet timed). ``--quick`` (measured 8.5 minutes there): GPT only, "bf16-mixed" only, 5 timed steps,
-3 rounds, CPU Adam at 50M; every system is still run.
+yet timed). ``--quick`` (measured 8.5 minutes on the AMX machine): GPT only, in the one precision
+this CPU is fast at ("bf16-mixed" with native bf16, AVX512_BF16 or AMX; else "32-true", as the
+recipes' ``precision: auto``; the table says which), 5 timed steps, 3 rounds, CPU Adam at 50M;
+every system is still run.
 
 Configurations run interleaved in the same two processes (a busy moment of the machine hits all of
 them alike); the table reports the median of all kept steps of rank 0. DeepSpeed runs when
@@ -109,11 +111,16 @@ def _profile_worker(rank: int, system: str, precision: str, workload: str, warmu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="GPT, bf16-mixed, fewer steps: < 15 min on 2 cores")
+    parser.add_argument(
+        "--quick", action="store_true", help="GPT, this CPU's fastest precision, fewer steps: < 15 min on 2 cores"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="directory for results.json and *.png")
     parser.add_argument("--systems", help="comma-separated subset (default: all)")
     parser.add_argument("--workloads", help="gpt,bert (default: both; --quick: gpt)")
-    parser.add_argument("--precisions", help="bf16-mixed,32-true (default: both; --quick: bf16-mixed)")
+    parser.add_argument(
+        "--precisions",
+        help="bf16-mixed,32-true (default: both; --quick: bf16-mixed where the CPU has native bf16, else 32-true)",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per run (default 6; --quick 5)")
     parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
@@ -124,7 +131,12 @@ def main() -> None:
     args = parser.parse_args()
 
     workloads = (args.workloads or ("gpt" if args.quick else "gpt,bert")).split(",")
-    precisions = (args.precisions or ("bf16-mixed" if args.quick else "bf16-mixed,32-true")).split(",")
+    # --quick runs one precision: the one this CPU is fast at (bf16 is ~40x slower than fp32 without
+    # AVX512_BF16/AMX), chosen as the recipes' "precision: auto" does (lightning_zero.hardware).
+    from lightning_zero.hardware import auto_precision
+
+    quick_precision = auto_precision("cpu")
+    precisions = (args.precisions or (quick_precision if args.quick else "bf16-mixed,32-true")).split(",")
     steps = args.steps or (5 if args.quick else 6)
     with_deepspeed = not args.no_deepspeed and deepspeed_available()
     names = list(TORCH + OURS) + (list(systems.DEEPSPEED) if with_deepspeed else [])
@@ -165,6 +177,8 @@ def main() -> None:
         f"{common.WORLD_SIZE} CPU/gloo ranks, 1 thread each; seq {common.SEQ}, micro-batch {common.MICRO_BATCH} "
         f"per rank, AdamW; median of {steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps per run."
     )
+    if args.quick and not args.precisions:
+        print(f"Precision: {quick_precision}, this CPU's fastest (lightning_zero.hardware.auto_precision).")
     if not with_deepspeed:
         print("DeepSpeed: not run (not importable with DS_ACCELERATOR=cpu, or --no-deepspeed).")
     print("\n" + report.table(records))
