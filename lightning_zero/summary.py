@@ -4,7 +4,7 @@ Lightning's ``ModelSummary`` callback counts ``param.numel()``: under stage 3 a 
 an empty placeholder outside forward, so the table said "Total params: 0". It also sizes the model
 at 32 bits for every mixed precision (with a warning). :class:`ZeroSummary` counts every parameter
 by its full shape (from the engine's :class:`~lightning_zero.zero.surface.HeldParam` records), adds
-a "Params per rank" column (what this rank holds of each layer's parameters: all of them at stages
+a "Params per Device" column (what this rank holds of each layer's parameters: all of them at stages
 1 and 2 and for stage 3's small persistent ones, the shard otherwise) and sizes the model in its
 compute dtype (bf16-mixed: 2 bytes a parameter, what the module holds; the fp32 masters and
 optimizer states are sharded, see ``strategy.memory_breakdown()``).
@@ -106,7 +106,8 @@ class ZeroSummary(ModelSummary):
         from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 
         arrays = super()._get_summary_data()
-        column = ("Params per rank", [get_human_readable_count(n) for n in self.parameters_per_rank])
+        # the name of DeepSpeedSummary's column, which RichModelSummary lays out after "Params"
+        column = ("Params per Device", [get_human_readable_count(n) for n in self.parameters_per_rank])
         position = next((i + 1 for i, (name, _) in enumerate(arrays) if name == "Params"), len(arrays))
         arrays.insert(position, column)
         return arrays
