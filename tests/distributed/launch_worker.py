@@ -4,8 +4,9 @@ process was started (torchrun on one or two "nodes", or SLURM's variables), and 
     python tests/distributed/launch_worker.py OUT_DIR DEVICES NUM_NODES
 
 writes ``OUT_DIR/rank{global_rank}.json``: the cluster environment Lightning detected, the global,
-local and node ranks, the world size, the losses of every micro-batch, and the node-local directory
-this rank would put its offload files and caches in.
+local and node ranks, the world size, the losses of every micro-batch, and (with ``NODE_TMP`` set: a
+node-local directory, one per simulated node) whether this rank prepared the node's data cache and
+what it read from it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import fit  # noqa: E402  (the parity model and its Trainer options, from this folder)
+from models import ParityModel, fit  # noqa: E402  (the parity model and its Trainer options, from this folder)
+
+
+class NodeLocalData(ParityModel):
+    """Writes a "cache" into the node-local directory ``$NODE_TMP`` in ``prepare_data``, which
+    Lightning runs once per node (on its local rank 0), and reads it back in ``setup`` on every rank,
+    as the recipes' token cache does."""
+
+    prepared = False
+
+    def prepare_data(self) -> None:
+        NodeLocalData.prepared = True
+        Path(os.environ["NODE_TMP"], "cache.txt").write_text(f"node {self.trainer.node_rank}")
+
+    def setup(self, stage: str) -> None:
+        self.cache = Path(os.environ["NODE_TMP"], "cache.txt").read_text()
 
 
 def main(out_dir: str, devices: int, num_nodes: int) -> None:
@@ -28,6 +44,7 @@ def main(out_dir: str, devices: int, num_nodes: int) -> None:
         {"stage": 3, "reduce_bucket_size": 40, "param_persistence_threshold": 0},
         devices=devices,
         trainer_kwargs={"num_nodes": num_nodes},
+        model_cls=NodeLocalData if "NODE_TMP" in os.environ else None,
     )
     strategy = trainer.strategy
     record = {
@@ -37,6 +54,8 @@ def main(out_dir: str, devices: int, num_nodes: int) -> None:
         "node_rank": trainer.node_rank,
         "world_size": trainer.world_size,
         "losses": model.losses,
+        "prepared_data": NodeLocalData.prepared,
+        "cache": getattr(model, "cache", None),
     }
     Path(out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -5,7 +5,8 @@ Each test starts real processes on this machine (no mocks of Lightning's environ
 - two ``torchrun --nnodes 2 --nproc-per-node 1`` processes, one per node rank, meeting at a static
   rendezvous on 127.0.0.1, train zero3 exactly as ``torchrun --nproc-per-node 2`` on one node does;
 - two processes with the variables ``srun`` sets in a 2-node job with one task per node: Lightning
-  picks its ``SLURMEnvironment`` and the global, local and node ranks are SLURM's.
+  picks its ``SLURMEnvironment`` and the global, local and node ranks are SLURM's; node-local data
+  (a cache in each node's own directory, prepared once per node) is prepared and read per node.
 
 Losses are compared for equality (tolerance 0): both layouts have the same world size, rank order,
 data shards and gloo collectives over 2 ranks, so every floating-point operation runs in the same
@@ -88,7 +89,17 @@ def test_torchrun_two_nodes_train_as_two_local_ranks(tmp_path, reference):
     out = tmp_path / "two_nodes"
     out.mkdir()
     port = free_port()
-    _run_all([(_torchrun(out, nnodes=2, node_rank=node, nproc=1, port=port), _env()) for node in range(2)])
+    for node in range(2):
+        (tmp_path / f"node{node}-tmp").mkdir()
+    _run_all(
+        [
+            (
+                _torchrun(out, nnodes=2, node_rank=node, nproc=1, port=port),
+                _env(NODE_TMP=str(tmp_path / f"node{node}-tmp")),
+            )
+            for node in range(2)
+        ]
+    )
     records = _records(out)
     for rank, (record, ref) in enumerate(zip(records, reference, strict=True)):
         assert record["environment"] == "TorchElasticEnvironment"
@@ -97,6 +108,10 @@ def test_torchrun_two_nodes_train_as_two_local_ranks(tmp_path, reference):
         assert record["world_size"] == 2
         assert len(record["losses"]) == 12  # 6 steps x 2 accumulated micro-batches
         assert record["losses"] == ref["losses"]  # tolerance 0: see the module docstring
+        # prepare_data ran once per node (each node's local rank 0), into that node's own directory,
+        # and every rank read its own node's copy
+        assert record["prepared_data"] is True
+        assert record["cache"] == f"node {rank}"
 
 
 def test_slurm_two_node_job(tmp_path, reference):
@@ -118,7 +133,9 @@ def test_slurm_two_node_job(tmp_path, reference):
             SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2",
             SLURM_NODELIST="127.0.0.1,127.0.0.2",
             MASTER_PORT=port,
+            NODE_TMP=str(tmp_path / f"node{rank}-tmp"),  # each node's own /tmp (or $SLURM_TMPDIR)
         )
+        (tmp_path / f"node{rank}-tmp").mkdir()
         commands.append(([sys.executable, str(WORKER), str(out), "1", "2"], env))
     _run_all(commands)
     records = _records(out)
@@ -127,3 +144,7 @@ def test_slurm_two_node_job(tmp_path, reference):
         assert (record["global_rank"], record["local_rank"], record["node_rank"]) == (rank, 0, rank)
         assert record["world_size"] == 2
         assert record["losses"] == ref["losses"]  # tolerance 0: see the module docstring
+        # prepare_data ran once per node (each node's local rank 0), into that node's own directory,
+        # and every rank read its own node's copy
+        assert record["prepared_data"] is True
+        assert record["cache"] == f"node {rank}"
