@@ -396,6 +396,8 @@ class ZeroStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._end_pass()
+        if self._engine is not None:
+            self._engine.add_param_groups()  # groups added by callbacks at epoch start (BackboneFinetuning)
         super().on_train_batch_start(batch, batch_idx)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -109,6 +109,7 @@ class ZeroEngine:
             recordings=tuple(recordings),
         )
         self._frozen: list[FlatBuffer] = []
+        self._ctx = ctx  # parameter groups added during fit get their buffers from it
         if config.zero.stage == 3:
             per_optimizer, self._frozen = build_sharded(module, optimizers, owners, ctx)
         else:
@@ -231,11 +232,43 @@ class ZeroEngine:
         self.zero_grad(optimizer)
         return overflow
 
+    def add_param_groups(self) -> None:
+        """Stages 1/2: partition the parameter groups added to an optimizer since setup
+        (``optimizer.add_param_group`` during fit: Lightning's ``BackboneFinetuning`` unfreezing the
+        backbone) into flat buffers of their own, with masters, gradient hooks and optimizer states,
+        as if they had been there from the start (their current values are every rank's: parameters
+        are broadcast at setup and frozen ones do not change). The strategy calls it before each
+        batch, and the step before it steps (a gradient autograd already left in ``param.grad`` is
+        taken). Under stage 3 the step refuses such groups. Call on all ranks."""
+        if self.config.zero.stage == 3:
+            return
+        known = {id(p) for b in self._buffers for p in b.params}
+        for sharded in self._sharded.values():
+            groups = sharded.optimizer.param_groups
+            if len(groups) == len(sharded.master_params):
+                continue
+            new: list[FlatBuffer] = []
+            for g_index in range(len(sharded.master_params), len(groups)):
+                params = [p for p in reversed(groups[g_index]["params"]) if p.requires_grad]
+                for p in params:
+                    if id(p) in known:
+                        raise ValueError(
+                            f"optimizer.add_param_group() gave a parameter of shape {tuple(p.shape)} that an optimizer "
+                            "already holds; ZeRO keeps one master per parameter: give each parameter to one group."
+                        )
+                    known.add(id(p))
+                new.extend(self._ctx.buckets(params, g_index))
+            self._buffers.extend(new)
+            self._reducer.add_buffers(new)
+            sharded.add_groups(new)
+        self._held = self._describe()
+
     def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer:
         """Once per optimizer step: finish the window's reductions and expose the reduced, unscaled
         slices as ``master.grad``. A second call before the step (or :meth:`zero_grad`) is a no-op,
         so clipping or a norm asked for before ``optimizer.step()`` (manual optimization) sees the
         gradients the step will use, as under DDP. Call on all ranks."""
+        self.add_param_groups()
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
         if key not in self._prepared:

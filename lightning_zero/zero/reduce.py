@@ -119,7 +119,7 @@ class GradReducer:
         overlap_comm: bool = True,
         tied: Sequence[TiedAcrossStages] = (),
     ) -> None:
-        self.buffers = buffers
+        self.buffers = list(buffers)  # its own list: add_buffers extends it
         self.stage = stage
         self.group = group
         self.world_size = comm.world_size(group)
@@ -144,6 +144,33 @@ class GradReducer:
                 self._handles.append(param.register_post_accumulate_grad_hook(hook))
         for t in tied:
             self._tie(t.param, t.group)
+
+    def add_buffers(self, buffers: list[FlatBuffer]) -> None:
+        """Reduce ``buffers`` too from now on (parameter groups added during fit; stages 1/2): their
+        hooks, their place at the end of the launch order (the same on every rank). A gradient
+        autograd already left in ``param.grad`` (a backward before they were added) is taken into
+        the bucket and, at stage 2, reduced at once. Call on all ranks."""
+        start = len(self.buffers)
+        self.buffers.extend(buffers)
+        self.pool.max_numel = max(self.pool.max_numel, 2 * max(b.layout.padded_numel for b in buffers))
+        for b_index, buffer in enumerate(buffers, start):
+            if self.stage == 1:
+                buffer.keep_bucket()
+            for p_index, param in enumerate(buffer.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(partial(self._on_grad, b_index, p_index)))
+                if param.grad is not None:
+                    self.got_gradient.add(id(param))
+                    buffer.receive(p_index, param.grad, partial(self._new_bucket, buffer))
+                    param.grad = None
+        if self.stage >= 2:
+            for buffer in buffers:
+                bucket, out = buffer.start_reduce(partial(self._new_bucket, buffer))
+                comm.reduce_scatter(out, bucket, self.group, clobber_input=True)
+                returned = buffer.finish_reduce(out, self.world_size, to_host=True)
+                if returned is not None:
+                    self.pool.give(returned)
+        for buffer in buffers:
+            buffer.end_backward()
 
     # -- called by autograd -------------------------------------------------------------------
 

@@ -139,15 +139,25 @@ class ShardedOptimizer:
             for param_group, original in zip(self.optimizer.param_groups, self.original_params, strict=True):
                 param_group["params"] = original
 
+    def add_groups(self, buffers: list[FlatBuffer]) -> None:
+        """Take the parameter groups added to the optimizer since setup (``add_param_group`` during
+        fit), whose parameters ``buffers`` now hold (stages 1/2: :meth:`ZeroEngine.add_param_groups`)."""
+        self.buffers.extend(buffers)
+        for g_index in range(len(self.master_params), len(self.optimizer.param_groups)):
+            self.master_params.append([b.master for b in buffers if b.optimizer_group == g_index])
+            self.original_params.append(list(self.optimizer.param_groups[g_index]["params"]))
+        self.kernel = KernelStep.for_optimizer(self.optimizer, self.buffers, self.group)
+
     def check_groups(self) -> None:
         """Refuse parameter groups added after setup, naming what to do instead."""
         if len(self.optimizer.param_groups) != len(self.master_params):
             raise ValueError(
                 f"{type(self.optimizer).__name__} has {len(self.optimizer.param_groups)} parameter groups but ZeRO "
-                f"partitioned {len(self.master_params)} at setup: optimizer.add_param_group() during fit (e.g. "
-                "Lightning's BackboneFinetuning) is not supported, because the new parameters have no flat buffer, "
-                "gradient reduction or master. Give every parameter group to the optimizer in configure_optimizers "
-                "(a group that should not train yet can have lr=0 and be raised by an LR scheduler or a callback)."
+                f"partitioned {len(self.master_params)}: optimizer.add_param_group() under stage 3 (e.g. Lightning's "
+                "BackboneFinetuning) is not supported, because its frozen parameters are sharded without a master "
+                "(stages 1 and 2 take new groups at the next batch). Give every parameter group to the optimizer in "
+                "configure_optimizers (a group that should not train yet can have lr=0 and be raised by an LR "
+                "scheduler or a callback)."
             )
 
     # -- gradients ----------------------------------------------------------------------------

@@ -328,3 +328,65 @@ def test_grad_norm_utility_inside_full_gradients_matches_ddp():
                 assert g.keys() == r.keys()
                 for key in r:
                     assert abs(g[key] - r[key]) <= 5e-2 * abs(r[key]) + 1e-6, (name, key, g[key], r[key])
+
+
+class Finetuned(pl.LightningModule):
+    """A backbone Lightning's BackboneFinetuning unfreezes at epoch 1 (``optimizer.add_param_group``
+    during fit), odd widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh())
+        self.head = nn.Linear(5, 1)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = (self.head(self.backbone(x)).squeeze(-1) - x.sum(-1).sin()).square().mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
+
+
+def _finetuning_worker(rank: int) -> dict:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    import lightning_zero  # noqa: F401 - registers the strategy names
+
+    out = {}
+    for name, spec in {k: v for k, v in SPECS.items() if k != "zero3"}.items():
+        pl.seed_everything(3, verbose=False)
+        model = Finetuned()
+        data = torch.randn(12, 7, generator=torch.Generator().manual_seed(5))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=build_strategy(spec),
+            max_epochs=3,
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)],
+            use_distributed_sampler=False,  # the same rows on both ranks: DDP, which never reduces
+            # parameters frozen when it wrapped the model, is then a valid reference
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model, DataLoader(TensorDataset(data), batch_size=3))
+        weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+        out[name] = {"losses": model.losses, "weights": weights, "groups": len(trainer.optimizers[0].param_groups)}
+    return out
+
+
+def test_backbone_finetuning_adds_a_param_group_during_fit_as_ddp():
+    for res in run_ranks(_finetuning_worker):
+        ref = res["ddp"]
+        assert ref["groups"] == 2
+        for name in ("zero1", "zero2"):
+            # fp32, identical data on both ranks: the same arithmetic up to the reduction order and
+            # the compiled Adam kernel's (a few ulps a step); 1e-5 over 12 steps. Before: a KeyError
+            # in BackboneFinetuning (param_groups held ZeRO's masters), then the new group was refused.
+            assert res[name]["groups"] == 2
+            torch.testing.assert_close(res[name]["losses"], ref["losses"], rtol=1e-5, atol=0, msg=name)
+            torch.testing.assert_close(res[name]["weights"], ref["weights"], rtol=1e-5, atol=1e-7, msg=name)
