@@ -230,10 +230,10 @@ def overrides(state_dict: dict[str, Any], module: nn.Module, engine: ZeroEngine 
         for key, tensor in module.state_dict(keep_vars=True).items():
             if torch.is_tensor(tensor):
                 own[key] = tensor
-    shapes = {name: p.shape for name, p in partitioned_params(module, engine).items()}
+    shapes: dict[str, torch.Size] = {}
     for p in partitioned_params(module, engine).values():
-        for alias in p.aliases:
-            shapes[alias] = p.shape
+        for key in (p.name, *p.aliases):
+            shapes[key] = p.shape
     out = {}
     for key, value in state_dict.items():
         if not torch.is_tensor(value) or key not in own:
