@@ -54,6 +54,7 @@ from lightning_zero.config import (
     ZeroConfig,
     normalize_precision,
 )
+from lightning_zero.config import nvme_config as nvme_config_from
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
@@ -82,6 +83,11 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
+            ``offload_optimizer="nvme"`` (ZeRO-Infinity) keeps fp32 masters and Adam moments in files
+            under ``nvme_path`` instead (:mod:`lightning_zero.offload.nvme`); ``True``/"cpu": host memory.
+        nvme_path: the directory for the disk tier (a fast local drive); needed by "nvme".
+        nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
+            ``buffer_count``, ``direct_io`` (see :class:`~lightning_zero.config.NvmeConfig`).
         pin_memory: page-lock host buffers on GPU machines.
         loss_scale: dynamic loss-scaling options for "16-mixed".
         timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
@@ -122,9 +128,11 @@ class ZeroStrategy(DDPStrategy):
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
+        offload_optimizer: bool | str = False,
+        offload_parameters: bool | str = False,
         pin_memory: bool = True,
+        nvme_path: str | None = None,
+        nvme_config: dict[str, Any] | None = None,
         loss_scale: LossScaleConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -159,7 +167,10 @@ class ZeroStrategy(DDPStrategy):
                 on_nonfinite=on_nonfinite,
             ),
             offload=OffloadConfig(
-                offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+                offload_optimizer=offload_optimizer,
+                offload_parameters=offload_parameters,
+                pin_memory=pin_memory,
+                nvme=nvme_config_from(None if nvme_path is None else str(nvme_path), nvme_config),
             ),
             tensor=TensorParallelConfig(
                 size=tensor_parallel_size, plan=tensor_parallel_plan, sequence_parallel=sequence_parallel
@@ -237,6 +248,7 @@ class ZeroStrategy(DDPStrategy):
             offload_parameters=self.config.offload.offload_parameters,
             pin_memory=self.config.offload.pin_memory,
             loss_scale=self._loss_scale,
+            nvme=self.config.offload.nvme,
         )
 
     # -- setup and teardown ---------------------------------------------------------------------
