@@ -56,10 +56,12 @@ from lightning_zero.config import (
 )
 from lightning_zero.config import nvme_config as nvme_config_from
 from lightning_zero.memory import memory_breakdown
+from lightning_zero.offload.nvme import check_free_space
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.swap import bytes_needed as swap_bytes_needed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -319,7 +321,8 @@ class ZeroStrategy(DDPStrategy):
         # The precision plugin may carry its own offload options (OffloadPrecision given by the
         # user): the engine's config takes them, checked against the stage like the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting := trainer.state.fn == TrainerFn.FITTING:
+            self._check_nvme_space(config)
         self._engine = None
         if fitting:
             self.setup_optimizers(trainer)
@@ -348,6 +351,19 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_nvme_space(self, config: StrategyConfig) -> None:
+        """Before anything is allocated: the disk tier's files (of every rank on this machine,
+        which share ``nvme_path``) must fit in its free space."""
+        nvme = config.offload.nvme
+        if config.offload.optimizer_tier != "nvme" or nvme is None:
+            return
+        module = self.lightning_module
+        assert module is not None
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        dp = comm.world_size(self.data_parallel_group)
+        per_rank = swap_bytes_needed(-(-trainable // dp))
+        check_free_space(nvme, per_rank * max(1, self.num_processes))
 
     def teardown(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
