@@ -54,11 +54,13 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     """``tensor`` on the CPU in a storage of its own size: torch.save writes a view's whole storage,
-    and without a separate master the master slice is a view of the full flat buffer."""
+    and without a separate master the master slice is a view of the full flat buffer. ``own``:
+    always a copy (the disk tier frees the original's storage once the checkpoint has read it)."""
     tensor = tensor.detach()
-    if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+    exact = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cpu" and exact and not own:
         return tensor
     return tensor.to("cpu", copy=True).contiguous()
 
@@ -353,9 +355,9 @@ class ZeroEngine:
 
     def local_pieces(self) -> list[LocalPiece | None]:
         with self._resident():
-            return self._local_pieces()
+            return self._local_pieces(own=self.swap is not None)
 
-    def _local_pieces(self) -> list[LocalPiece | None]:
+    def _local_pieces(self, own: bool) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
         buffers = self._all_buffers()
@@ -363,13 +365,13 @@ class ZeroEngine:
         owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
         for b in buffers:
             raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
-            slices = {k: _host_copy(v) for k, v in raw.items() if self._is_slice(v, b)}
+            slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
             scalars = {
                 k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                 for k, v in raw.items()
                 if not self._is_slice(v, b)
             }
-            copies.append((_host_copy(b.master), slices, scalars))
+            copies.append((_host_copy(b.master, own), slices, scalars))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:

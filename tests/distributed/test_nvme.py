@@ -82,3 +82,70 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                 assert got["resting"] and all(got["resting"]), (name, got["resting"])
                 assert got["bytes_read"] > 0, name
                 assert got["left"] == [], (name, got["left"])  # the rank directories were removed after fit
+
+
+def _nvme_stage2(nvme_path: str) -> dict:
+    return dict(_specs(nvme_path))["zero2_nvme"]
+
+
+@pytest.mark.parametrize("direction", ["nvme-to-cpu", "cpu-to-nvme"])
+def test_checkpoint_round_trip_between_tiers(tmp_path, direction):
+    from test_training_features import _resume_worker
+
+    nvme, cpu = _nvme_stage2(str(tmp_path / "swap")), dict(_specs(""))["zero2_cpu"]
+    first, second = (nvme, cpu) if direction == "nvme-to-cpu" else (cpu, nvme)
+    for res in run_ranks(_resume_worker, str(tmp_path / "ckpt"), first, second, "32-true"):
+        # The checkpoint format does not depend on the tier (torch's Adam keys, fp32 masters), so
+        # the resumed run repeats the uninterrupted one; the bound is the CPU-offload resume test's
+        # (tests/distributed/test_offload.py), in practice both tiers run the same kernel.
+        torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["full"][4:]), rtol=1e-5, atol=0)
+        for key, value in res["full_state"].items():
+            torch.testing.assert_close(res["resumed_state"][key], value, rtol=1e-5, atol=1e-7)
+    assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))  # both runs cleaned up
+
+
+class _FailAtStep(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 2:
+            directory = trainer.strategy._engine.swap.store.directory
+            assert any(directory.glob("*.swp")), "the states should be on disk by now"
+            raise RuntimeError("failing on purpose")
+
+
+def _failing_worker(rank: int, nvme_path: str) -> list[str]:
+    try:
+        fit(_nvme_stage2(nvme_path), trainer_kwargs={"callbacks": [_FailAtStep()]})
+    except RuntimeError as error:
+        assert "failing on purpose" in str(error)
+    else:
+        raise AssertionError("the run should have failed")
+    return sorted(os.listdir(nvme_path))
+
+
+def test_swap_files_removed_after_a_failure(tmp_path):
+    for left in run_ranks(_failing_worker, str(tmp_path / "swap")):
+        assert left == [], left  # the teardown on the failure path removed both rank directories
+
+
+def _no_space_worker(rank: int, nvme_path: str) -> str:
+    import shutil
+
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=1000)  # a nearly full disk
+    try:
+        fit(_nvme_stage2(nvme_path), devices=1)
+    except ValueError as error:
+        return str(error)
+    finally:
+        shutil.disk_usage = real
+    raise AssertionError("the run should have been refused")
+
+
+def test_free_space_is_checked_before_training(tmp_path):
+    (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), world_size=1)
+    from models import ParityModel
+
+    # ParityModel's trainable parameters * 12 bytes (fp32 master + 2 moments) on the one rank
+    trainable = sum(p.numel() for p in ParityModel().parameters() if p.requires_grad)
+    assert f"writes {12 * trainable} bytes" in message and "only 1000 bytes" in message, message
+    assert not (tmp_path / "swap").exists()  # refused before anything was created
