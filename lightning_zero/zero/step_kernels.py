@@ -191,7 +191,8 @@ class KernelStep:
                 swap.wait(self.swapped(index))
                 if position + ahead < len(order):
                     swap.fetch(self.swapped(order[position + ahead][0]))  # read ahead while this one steps
-            assert b.optimizer_group is not None  # only buffers of this optimizer are in order
+            # only buffers of this optimizer with a gradient this step are in order
+            assert b.optimizer_group is not None and b.master.grad is not None
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
             state = self._state(b.master)
             state["step"] += 1
