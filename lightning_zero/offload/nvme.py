@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -119,10 +120,11 @@ class SwapStore:
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="lightning_zero_nvme")
         self._fds: dict[str, int] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # the tensor each file belongs to now
-        self._pending: dict[str, list[Future]] = {}
-        #: bytes moved so far (benchmarks read them)
+        self._pending: dict[str, tuple[str, list[Future]]] = {}  # name -> ("read" | "write", requests)
+        #: bytes moved so far, and seconds the caller waited on reads / writes (benchmarks read them)
         self.bytes_read = 0
         self.bytes_written = 0
+        self.stall = {"read": 0.0, "write": 0.0}
 
     @staticmethod
     def resident(tensor: torch.Tensor) -> bool:
@@ -135,18 +137,23 @@ class SwapStore:
         fd, view, block = self._fds[name], _bytes_of(tensor), self.config.block_size
         chunks = [(view[offset : offset + block], offset) for offset in range(0, len(view), block)]
         if write:
-            self._pending[name] = [self._pool.submit(os.pwrite, fd, chunk, offset) for chunk, offset in chunks]
+            self._pending[name] = ("write", [self._pool.submit(os.pwrite, fd, c, offset) for c, offset in chunks])
             self.bytes_written += len(view)
         else:
-            self._pending[name] = [self._pool.submit(os.preadv, fd, [chunk], offset) for chunk, offset in chunks]
+            self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], offset) for c, offset in chunks])
             self.bytes_read += len(view)
 
     def wait(self, items: Iterable[Swapped]) -> None:
         """Block until the reads/writes issued for ``items`` are done (I/O errors raise here)."""
         for name, _ in items:
-            for future in self._pending.pop(name, []):
+            if name not in self._pending:
+                continue
+            kind, futures = self._pending.pop(name)
+            start = time.perf_counter()
+            for future in futures:
                 if future.result() <= 0:
                     raise OSError(f"short read or write on the swap file {self.directory / name}")
+            self.stall[kind] += time.perf_counter() - start
 
     # -- tier moves ---------------------------------------------------------------------------------
 
