@@ -251,7 +251,9 @@ class NvmeConfig:
     (O_DIRECT needs multiples of the 4 KiB logical block)."""
 
     queue_depth: int = 8
-    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024."""
+    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024; for an
+    io_uring/libaio engine, which does not exist yet (the thread-pool engines have ``threads``
+    requests in flight)."""
 
     threads: int = 2
     """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64."""
@@ -261,7 +263,8 @@ class NvmeConfig:
     the next sub-group be read while the current one steps; 2 to 64."""
 
     direct_io: bool = True
-    """O_DIRECT (bypass the page cache) where the engine and the file system allow it."""
+    """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
+    Python fallback always goes through the page cache)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:

@@ -360,9 +360,9 @@ class ZeroStrategy(DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        trainable = [p for p in module.parameters() if p.requires_grad]
         dp = comm.world_size(self.data_parallel_group)
-        per_rank = swap_bytes_needed(-(-trainable // dp))
+        per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
         check_free_space(nvme, per_rank * max(1, self.num_processes))
 
     def teardown(self) -> None:

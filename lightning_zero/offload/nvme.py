@@ -13,11 +13,14 @@ of the run. A directory left by a killed run (its pid no longer alive on this ho
 the next start; one whose owner is alive is an error. :meth:`SwapStore.close` removes the directory
 (at the end of fit and from the strategy's failure path).
 
-I/O engine: a pool of ``threads`` Python threads issuing ``os.preadv``/``os.pwrite`` of
-``block_size`` chunks into the tensors' memory (ctypes memoryviews of their storage); both calls release
-the GIL, so the step's compute overlaps them. This is the only engine so far (no compiled
-io_uring/libaio/thread-pool engine yet), so ``direct_io`` is not applied: O_DIRECT needs
-block-aligned buffers, which torch's allocator does not promise.
+I/O engines. "compiled": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), one call
+per tensor from this store's thread pool, each splitting the tensor into ``block_size`` requests
+over ``threads`` C++ threads with pread/pwrite, O_DIRECT through aligned bounce blocks when
+``direct_io`` (files padded to ``block_size``). "python", its readable reference and the fallback
+when the extension is not built (one warning): the pool's threads issue ``os.preadv``/``os.pwrite``
+of ``block_size`` chunks straight into the tensors' memory (ctypes views), through the page cache.
+Both calls release the GIL, so the step's compute overlaps the I/O. There is no io_uring/libaio
+engine (``queue_depth`` is validated but not used yet).
 """
 
 from __future__ import annotations
@@ -39,6 +42,37 @@ import torch
 from lightning_zero.config import NvmeConfig
 
 MARKER = "owner.json"
+_warned = False  # the "no compiled I/O engine" warning was given
+
+
+def compiled_engine() -> bool:
+    """Whether ``torch.ops.lightning_zero.swap_io`` (the compiled engine) is available."""
+    from lightning_zero.ops import compiled
+
+    return compiled() and hasattr(torch.ops.lightning_zero, "swap_io")
+
+
+def choose_engine(requested: str | None) -> str:
+    """ "compiled" or "python" (``None``: compiled when built, else python with a one-time warning)."""
+    global _warned
+    if requested is not None:
+        if requested not in ("compiled", "python"):
+            raise ValueError(f"engine={requested!r} must be 'compiled', 'python' or None (the best available).")
+        if requested == "compiled" and not compiled_engine():
+            raise ValueError("engine='compiled' but lightning_zero._C has no swap_io op; rebuild the extension.")
+        return requested
+    if compiled_engine():
+        return "compiled"
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "lightning_zero.offload.nvme: the compiled I/O engine is not available; the disk tier uses "
+            "Python threads with os.pread/os.pwrite through the page cache (correct, without O_DIRECT). "
+            "Rebuild the extension (pip install --no-build-isolation -e .) for the compiled engine.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "python"
 
 
 def rank_directory(config: NvmeConfig, rank: int) -> Path:
@@ -111,16 +145,18 @@ class SwapStore:
     Args:
         config: path and I/O knobs.
         rank: global rank (names the directory).
+        engine: "compiled", "python" or None (the compiled one when built; see the module docstring).
     """
 
-    def __init__(self, config: NvmeConfig, rank: int) -> None:
+    def __init__(self, config: NvmeConfig, rank: int, engine: str | None = None) -> None:
         self.config = config
+        self.engine = choose_engine(engine)
         self.directory = rank_directory(config, rank)
         claim_directory(self.directory)
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="lightning_zero_nvme")
         self._fds: dict[str, int] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # the tensor each file belongs to now
-        self._pending: dict[str, tuple[str, list[Future]]] = {}  # name -> ("read" | "write", requests)
+        self._pending: dict[str, tuple[str, list[Future], int]] = {}  # name -> (read/write, requests, bytes)
         #: bytes moved so far, and seconds the caller waited on reads / writes (benchmarks read them)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -134,13 +170,23 @@ class SwapStore:
     # -- chunked I/O on the pool --------------------------------------------------------------------
 
     def _submit(self, name: str, tensor: torch.Tensor, write: bool) -> None:
+        if self.engine == "compiled":
+            path, c = str(self.directory / f"{name}.swp"), self.config
+            future = self._pool.submit(
+                torch.ops.lightning_zero.swap_io, tensor, path, write, c.block_size, c.threads, c.direct_io
+            )
+            nbytes = tensor.numel() * tensor.element_size()
+            self._pending[name] = ("write" if write else "read", [future], nbytes)
+            self.bytes_written += nbytes if write else 0
+            self.bytes_read += 0 if write else nbytes
+            return
         fd, view, block = self._fds[name], _bytes_of(tensor), self.config.block_size
         chunks = [(view[offset : offset + block], offset) for offset in range(0, len(view), block)]
         if write:
-            self._pending[name] = ("write", [self._pool.submit(os.pwrite, fd, c, offset) for c, offset in chunks])
+            self._pending[name] = ("write", [self._pool.submit(os.pwrite, fd, c, o) for c, o in chunks], len(view))
             self.bytes_written += len(view)
         else:
-            self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], offset) for c, offset in chunks])
+            self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], o) for c, o in chunks], len(view))
             self.bytes_read += len(view)
 
     def wait(self, items: Iterable[Swapped]) -> None:
@@ -148,12 +194,12 @@ class SwapStore:
         for name, _ in items:
             if name not in self._pending:
                 continue
-            kind, futures = self._pending.pop(name)
+            kind, futures, expected = self._pending.pop(name)
             start = time.perf_counter()
-            for future in futures:
-                if future.result() <= 0:
-                    raise OSError(f"short read or write on the swap file {self.directory / name}")
+            done = sum(future.result() for future in futures)
             self.stall[kind] += time.perf_counter() - start
+            if done != expected:
+                raise OSError(f"short {kind} on the swap file {self.directory / name}: {done} of {expected} bytes")
 
     # -- tier moves ---------------------------------------------------------------------------------
 

@@ -18,10 +18,11 @@ from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.step_kernels import KernelStep
 
 
-def bytes_needed(numel: int) -> int:
+def bytes_needed(numel: int, tensors: int, block_size: int) -> int:
     """Bytes of swap files for a rank whose master slices hold ``numel`` fp32 elements: master,
-    exp_avg and exp_avg_sq (the files are not padded)."""
-    return 3 * 4 * numel
+    exp_avg and exp_avg_sq, plus up to one ``block_size`` of padding per file (the compiled engine
+    pads files to whole blocks) for at most one buffer per parameter tensor (``tensors``)."""
+    return 3 * 4 * numel + 3 * block_size * tensors
 
 
 class EngineSwap:
