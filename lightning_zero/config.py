@@ -103,7 +103,9 @@ class ZeroConfig:
     rank's whole-parameter slice that differ from the master are written into it. This is a pass
     over the slice (measured ~45 ms per 25M elements on 2 AVX2 cores, about one CPU AdamW step) and
     only runs where the master is a separate tensor (mixed precision, offload). False skips it: edits
-    made outside ``gathered_parameters(modifier_rank=...)`` are then overwritten at the next step."""
+    made outside ``gathered_parameters(modifier_rank=...)`` are then overwritten at the next step.
+    Under the NVMe tier (``offload_optimizer="nvme"``) the masters are on disk between steps and the
+    check runs only before a checkpoint."""
 
     def __post_init__(self) -> None:
         if self.stage == 0 and type(self.stage) is int:
@@ -230,30 +232,134 @@ class FailureConfig:
             raise ValueError(f"debug_collectives={self.debug_collectives!r} must be True or False.")
 
 
+OFFLOAD_TIERS = ("cpu", "nvme")
+"""Where offloaded tensors live: host memory, or files under ``NvmeConfig.path`` (ZeRO-Infinity)."""
+
+
+def _tier(name: str, value: bool | str) -> str | None:
+    """``False`` -> None, ``True``/"cpu" -> "cpu", "nvme" -> "nvme"; anything else is a ValueError."""
+    if isinstance(value, bool):
+        return "cpu" if value else None
+    if value in OFFLOAD_TIERS:
+        return value
+    raise ValueError(f"{name}={value!r} must be True/False, 'cpu' (host memory, as True) or 'nvme' (files).")
+
+
+def _positive_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"nvme {name}={value!r} must be an integer from {low} to {high}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeConfig:
+    """ZeRO-Infinity's disk tier (:mod:`lightning_zero.offload.nvme`), DeepSpeed's ``offload_*`` /
+    ``aio`` knobs in one place. Each rank keeps its files in ``<path>/lightning_zero-rank<r>``."""
+
+    path: str
+    """A directory on a fast local disk (an NVMe drive); created if missing."""
+
+    block_size: int = 1 << 20
+    """Bytes per read/write request (DeepSpeed ``aio.block_size``); a power of two, 4 KiB to 64 MiB
+    (O_DIRECT needs multiples of the 4 KiB logical block)."""
+
+    queue_depth: int = 8
+    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024; for an
+    io_uring/libaio engine, which does not exist yet (the thread-pool engines have ``threads``
+    requests in flight)."""
+
+    threads: int = 2
+    """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64."""
+
+    buffer_count: int = 2
+    """Sub-groups resident in memory at once during the step (DeepSpeed ``buffer_count``): 2 lets
+    the next sub-group be read while the current one steps; 2 to 64."""
+
+    direct_io: bool = True
+    """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
+    Python fallback always goes through the page cache)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"nvme_path={self.path!r} must be a directory path (a string), e.g. '/local_nvme'.")
+        _positive_int("block_size", self.block_size, 4096, 64 << 20)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"nvme block_size={self.block_size} must be a power of two (O_DIRECT alignment), e.g. {1 << 20}."
+            )
+        _positive_int("queue_depth", self.queue_depth, 1, 1024)
+        _positive_int("threads", self.threads, 1, 64)
+        _positive_int("buffer_count", self.buffer_count, 2, 64)
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
+
+
+def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeConfig | None:
+    """The :class:`NvmeConfig` of ``ZeroStrategy(nvme_path=..., nvme_config={...})``; None without a path."""
+    if path is None:
+        if knobs:
+            raise ValueError(f"nvme_config={dict(knobs)!r} was given without nvme_path; set nvme_path to a directory.")
+        return None
+    allowed = ("block_size", "queue_depth", "threads", "buffer_count", "direct_io")
+    unknown = sorted(set(knobs or {}) - set(allowed))
+    if unknown:
+        raise ValueError(f"nvme_config has unknown keys {unknown}; the knobs are {list(allowed)}.")
+    return NvmeConfig(path=str(path), **dict(knobs or {}))  # type: ignore[arg-type]  # each knob is checked in __post_init__
+
+
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
-    """What ZeRO-Offload moves from the device to host memory."""
+    """What ZeRO-Offload moves from the device to host memory (or, ZeRO-Infinity, to disk)."""
 
-    offload_optimizer: bool = False
-    """fp32 master weights, gradient slices and optimizer states in host memory; the optimizer step
-    runs on the CPU (``lightning_zero.ops`` kernels) and writes the 16-bit parameters back."""
+    offload_optimizer: bool | str = False
+    """fp32 master weights, gradient slices and optimizer states off the device; the optimizer step
+    runs on the CPU (``lightning_zero.ops`` kernels) and writes the 16-bit parameters back. ``True``
+    or "cpu": in host memory; "nvme": masters and states in files under ``nvme.path``, streamed
+    through host memory one sub-group at a time during the step."""
 
-    offload_parameters: bool = False
+    offload_parameters: bool | str = False
     """Stage 3 only: parameter shards in host memory too, gathered to the device when a module
-    needs them. Requires ``offload_optimizer``."""
+    needs them. Requires ``offload_optimizer``. "nvme" is accepted by the config but not yet by the
+    engine (see the README's offload section)."""
 
     pin_memory: bool = True
     """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
 
+    nvme: NvmeConfig | None = None
+    """The disk tier's path and I/O knobs; required when either tier is "nvme"."""
+
     def __post_init__(self) -> None:
-        for name in ("offload_optimizer", "offload_parameters", "pin_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
-        if self.offload_parameters and not self.offload_optimizer:
+        optimizer_tier = _tier("offload_optimizer", self.offload_optimizer)
+        parameter_tier = _tier("offload_parameters", self.offload_parameters)
+        if not isinstance(self.pin_memory, bool):
+            raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False.")
+        if parameter_tier and not optimizer_tier:
             raise ValueError(
-                "offload_parameters=True needs offload_optimizer=True: parameter shards on the host are "
-                "updated there by the CPU optimizer step. Set both (as DeepSpeed's zero3_offload does)."
+                f"offload_parameters={self.offload_parameters!r} needs offload_optimizer=True: parameter shards off "
+                "the device are updated by the CPU optimizer step. Set both (as DeepSpeed's zero3_offload does)."
             )
+        if parameter_tier == "nvme" and optimizer_tier != "nvme":
+            raise ValueError(
+                f"offload_parameters='nvme' with offload_optimizer={self.offload_optimizer!r}: parameter shards on "
+                "disk are stepped from disk too; set offload_optimizer='nvme'."
+            )
+        uses_nvme = "nvme" in (optimizer_tier, parameter_tier)
+        if uses_nvme and self.nvme is None:
+            raise ValueError(
+                "offload_optimizer='nvme' / offload_parameters='nvme' need nvme_path: the directory (on a fast local "
+                "disk) where each rank keeps its swap files, e.g. ZeroStrategy(..., nvme_path='/local_nvme')."
+            )
+        if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
+            raise ValueError(f"nvme={self.nvme!r} must be a lightning_zero.config.NvmeConfig or None.")
+
+    @property
+    def optimizer_tier(self) -> str | None:
+        """None (on the device), "cpu" or "nvme"."""
+        return _tier("offload_optimizer", self.offload_optimizer)
+
+    @property
+    def parameter_tier(self) -> str | None:
+        """None (on the device), "cpu" or "nvme"."""
+        return _tier("offload_parameters", self.offload_parameters)
 
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -362,9 +468,15 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         stage = self.zero.stage
+        if self.offload.parameter_tier == "nvme":
+            raise ValueError(
+                "offload_parameters='nvme' (stage-3 parameter shards on disk) is not implemented yet; use "
+                "offload_parameters=True (host memory) with offload_optimizer='nvme'."
+            )
         if self.offload.offload_parameters and stage != 3:
             raise ValueError(
-                f"offload_parameters=True shards parameters into host memory, which needs stage=3 (got stage={stage}); "
+                f"offload_parameters={self.offload.offload_parameters!r} shards parameters into host memory, which "
+                f"needs stage=3 (got stage={stage}); "
                 "use stage=3, or offload_optimizer=True alone."
             )
         if self.tensor.size > 1 and stage == 3:

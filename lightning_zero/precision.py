@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_zero.config import PRECISIONS, LossScaleConfig, OffloadConfig, normalize_precision
+from lightning_zero.config import PRECISIONS, LossScaleConfig, NvmeConfig, OffloadConfig, normalize_precision
 from lightning_zero.hardware import warn_if_slow_bf16
 
 if TYPE_CHECKING:
@@ -82,19 +82,21 @@ class OffloadPrecision(Precision):
     Args:
         precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true" (see the module docstring).
         offload_optimizer: fp32 master weights, gradient slices and optimizer states in host memory,
-            the step on the CPU (ZeRO-Offload).
+            the step on the CPU (ZeRO-Offload); "nvme": masters and states in files under ``nvme.path``.
         offload_parameters: stage 3: parameter shards in host memory too, gathered to the device on demand.
         pin_memory: page-lock the host buffers when the device is a GPU.
         loss_scale: dynamic loss scaling options for "16-mixed" (ignored otherwise).
+        nvme: the disk tier's path and I/O knobs (:class:`~lightning_zero.config.NvmeConfig`).
     """
 
     def __init__(
         self,
         precision: str | int = "32-true",
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
+        offload_optimizer: bool | str = False,
+        offload_parameters: bool | str = False,
         pin_memory: bool = True,
         loss_scale: LossScaleConfig | None = None,
+        nvme: NvmeConfig | None = None,
     ) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]  # Lightning types it as its Literal
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
@@ -103,7 +105,7 @@ class OffloadPrecision(Precision):
                 "LossScaleConfig(initial_scale=2**16)) or None."
             )
         self.offload = OffloadConfig(
-            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+            offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory, nvme=nvme
         )
         if self.offload.offload_optimizer and self.precision == "64-true":
             raise ValueError(

@@ -55,11 +55,14 @@ from lightning_zero.config import (
     ZeroConfig,
     normalize_precision,
 )
+from lightning_zero.config import nvme_config as nvme_config_from
 from lightning_zero.memory import memory_breakdown
+from lightning_zero.offload.nvme import check_free_space
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.swap import bytes_needed as swap_bytes_needed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,6 +89,11 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
+            ``offload_optimizer="nvme"`` (ZeRO-Infinity) keeps fp32 masters and Adam moments in files
+            under ``nvme_path`` instead (:mod:`lightning_zero.offload.nvme`); ``True``/"cpu": host memory.
+        nvme_path: the directory for the disk tier (a fast local drive); needed by "nvme".
+        nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
+            ``buffer_count``, ``direct_io`` (see :class:`~lightning_zero.config.NvmeConfig`).
         pin_memory: page-lock host buffers on GPU machines.
         loss_scale: dynamic loss-scaling options for "16-mixed".
         timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
@@ -127,9 +135,11 @@ class ZeroStrategy(DDPStrategy):
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
-        offload_optimizer: bool = False,
-        offload_parameters: bool = False,
+        offload_optimizer: bool | str = False,
+        offload_parameters: bool | str = False,
         pin_memory: bool = True,
+        nvme_path: str | None = None,
+        nvme_config: dict[str, Any] | None = None,
         loss_scale: LossScaleConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -165,7 +175,10 @@ class ZeroStrategy(DDPStrategy):
                 absorb_param_edits=absorb_param_edits,
             ),
             offload=OffloadConfig(
-                offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, pin_memory=pin_memory
+                offload_optimizer=offload_optimizer,
+                offload_parameters=offload_parameters,
+                pin_memory=pin_memory,
+                nvme=nvme_config_from(None if nvme_path is None else str(nvme_path), nvme_config),
             ),
             tensor=TensorParallelConfig(
                 size=tensor_parallel_size, plan=tensor_parallel_plan, sequence_parallel=sequence_parallel
@@ -244,6 +257,7 @@ class ZeroStrategy(DDPStrategy):
             offload_parameters=self.config.offload.offload_parameters,
             pin_memory=self.config.offload.pin_memory,
             loss_scale=self._loss_scale,
+            nvme=self.config.offload.nvme,
         )
 
     # -- setup and teardown ---------------------------------------------------------------------
@@ -315,7 +329,8 @@ class ZeroStrategy(DDPStrategy):
         # The precision plugin may carry its own offload options (OffloadPrecision given by the
         # user): the engine's config takes them, checked against the stage like the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting := trainer.state.fn == TrainerFn.FITTING:
+            self._check_nvme_space(config)
         self._engine = None
         if fitting:
             self.setup_optimizers(trainer)
@@ -346,6 +361,19 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+
+    def _check_nvme_space(self, config: StrategyConfig) -> None:
+        """Before anything is allocated: the disk tier's files (of every rank on this machine,
+        which share ``nvme_path``) must fit in its free space."""
+        nvme = config.offload.nvme
+        if config.offload.optimizer_tier != "nvme" or nvme is None:
+            return
+        module = self.lightning_module
+        assert module is not None
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        dp = comm.world_size(self.data_parallel_group)
+        per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
+        check_free_space(nvme, per_rank * max(1, self.num_processes))
 
     def teardown(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still

@@ -46,6 +46,7 @@ from lightning_zero.zero.surface import (
     ParamGroup,
     PieceReader,
 )
+from lightning_zero.zero.swap import EngineSwap
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -53,11 +54,13 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
     """``tensor`` on the CPU in a storage of its own size: torch.save writes a view's whole storage,
-    and without a separate master the master slice is a view of the full flat buffer."""
+    and without a separate master the master slice is a view of the full flat buffer. ``own``:
+    always a copy (the disk tier frees the original's storage once the checkpoint has read it)."""
     tensor = tensor.detach()
-    if tensor.device.type == "cpu" and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+    exact = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cpu" and exact and not own:
         return tensor
     return tensor.to("cpu", copy=True).contiguous()
 
@@ -130,6 +133,11 @@ class ZeroEngine:
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
             )
+        #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
+        self.swap: EngineSwap | None = None
+        if config.offload.optimizer_tier == "nvme" and optimizers:
+            assert config.offload.nvme is not None  # OffloadConfig requires it
+            self.swap = EngineSwap(list(self._sharded.values()), config.offload.nvme, comm.rank(None))
         self._reducer = GradReducer(
             self._buffers,
             stage=config.zero.stage,
@@ -276,9 +284,11 @@ class ZeroEngine:
                 raise RuntimeError(
                     f"gradients of an unfinished backward reached the optimizer step: {BACKWARD_OUTSIDE}."
                 )
-            if self.config.zero.absorb_param_edits:
+            # The user's in-place edits since the last step reach the master (not under the disk
+            # tier: its masters are on disk between steps; a checkpoint still absorbs them).
+            if self.config.zero.absorb_param_edits and self.swap is None:
                 for buffer in sharded.buffers:
-                    buffer.absorb_edits()  # the user's in-place edits since the last step reach the master
+                    buffer.absorb_edits()
             self._norms.pop(key, None)
             self._reducer.reduce_for_step(sharded.buffers)
             self._reducer.wait_host_copies()
@@ -408,7 +418,20 @@ class ZeroEngine:
             for group, original in zip(sharded.optimizer.param_groups, sharded.original_params, strict=True)
         ]
 
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """Swapped masters and states in host memory for the block (no-op without the disk tier)."""
+        if self.swap is None:
+            yield
+            return
+        with self.swap.resident():
+            yield
+
     def local_pieces(self) -> list[LocalPiece | None]:
+        with self._resident():
+            return self._local_pieces(own=self.swap is not None)
+
+    def _local_pieces(self, own: bool) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
         buffers = self._all_buffers()
@@ -419,13 +442,13 @@ class ZeroEngine:
         owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
         for b in buffers:
             raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
-            slices = {k: _host_copy(v) for k, v in raw.items() if self._is_slice(v, b)}
+            slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
             scalars = {
                 k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                 for k, v in raw.items()
                 if not self._is_slice(v, b)
             }
-            copies.append((_host_copy(b.master), slices, scalars))
+            copies.append((_host_copy(b.master, own), slices, scalars))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
@@ -446,7 +469,7 @@ class ZeroEngine:
         """Overwrite this rank's master pieces with ``read(param, param_offset, numel)`` (where it
         returns a tensor). Local: call :meth:`publish` afterwards."""
         buffers = self._all_buffers()
-        with torch.no_grad():
+        with torch.no_grad(), self._resident():
             for held in self._held:
                 if held.local is None:
                     continue
@@ -478,19 +501,22 @@ class ZeroEngine:
                 if key not in target:
                     target[key] = torch.zeros(buffer.layout.shard_numel, dtype=value.dtype)
                 target[key][shard_offset : shard_offset + numel] = value
-        self._get(optimizer).load_slices(state, saved_groups)
+        with self._resident():
+            self._get(optimizer).load_slices(state, saved_groups)
 
     def load_consolidated(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an unsharded optimizer state (a plain optimizer's); every rank keeps its slice. Local:
         call :meth:`publish` afterwards (it may carry fp32 masters)."""
-        self._get(optimizer).load_consolidated_state_dict(state_dict)
+        with self._resident():
+            self._get(optimizer).load_consolidated_state_dict(state_dict)
 
     def publish(self) -> None:
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""
         buffers = self._all_buffers()
-        for buffer in buffers:
-            buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
+        with self._resident():
+            for buffer in buffers:
+                buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
         publish(buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -522,6 +548,11 @@ class ZeroEngine:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
         whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
         self._reducer.remove_hooks()
+        if self.swap is not None:
+            # After a finished fit the states come back to host memory (a checkpoint after fit
+            # still saves them); after a failure the files are simply removed.
+            self.swap.close(bring_back=unshard)
+            self.swap = None
         for optimizer in self._routed:
             optimizer.__dict__.pop("zero_grad", None)  # back to the class's zero_grad
         self._routed.clear()

@@ -16,6 +16,10 @@ Two cases use it instead of the user's ``optimizer.step()``:
   of :mod:`lightning_zero.zero.step` does; replicated parameters keep tensor-parallel rank 0's
   sums, so every rank applies the same ratio to its replica.
 
+With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
+swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
+``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind.
+
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
 ``exp_avg_sq``), so checkpoints look the same with and without offload and load into each other.
 """
@@ -28,6 +32,7 @@ import torch
 
 from lightning_zero import comm
 from lightning_zero.offload.host import host_empty
+from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.zero.flat import FlatBuffer
 
 
@@ -75,6 +80,8 @@ class KernelStep:
         self.buffers = buffers
         self.group = group
         self.lamb = lamb
+        #: the disk tier holding masters and moments between steps (``offload_optimizer="nvme"``)
+        self.swap: SwapStore | None = None
         self._copy_out: dict[int, torch.Tensor] = {}
         #: LAMB with masters on a GPU: the multi-tensor kernels over one view per segment (the CPU
         #: kernels take segment offsets instead). Either computes the same numbers.
@@ -152,6 +159,14 @@ class KernelStep:
             # non_blocking: from pinned memory the host does not wait for the transfer
             b.param_shard.copy_(source, non_blocking=True)
 
+    def swapped(self, index: int) -> list[Swapped]:
+        """The tensors of ``self.buffers[index]`` that the disk tier holds: master and moments."""
+        master = self.buffers[index].master
+        state = self.optimizer.state.get(master, {})
+        return [(f"{index}.master", master)] + [
+            (f"{index}.{key}", state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
+        ]
+
     def step(self, tensor_parallel_group: comm.ProcessGroup = None) -> None:
         """One optimizer step on every buffer. ``tensor_parallel_group``: the group over which
         parameters marked ``tensor_parallel`` are split (``None``: no tensor parallelism; LAMB only).
@@ -160,24 +175,44 @@ class KernelStep:
 
         if self.lamb:
             return self._lamb_step(tensor_parallel_group)
-        for g_index, param_group in enumerate(self.optimizer.param_groups):
-            hyper = _hyper(self.optimizer, param_group)
-            for b in self.buffers:
-                if b.optimizer_group != g_index or b.master.grad is None:
-                    continue
-                state = self._state(b.master)
-                state["step"] += 1
-                copy = self._param_copy(b)
-                F.cpu_adam_step(
-                    b.master,
-                    b.master.grad.contiguous(),
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=int(state["step"]),
-                    param_copy=copy,
-                    **hyper,
-                )
-                self._write_back(b, copy)
+        order = [
+            (index, b)
+            for g_index in range(len(self.optimizer.param_groups))
+            for index, b in enumerate(self.buffers)
+            if b.optimizer_group == g_index and b.master.grad is not None
+        ]
+        swap, ahead = self.swap, 0 if self.swap is None else self.swap.config.buffer_count - 1
+        if swap is not None:
+            for index, _ in order[:ahead]:
+                swap.fetch(self.swapped(index))
+        for position, (index, b) in enumerate(order):
+            if swap is not None:
+                swap.fetch(self.swapped(index))  # (a no-op when read ahead)
+                swap.wait(self.swapped(index))
+                if position + ahead < len(order):
+                    swap.fetch(self.swapped(order[position + ahead][0]))  # read ahead while this one steps
+            # only buffers of this optimizer with a gradient this step are in order
+            assert b.optimizer_group is not None and b.master.grad is not None
+            hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
+            state = self._state(b.master)
+            state["step"] += 1
+            copy = self._param_copy(b)
+            F.cpu_adam_step(
+                b.master,
+                b.master.grad.contiguous(),
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                step=int(state["step"]),
+                param_copy=copy,
+                **hyper,
+            )
+            self._write_back(b, copy)
+            if swap is not None:
+                swap.evict(self.swapped(index))  # written behind; freed below once the next one is stepped
+                if position:
+                    swap.release(self.swapped(order[position - 1][0]))
+        if swap is not None and order:
+            swap.release(self.swapped(order[-1][0]))
         # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
 

@@ -1,0 +1,176 @@
+"""ZeRO-Infinity's disk tier against CPU offload on one rank (issue 18), with the disk measured first.
+
+    python benchmarks/capacity.py --nvme-path /tmp/lz_nvme [--layers 6 --width 384] [--steps 3]
+
+1. The disk under ``--nvme-path``: O_DIRECT writes then reads of ``--disk-mib`` MiB in 1 MiB
+   page-aligned blocks (as ``dd oflag=direct``), GB/s.
+2. The same GPT (recipes/gpt2/model.py, AdamW, fp32 unless ``--precision``) trained ``--steps``
+   steps on one repeated batch under ``offload_optimizer=True`` and ``offload_optimizer="nvme"``,
+   each in its own process (peak RSS is per process). Per tier: mean step time after the first,
+   the optimizer phase (from ``on_before_optimizer_step`` to the end of the batch), the seconds
+   that phase waited on reads and on writes, bytes moved per step and their rate over the
+   optimizer phase as a fraction of the measured disk bandwidth, peak RSS, the first and last
+   loss, and whether the swap directory is gone afterwards. The last row is the ratio nvme / cpu.
+
+Note: the swap files go through the page cache (the Python engine does not use O_DIRECT), so on a
+machine with free RAM the reads may be served from memory; the disk numbers of step 1 are the
+ceiling a compiled O_DIRECT engine would aim at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def measure_disk(path: str, mib: int) -> dict[str, float]:
+    """O_DIRECT write (with fsync) and read of ``mib`` MiB in 1 MiB aligned blocks: GB/s each."""
+    os.makedirs(path, exist_ok=True)
+    file = os.path.join(path, "lz_disk_probe.bin")
+    block = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(1 << 20))
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    fd = os.open(file, flags, 0o600)
+    try:
+        start = time.perf_counter()
+        for i in range(mib):
+            os.pwrite(fd, block, i << 20)
+        os.fsync(fd)
+        write = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(mib):
+            os.preadv(fd, [block], i << 20)
+        read = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(file)
+    return {"write_gbs": mib * 2**20 / write / 1e9, "read_gbs": mib * 2**20 / read / 1e9}
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One tier's run (in its own process)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from benchmarks.common import GPTModule
+    from lightning_zero import ZeroStrategy
+    from recipes.gpt2.model import GPTConfig
+
+    config = GPTConfig(vocab_size=8192, block_size=128, n_layer=args.layers, n_head=6, n_embd=args.width)
+    pl.seed_everything(0, verbose=False)
+    module = GPTModule(config)
+    tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
+    batch = TensorDataset(tokens[:, :-1].repeat(args.steps, 1), tokens[:, 1:].repeat(args.steps, 1))
+    tier: bool | str = True if args.tier == "cpu" else "nvme"
+    strategy = ZeroStrategy(stage=2, offload_optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None)
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.steps: list[float] = []
+            self.optimizer: list[float] = []
+            self.losses: list[float] = []
+            self.stalls: list[dict[str, float]] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.t1 = time.perf_counter()
+            swap = trainer.strategy._engine.swap  # reaches inside on purpose: the I/O counters
+            self.before = dict(swap.store.stall) if swap else {"read": 0.0, "write": 0.0}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            self.steps.append(now - self.t0)
+            self.optimizer.append(now - self.t1)
+            self.losses.append(float(outputs["loss"]))
+            swap = trainer.strategy._engine.swap
+            after = swap.store.stall if swap else {"read": 0.0, "write": 0.0}
+            self.stalls.append({k: after[k] - self.before[k] for k in after})
+            if swap:
+                self.bytes = (swap.store.bytes_read, swap.store.bytes_written)
+
+    timer = Timer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(batch, batch_size=4))
+    psi = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    rest = slice(1, None) if args.steps > 1 else slice(None)
+    read, written = getattr(timer, "bytes", (0, 0))
+    return {
+        "params": psi,
+        "step_s": sum(timer.steps[rest]) / len(timer.steps[rest]),
+        "optimizer_s": sum(timer.optimizer[rest]) / len(timer.optimizer[rest]),
+        "read_stall_s": sum(s["read"] for s in timer.stalls[rest]) / len(timer.stalls[rest]),
+        "write_stall_s": sum(s["write"] for s in timer.stalls[rest]) / len(timer.stalls[rest]),
+        "bytes_per_step": (read + written) / args.steps,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "loss_first": timer.losses[0],
+        "loss_last": timer.losses[-1],
+        "clean": not any(Path(args.nvme_path).glob("lightning_zero-rank*")),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme-path", required=True)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--disk-mib", type=int, default=512)
+    parser.add_argument("--tier", choices=["cpu", "nvme"], help=argparse.SUPPRESS)  # child mode
+    args = parser.parse_args()
+    if args.tier:
+        print(json.dumps(child(args)))
+        return
+    disk = measure_disk(args.nvme_path, args.disk_mib)
+    print(f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s")
+    rows = {}
+    for tier in ("cpu", "nvme"):
+        command = [sys.executable, __file__, *sys.argv[1:], "--tier", tier]
+        out = subprocess.run(
+            command, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        rows[tier] = json.loads(out.stdout.strip().splitlines()[-1])
+    bandwidth = (disk["read_gbs"] + disk["write_gbs"]) / 2
+    header = "tier | params | step s | optimizer s | read wait s | write wait s | GB/step | GB/s in opt phase (x disk) | peak RSS GiB | loss first -> last | clean"
+    print(header)
+    for tier, r in rows.items():
+        rate = r["bytes_per_step"] / r["optimizer_s"] / 1e9
+        print(
+            f"{tier} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['optimizer_s']:.3f} | {r['read_stall_s']:.3f} | "
+            f"{r['write_stall_s']:.3f} | {r['bytes_per_step'] / 1e9:.3f} | {rate:.3f} ({rate / bandwidth:.2f}) | "
+            f"{r['peak_rss_gib']:.2f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['clean']}"
+        )
+    c, n = rows["cpu"], rows["nvme"]
+    print(
+        f"nvme / cpu | | {n['step_s'] / c['step_s']:.2f} | {n['optimizer_s'] / c['optimizer_s']:.2f} | | | | | "
+        f"{n['peak_rss_gib'] / c['peak_rss_gib']:.2f} | |"
+    )
+
+
+if __name__ == "__main__":
+    main()

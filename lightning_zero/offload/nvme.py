@@ -1,0 +1,252 @@
+"""The disk tier of ZeRO-Infinity: optimizer states in files under ``nvme_path``, streamed through
+host memory one flat buffer (sub-group) at a time during the step.
+
+Each swapped tensor (a buffer's fp32 ``master``, ``exp_avg``, ``exp_avg_sq``; all ``(shard_numel,)``
+fp32) keeps its shape at rest but its storage is resized to zero bytes, so it holds no memory;
+its values are in one file (padded to ``block_size``). :meth:`SwapStore.fetch` resizes the storage
+back and reads the file into it on the I/O threads; :meth:`SwapStore.evict` writes it behind and
+frees the storage when the write is done. The tensor objects never change, so the optimizer's
+``param_groups``, its ``state`` keys and ``master.grad`` stay valid throughout.
+
+Files live in ``<nvme_path>/lightning_zero-rank<r>/``, with ``owner.json`` naming the pid and host
+of the run. A directory left by a killed run (its pid no longer alive on this host) is removed at
+the next start; one whose owner is alive is an error. :meth:`SwapStore.close` removes the directory
+(at the end of fit and from the strategy's failure path).
+
+I/O engines. "compiled": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), one call
+per tensor from this store's thread pool, each splitting the tensor into ``block_size`` requests
+over ``threads`` C++ threads with pread/pwrite, O_DIRECT through aligned bounce blocks when
+``direct_io`` (files padded to ``block_size``). "python", its readable reference and the fallback
+when the extension is not built (one warning): the pool's threads issue ``os.preadv``/``os.pwrite``
+of ``block_size`` chunks straight into the tensors' memory (ctypes views), through the page cache.
+Both calls release the GIL, so the step's compute overlaps the I/O. There is no io_uring/libaio
+engine (``queue_depth`` is validated but not used yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import socket
+import time
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from lightning_zero.config import NvmeConfig
+
+MARKER = "owner.json"
+_warned = False  # the "no compiled I/O engine" warning was given
+
+
+def compiled_engine() -> bool:
+    """Whether ``torch.ops.lightning_zero.swap_io`` (the compiled engine) is available."""
+    from lightning_zero.ops import compiled
+
+    return compiled() and hasattr(torch.ops.lightning_zero, "swap_io")
+
+
+def choose_engine(requested: str | None) -> str:
+    """ "compiled" or "python" (``None``: compiled when built, else python with a one-time warning)."""
+    global _warned
+    if requested is not None:
+        if requested not in ("compiled", "python"):
+            raise ValueError(f"engine={requested!r} must be 'compiled', 'python' or None (the best available).")
+        if requested == "compiled" and not compiled_engine():
+            raise ValueError("engine='compiled' but lightning_zero._C has no swap_io op; rebuild the extension.")
+        return requested
+    if compiled_engine():
+        return "compiled"
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "lightning_zero.offload.nvme: the compiled I/O engine is not available; the disk tier uses "
+            "Python threads with os.pread/os.pwrite through the page cache (correct, without O_DIRECT). "
+            "Rebuild the extension (pip install --no-build-isolation -e .) for the compiled engine.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "python"
+
+
+def rank_directory(config: NvmeConfig, rank: int) -> Path:
+    """Where global rank ``rank`` keeps its swap files."""
+    return Path(config.path) / f"lightning_zero-rank{rank}"
+
+
+def check_free_space(config: NvmeConfig, needed: int) -> None:
+    """Raise ``ValueError`` unless the file system under ``config.path`` has ``needed`` bytes free.
+    Call before anything is allocated or written."""
+    probe = Path(config.path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the directory is created later; its file system is its nearest parent's
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise ValueError(
+            f"nvme_path={config.path!r}: this run writes {needed} bytes ({needed / 2**30:.2f} GiB) of optimizer "
+            f"states but only {free} bytes ({free / 2**30:.2f} GiB) are free there; free space, choose another "
+            "nvme_path, or use offload_optimizer=True (host memory)."
+        )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def claim_directory(directory: Path) -> None:
+    """Create ``directory`` with this process's marker, removing a stale one left by a killed run."""
+    marker = directory / MARKER
+    if directory.exists():
+        owner = {}
+        with contextlib.suppress(OSError, ValueError):  # no or torn marker: killed while creating it
+            owner = json.loads(marker.read_text())
+        pid, host = owner.get("pid"), owner.get("host")
+        if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+            raise ValueError(
+                f"{directory} is in use by process {pid} on {host} (another run with the same nvme_path and rank); "
+                "give each run its own nvme_path."
+            )
+        warnings.warn(
+            f"removing the stale swap directory {directory} of a run that ended without cleanup ({owner})", stacklevel=3
+        )
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    marker.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as a writable byte view. Through ctypes, not ``tensor.numpy()``: a numpy
+    view marks the storage non-resizable, and the tier frees memory by resizing storages to 0.
+    Valid while the storage keeps its current allocation (the store waits for I/O before resizing)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+Swapped = tuple[str, torch.Tensor]
+"""A swapped tensor and the name of its file (e.g. ``"3.exp_avg"``); a new tensor under a known
+name (after ``optimizer.load_state_dict``) takes over that file."""
+
+
+class SwapStore:
+    """The swap files of one rank; see the module docstring.
+
+    Args:
+        config: path and I/O knobs.
+        rank: global rank (names the directory).
+        engine: "compiled", "python" or None (the compiled one when built; see the module docstring).
+    """
+
+    def __init__(self, config: NvmeConfig, rank: int, engine: str | None = None) -> None:
+        self.config = config
+        self.engine = choose_engine(engine)
+        self.directory = rank_directory(config, rank)
+        claim_directory(self.directory)
+        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="lightning_zero_nvme")
+        self._fds: dict[str, int] = {}
+        self._tensors: dict[str, torch.Tensor] = {}  # the tensor each file belongs to now
+        self._pending: dict[str, tuple[str, list[Future], int]] = {}  # name -> (read/write, requests, bytes)
+        #: bytes moved so far, and seconds the caller waited on reads / writes (benchmarks read them)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.stall = {"read": 0.0, "write": 0.0}
+
+    @staticmethod
+    def resident(tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s values are in memory (not swapped out)."""
+        return tensor.untyped_storage().nbytes() > 0
+
+    # -- chunked I/O on the pool --------------------------------------------------------------------
+
+    def _submit(self, name: str, tensor: torch.Tensor, write: bool) -> None:
+        if self.engine == "compiled":
+            path, c = str(self.directory / f"{name}.swp"), self.config
+            future = self._pool.submit(
+                torch.ops.lightning_zero.swap_io, tensor, path, write, c.block_size, c.threads, c.direct_io
+            )
+            nbytes = tensor.numel() * tensor.element_size()
+            self._pending[name] = ("write" if write else "read", [future], nbytes)
+            self.bytes_written += nbytes if write else 0
+            self.bytes_read += 0 if write else nbytes
+            return
+        fd, view, block = self._fds[name], _bytes_of(tensor), self.config.block_size
+        chunks = [(view[offset : offset + block], offset) for offset in range(0, len(view), block)]
+        if write:
+            self._pending[name] = ("write", [self._pool.submit(os.pwrite, fd, c, o) for c, o in chunks], len(view))
+            self.bytes_written += len(view)
+        else:
+            self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], o) for c, o in chunks], len(view))
+            self.bytes_read += len(view)
+
+    def wait(self, items: Iterable[Swapped]) -> None:
+        """Block until the reads/writes issued for ``items`` are done (I/O errors raise here)."""
+        for name, _ in items:
+            if name not in self._pending:
+                continue
+            kind, futures, expected = self._pending.pop(name)
+            start = time.perf_counter()
+            done = sum(future.result() for future in futures)
+            self.stall[kind] += time.perf_counter() - start
+            if done != expected:
+                raise OSError(f"short {kind} on the swap file {self.directory / name}: {done} of {expected} bytes")
+
+    # -- tier moves ---------------------------------------------------------------------------------
+
+    def evict(self, items: Iterable[Swapped]) -> None:
+        """Start writing ``items`` to their files (created the first time). :meth:`release` frees
+        their memory once written."""
+        for name, tensor in items:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"swap tensor {name} must be contiguous host memory (got {tensor.device})")
+            if name not in self._fds:
+                self._fds[name] = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+            self.wait([(name, tensor)])
+            self._tensors[name] = tensor
+            self._submit(name, tensor, write=True)
+
+    def release(self, items: Iterable[Swapped]) -> None:
+        """Wait for their writes, then shrink the storage of ``items`` to zero bytes."""
+        items = list(items)
+        self.wait(items)
+        for _, tensor in items:
+            tensor.untyped_storage().resize_(0)
+
+    def fetch(self, items: Iterable[Swapped]) -> None:
+        """Give swapped-out ``items`` their memory back and start reading their files into it;
+        :meth:`wait` before use. Resident ones are left alone."""
+        for name, tensor in items:
+            self.wait([(name, tensor)])
+            if self.resident(tensor):
+                continue
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            self._submit(name, tensor, write=False)
+
+    def fetch_all(self) -> None:
+        """Everything back into memory (blocking)."""
+        items = list(self._tensors.items())
+        self.fetch(items)
+        self.wait(items)
+
+    def close(self, bring_back: bool) -> None:
+        """Remove the files and the directory; first read every tensor back into memory when
+        ``bring_back`` (so the optimizer stays usable, e.g. for a checkpoint after fit)."""
+        if bring_back:
+            self.fetch_all()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._tensors.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,155 @@
+"""ZeRO-Infinity's disk tier (offload_optimizer="nvme") on 2 CPU/gloo ranks, against CPU offload.
+
+The disk tier only moves where masters and Adam moments rest between steps (files instead of host
+memory); the step runs the same compiled kernel on the same values in the same order, so every
+loss and every weight must be bit-identical to offload_optimizer=True.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from models import fit, state
+
+from lightning_zero.testing import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+SMALL = {"param_persistence_threshold": 10, "reduce_bucket_size": 40}
+
+
+def _specs(nvme_path: str) -> list[tuple[str, dict]]:
+    nvme = {"offload_optimizer": "nvme", "nvme_path": nvme_path, "nvme_config": {"block_size": 4096}}
+    return [
+        ("zero2_cpu", {"stage": 2, "offload_optimizer": True, "reduce_bucket_size": 40}),
+        ("zero2_nvme", {"stage": 2, **nvme, "reduce_bucket_size": 40}),
+        ("zero3_cpu", {"stage": 3, "offload_optimizer": True, **SMALL}),
+        ("zero3_nvme", {"stage": 3, **nvme, **SMALL}),
+        ("zero3_nvme_params_on_host", {"stage": 3, **nvme, "offload_parameters": True, **SMALL}),
+    ]
+
+
+class _SwappedOut(Callback):
+    """Records, at each batch after the first step, whether every master and moment rests on disk
+    (zero bytes of memory) and how many bytes the tier moved: the test must not pass by keeping
+    the states in memory."""
+
+    def __init__(self) -> None:
+        self.resting: list[bool] = []
+        self.bytes_read = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        swap = trainer.strategy._engine.swap  # reaches inside on purpose: a test of where the states are
+        if swap is None or trainer.global_step == 0:
+            return  # CPU offload, or nothing stepped yet
+        tensors = [t for kernel in swap.kernels for i in range(len(kernel.buffers)) for _, t in kernel.swapped(i)]
+        self.resting.append(len(tensors) > 0 and all(t.untyped_storage().nbytes() == 0 for t in tensors))
+        self.bytes_read = swap.store.bytes_read
+
+
+def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict:
+    out = {}
+    for name, spec in _specs(nvme_path):
+        if name not in names:
+            continue
+        probe = _SwappedOut()
+        _, model = fit(spec, precision=precision, trainer_kwargs={"callbacks": [probe]})
+        out[name] = {
+            "losses": model.losses,
+            "state": state(model),
+            "resting": probe.resting,
+            "bytes_read": probe.bytes_read,
+            # this rank's directory only: the other rank may still be cleaning up its own
+            "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
+        }
+    return out
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
+    names = [n for n, _ in _specs("")]
+    for res in run_ranks(_worker, str(tmp_path / "swap"), precision, names):
+        for stage in ("zero2", "zero3"):
+            ref = res[f"{stage}_cpu"]
+            for name in [n for n in names if n.startswith(f"{stage}_nvme")]:
+                got = res[name]
+                # Exact: same kernel, same inputs, same order; only the resting place differs.
+                assert got["losses"] == ref["losses"], name
+                for key, value in ref["state"].items():
+                    assert torch.equal(got["state"][key], value), (name, key)
+                assert got["resting"] and all(got["resting"]), (name, got["resting"])
+                assert got["bytes_read"] > 0, name
+                assert not got["left"], name  # the rank directory was removed after fit
+
+
+def _nvme_stage2(nvme_path: str) -> dict:
+    return dict(_specs(nvme_path))["zero2_nvme"]
+
+
+@pytest.mark.parametrize("direction", ["nvme-to-cpu", "cpu-to-nvme"])
+def test_checkpoint_round_trip_between_tiers(tmp_path, direction):
+    from test_training_features import _resume_worker
+
+    nvme, cpu = _nvme_stage2(str(tmp_path / "swap")), dict(_specs(""))["zero2_cpu"]
+    first, second = (nvme, cpu) if direction == "nvme-to-cpu" else (cpu, nvme)
+    for res in run_ranks(_resume_worker, str(tmp_path / "ckpt"), first, second, "32-true"):
+        # The checkpoint format does not depend on the tier (torch's Adam keys, fp32 masters), so
+        # the resumed run repeats the uninterrupted one; the bound is the CPU-offload resume test's
+        # (tests/distributed/test_offload.py), in practice both tiers run the same kernel.
+        torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["full"][4:]), rtol=1e-5, atol=0)
+        for key, value in res["full_state"].items():
+            torch.testing.assert_close(res["resumed_state"][key], value, rtol=1e-5, atol=1e-7)
+    assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))  # both runs cleaned up
+
+
+class _FailAtStep(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 2:
+            directory = trainer.strategy._engine.swap.store.directory
+            assert any(directory.glob("*.swp")), "the states should be on disk by now"
+            raise RuntimeError("failing on purpose")
+
+
+def _failing_worker(rank: int, nvme_path: str) -> list[str]:
+    try:
+        fit(_nvme_stage2(nvme_path), trainer_kwargs={"callbacks": [_FailAtStep()]})
+    except RuntimeError as error:
+        assert "failing on purpose" in str(error)
+    else:
+        raise AssertionError("the run should have failed")
+    return os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}"))
+
+
+def test_swap_files_removed_after_a_failure(tmp_path):
+    left = run_ranks(_failing_worker, str(tmp_path / "swap"))
+    assert left == [False, False]  # the teardown on the failure path removed each rank's directory
+    assert not list((tmp_path / "swap").iterdir())
+
+
+def _no_space_worker(rank: int, nvme_path: str) -> str:
+    import shutil
+
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=1000)  # a nearly full disk
+    try:
+        fit(_nvme_stage2(nvme_path), devices=1)
+    except ValueError as error:
+        return str(error)
+    finally:
+        shutil.disk_usage = real
+    raise AssertionError("the run should have been refused")
+
+
+def test_free_space_is_checked_before_training(tmp_path):
+    (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), world_size=1)
+    from models import ParityModel
+
+    # ParityModel's trainable elements * 12 bytes (fp32 master + 2 moments) on the one rank, plus
+    # a 4096-byte block of padding for each of 3 files per buffer, at most one buffer per tensor
+    trainable = [p for p in ParityModel().parameters() if p.requires_grad]
+    needed = 12 * sum(p.numel() for p in trainable) + 3 * 4096 * len(trainable)
+    assert f"writes {needed} bytes" in message and "only 1000 bytes" in message, message
+    assert not (tmp_path / "swap").exists()  # refused before anything was created
