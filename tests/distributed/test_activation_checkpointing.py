@@ -98,7 +98,8 @@ def test_checkpointing_matches_the_run_without_it(stage: int, policy: str):
 
 
 def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
-    from test_pipeline import _fit
+    import test_pipeline
+    import test_tensor_parallel
 
     from recipes.gpt2.model import Block as GPTBlock
 
@@ -114,10 +115,16 @@ def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
     try:
         for name, policy in (("plain", None), ("checkpointed", {GPTBlock})):
             counts["forwards"] = 0
-            res = _fit(
-                world=2, tensor=tensor, pipeline=pipeline, stage=1, micro_batches=2, schedule="1f1b",
-                activation_checkpointing=policy,
-            )  # fmt: skip
+            if pipeline > 1:
+                res = test_pipeline._fit(
+                    world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b",
+                    activation_checkpointing=policy,
+                )  # fmt: skip
+            else:  # sequence parallelism: the recompute repeats its gathers and reduce-scatters too
+                res = test_tensor_parallel._fit(
+                    tensor, 1, stage=2, sequence_parallel=True, activation_checkpointing=policy
+                )
+                res["weights"] = res["params"]
             out[name] = {"losses": res["losses"], "norms": res["norms"], "weights": res["weights"]}
             out[name]["forwards"] = counts["forwards"]
     finally:
