@@ -66,7 +66,7 @@ def apply_activation_checkpointing(root: nn.Module, config: ActivationCheckpoint
         # (the forward to restore if the instance had its own, else None: the class's shows through)
         setattr(module, _ORIGINAL, module.__dict__.get("forward"))
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks.
-        module.forward = functools.partial(_checkpointed, original)  # type: ignore[method-assign]  # on purpose
+        module.forward = functools.partial(_checkpointed, original)
         wrapped.append(name)
     return wrapped
 
