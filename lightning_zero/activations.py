@@ -24,6 +24,11 @@ How it meets the rest of the data path:
   all-reduce of a row-parallel layer) in backward, on every rank of the tensor-parallel group alike.
 * Pipeline parallelism: each stage checkpoints its own chosen layers; the schedule is unchanged.
 
+``activation_checkpointing_offload=True`` also keeps the inputs of the checkpointed modules (the only
+activations a checkpoint holds) in host memory until backward copies them back, for models whose
+block inputs alone fill the accelerator (long sequences, many blocks). On a CPU-only run the model
+is already on the host and the option changes nothing.
+
 RNG state (dropout) is saved at forward and restored for the recompute (``preserve_rng_state``),
 so the recomputed activations equal the original ones and the loss equals the run without it.
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -42,15 +48,32 @@ from lightning_zero.zero.gather import recompute_contexts
 _ORIGINAL = "_lightning_zero_checkpointed_forward"  # the instance attribute holding the wrapped forward
 
 
-def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+def _checkpointed(forward: Any, host: torch.device | None, *args: Any, **kwargs: Any) -> Any:
+    if host is None:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+    # The positional tensor inputs are all a checkpoint keeps: hand it host copies (the device ones are
+    # freed once nothing else holds them) and copy them back inside the checkpointed function, so the
+    # copy back is recomputed in backward too. Autograd carries the gradients across both copies.
+    devices = [a.device if torch.is_tensor(a) else None for a in args]
+    held = [a.to(host) if torch.is_tensor(a) else a for a in args]
+
+    def run(*held_args: Any, **inner: Any) -> Any:
+        restored = [a.to(d) if d is not None else a for a, d in zip(held_args, devices, strict=True)]
+        return forward(*restored, **inner)
+
+    return checkpoint(run, *held, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
 
 
-def apply_activation_checkpointing(root: nn.Module, config: ActivationCheckpointConfig) -> list[str]:
+def apply_activation_checkpointing(
+    root: nn.Module, config: ActivationCheckpointConfig, host: torch.device | None = None
+) -> list[str]:
     """Wrap the forward of every submodule of ``root`` that ``config`` selects (outermost only).
 
-    Returns the qualified names of the wrapped modules. Wrapping twice is a no-op.
+    ``host``: where the checkpointed modules' inputs wait for backward when ``config.offload`` is set
+    (the strategy passes the CPU when the model is on an accelerator, ``None`` when it is already on
+    the CPU). Returns the qualified names of the wrapped modules. Wrapping twice is a no-op.
     """
+    host = host if config.offload else None
     if config.policy is None:
         return []
     wrapped: list[str] = []
@@ -66,7 +89,7 @@ def apply_activation_checkpointing(root: nn.Module, config: ActivationCheckpoint
         # (the forward to restore if the instance had its own, else None: the class's shows through)
         setattr(module, _ORIGINAL, module.__dict__.get("forward"))
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks.
-        module.forward = functools.partial(_checkpointed, original)
+        module.forward = functools.partial(_checkpointed, original, host)
         wrapped.append(name)
     return wrapped
 

@@ -257,7 +257,17 @@ class ActivationCheckpointConfig:
     ``None`` (none), a module class, a set/list/tuple of classes (every instance of them), or a
     callable ``policy(module) -> bool`` asked for every submodule (not the LightningModule itself)."""
 
+    offload: bool = False
+    """Keep the checkpointed modules' inputs in host memory until backward (accelerators only)."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"activation_checkpointing_offload={self.offload!r} must be True or False.")
+        if self.offload and self.policy is None:
+            raise ValueError(
+                "activation_checkpointing_offload=True keeps the checkpointed activations on the host, but "
+                "activation_checkpointing is None: nothing is checkpointed. Give activation_checkpointing too."
+            )
         policy = self.policy
         if policy is None or (isinstance(policy, type) and issubclass(policy, torch.nn.Module)):
             return

@@ -112,6 +112,8 @@ class ZeroStrategy(DDPStrategy):
             its activations: a module class, a set of classes, or a callable ``module -> bool`` (Lightning's
             ``FSDPStrategy(activation_checkpointing_policy=...)``); stages 1-3, tensor and pipeline
             parallelism; see :mod:`lightning_zero.activations`.
+        activation_checkpointing_offload: keep the checkpointed modules' inputs in host memory until
+            backward (on an accelerator; nothing changes on a CPU-only run).
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -151,6 +153,7 @@ class ZeroStrategy(DDPStrategy):
         sequence_parallel: bool = False,
         state_dict_type: str = "sharded",
         activation_checkpointing: Any = None,
+        activation_checkpointing_offload: bool = False,
     ) -> None:
         #: Every option, validated once (sections and the checks across them).
         self.config = StrategyConfig(
@@ -183,7 +186,9 @@ class ZeroStrategy(DDPStrategy):
                 debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
             ),
             checkpoint=CheckpointConfig(state_dict_type=state_dict_type),
-            activations=ActivationCheckpointConfig(policy=activation_checkpointing),
+            activations=ActivationCheckpointConfig(
+                policy=activation_checkpointing, offload=activation_checkpointing_offload
+            ),
         )
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
@@ -309,7 +314,8 @@ class ZeroStrategy(DDPStrategy):
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
-        apply_activation_checkpointing(module, self.config.activations)
+        host = torch.device("cpu") if self.root_device.type != "cpu" else None
+        apply_activation_checkpointing(module, self.config.activations, host)
         precision = self.precision_plugin
         if precision.offload.offload_optimizer:
             # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.

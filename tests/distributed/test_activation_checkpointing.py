@@ -71,6 +71,16 @@ STEPS, ACCUMULATE = 4, 2
 
 
 def _stage_worker(rank: int, stage: int, policy: str) -> dict:
+    from lightning_zero import comm
+
+    gathers = {"count": 0}
+    all_gather = comm.all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers["count"] += 1
+        return all_gather(*args, **kwargs)
+
+    comm.all_gather = counted  # the flat buffers' parameter all-gathers go through comm.all_gather
     out = {}
     for name, checkpointing in (("plain", None), ("checkpointed", None if policy == "none" else policy)):
         if checkpointing == "class":
@@ -78,9 +88,10 @@ def _stage_worker(rank: int, stage: int, policy: str) -> dict:
         elif checkpointing == "callable":
             checkpointing = lambda module: isinstance(module, Block)  # noqa: E731 - the policy under test
         spec = {"stage": stage, "activation_checkpointing": checkpointing, **(ZERO3 if stage == 3 else {})}
-        Block.calls = 0
+        Block.calls, gathers["count"] = 0, 0
         _, model = fit(spec, max_steps=STEPS, accumulate=ACCUMULATE, model_cls=_model_cls())
-        out[name] = {"losses": model.losses, "state": state(model), "calls": Block.calls}
+        out[name] = {"losses": model.losses, "state": state(model), "calls": Block.calls, "gathers": gathers["count"]}
+    comm.all_gather = all_gather
     return out
 
 
@@ -91,6 +102,10 @@ def test_checkpointing_matches_the_run_without_it(stage: int, policy: str):
         plain, got = res["plain"], res["checkpointed"]
         assert plain["calls"] == 3 * micro_batches
         assert got["calls"] == 2 * 3 * micro_batches, "every block recomputes its forward once in backward"
+        # Stage 3: the recompute gathers a block's parameters and keeps them for its backward, so
+        # backward gathers nothing more than without checkpointing (releasing them after the
+        # recompute would make backward gather them once more).
+        assert got["gathers"] == plain["gathers"], (got["gathers"], plain["gathers"])
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
         assert set(got["state"]) == set(plain["state"]), "checkpoint keys stay those of the unwrapped model"
         for key, value in plain["state"].items():
