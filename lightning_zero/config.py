@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -362,6 +363,56 @@ class OffloadConfig:
         return _tier("offload_parameters", self.offload_parameters)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointConfig:
+    """Activation checkpointing (see :mod:`lightning_zero.activations`), named like Lightning's
+    ``FSDPStrategy(activation_checkpointing_policy=...)``."""
+
+    policy: Any = None
+    """Which submodules recompute their forward in backward instead of keeping its activations:
+    ``None`` (none), a module class, a set/list/tuple of classes (every instance of them), or a
+    callable ``policy(module) -> bool`` asked for every submodule (not the LightningModule itself)."""
+
+    offload: bool = False
+    """Keep the checkpointed modules' inputs in host memory until backward (accelerators only)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"activation_checkpointing_offload={self.offload!r} must be True or False.")
+        if self.offload and self.policy is None:
+            raise ValueError(
+                "activation_checkpointing_offload=True keeps the checkpointed activations on the host, but "
+                "activation_checkpointing is None: nothing is checkpointed. Give activation_checkpointing too."
+            )
+        policy = self.policy
+        if policy is None or (isinstance(policy, type) and issubclass(policy, torch.nn.Module)):
+            return
+        if isinstance(policy, (set, frozenset, list, tuple)):
+            bad = [c for c in policy if not (isinstance(c, type) and issubclass(c, torch.nn.Module))]
+            if bad or not policy:
+                raise ValueError(
+                    f"activation_checkpointing={policy!r}: a collection must hold torch.nn.Module subclasses "
+                    f"(not {bad!r}), e.g. {{nn.TransformerEncoderLayer}}; use None to turn checkpointing off."
+                )
+            object.__setattr__(self, "policy", frozenset(policy))  # frozen: normalize once here
+            return
+        if isinstance(policy, type) or not callable(policy):
+            raise ValueError(
+                f"activation_checkpointing={policy!r} must be None, an nn.Module subclass, a set of them, or a "
+                "callable module -> bool (e.g. lambda m: isinstance(m, Block))."
+            )
+
+    def selects(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is checkpointed under this policy."""
+        if self.policy is None:
+            return False
+        if isinstance(self.policy, frozenset):
+            return isinstance(module, tuple(self.policy))
+        if isinstance(self.policy, type):
+            return isinstance(module, self.policy)
+        return bool(self.policy(module))
+
+
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules by name (:mod:`lightning_zero.parallel.schedules` builds their actions)."""
 
@@ -465,6 +516,7 @@ class StrategyConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activations: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
 
     def __post_init__(self) -> None:
         stage = self.zero.stage

@@ -39,12 +39,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_zero import comm, debug, failures, summary, threads
+from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
     PRECISIONS,
+    ActivationCheckpointConfig,
     CheckpointConfig,
     FailureConfig,
     LossScaleConfig,
@@ -118,6 +120,12 @@ class ZeroStrategy(DDPStrategy):
             takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
         state_dict_type: "sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint
             file from rank 0); see :class:`~lightning_zero.config.CheckpointConfig`.
+        activation_checkpointing: submodules that recompute their forward in backward instead of keeping
+            its activations: a module class, a set of classes, or a callable ``module -> bool`` (Lightning's
+            ``FSDPStrategy(activation_checkpointing_policy=...)``); stages 1-3, tensor and pipeline
+            parallelism; see :mod:`lightning_zero.activations`.
+        activation_checkpointing_offload: keep the checkpointed modules' inputs in host memory until
+            backward (on an accelerator; nothing changes on a CPU-only run).
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -159,6 +167,8 @@ class ZeroStrategy(DDPStrategy):
         pipeline_chunks: int = 1,
         sequence_parallel: bool = False,
         state_dict_type: str = "sharded",
+        activation_checkpointing: Any = None,
+        activation_checkpointing_offload: bool = False,
     ) -> None:
         #: Every option, validated once (sections and the checks across them).
         self.config = StrategyConfig(
@@ -195,6 +205,9 @@ class ZeroStrategy(DDPStrategy):
                 debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
             ),
             checkpoint=CheckpointConfig(state_dict_type=state_dict_type),
+            activations=ActivationCheckpointConfig(
+                policy=activation_checkpointing, offload=activation_checkpointing_offload
+            ),
         )
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
@@ -321,6 +334,9 @@ class ZeroStrategy(DDPStrategy):
             self._parallel.split(module)  # pipeline: only this stage's layers go to the device
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
+        # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
+        host = torch.device("cpu") if self.root_device.type != "cpu" else None
+        apply_activation_checkpointing(module, self.config.activations, host)
         precision = self.precision_plugin
         if precision.offload.offload_optimizer:
             # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
@@ -385,6 +401,8 @@ class ZeroStrategy(DDPStrategy):
             finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
             self._engine.close(unshard=finished)
         self.precision_plugin.attach(None, self.root_device)
+        if self.lightning_module is not None:
+            remove_activation_checkpointing(self.lightning_module)
         failures.restore_environment(self._environment_before)
         self._environment_before.clear()
         if self._threads_before is not None:

@@ -48,6 +48,8 @@ from lightning_zero.zero.flat import FlatBuffer, ParamState
 _GUARDED: dict[type, type] = {}
 # Set while the checkpoint code reads ``state_dict()`` knowing that sharded parameters are placeholders.
 _PLACEHOLDERS_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("placeholders_ok", default=False)
+# Set while activation checkpointing recomputes a forward inside backward.
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("recomputing", default=False)
 
 
 @contextlib.contextmanager
@@ -65,6 +67,23 @@ def _released(param: nn.Parameter, names: dict[int, tuple[str, torch.Size]]) -> 
     """A sharded parameter that holds only this rank's piece (or nothing) right now."""
     entry = names.get(id(param))
     return entry is not None and param.shape != entry[1]
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks the recompute of a checkpointed forward (inside backward): the gather hooks gather what it
+    reads, keep it gathered for the backward that follows, and leave the prefetch trace alone."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint``: nothing around the first forward,
+    :func:`recomputing` around the recompute."""
+    return contextlib.nullcontext(), recomputing()
 
 
 def _guarded_class(cls: type) -> type:
@@ -198,6 +217,12 @@ class GatherCoordinator:
 
     def _make_pre_forward(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
+            if _RECOMPUTING.get():  # activation checkpointing, in backward: gather only
+                for b in self.needs[index]:  # no reference taken: no post-forward drop follows
+                    b.gather_start(self.group, f"{self.names[index]} (recompute)")
+                for b in self.needs[index]:
+                    b.gather_wait()
+                return
             position = len(self.trace)
             self.trace.append(index)
             if self._on_plan and (position >= len(self.previous) or self.previous[position] != index):
@@ -222,6 +247,10 @@ class GatherCoordinator:
 
     def _make_post_forward(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _RECOMPUTING.get():
+                # The backward consuming these activations runs next and needs the parameters; the
+                # reduction's gradient hooks release them once their gradients arrived (or end_pass).
+                return output
             self.drop(self.needs[index], keep=self._reused_soon(index))
             if not torch.is_grad_enabled():
                 return output

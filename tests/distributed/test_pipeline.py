@@ -109,7 +109,9 @@ def _fit(
     accumulate: int = 1,
     chunks: int = 1,
     sequence_parallel: bool = False,
+    **options,
 ) -> dict:
+    """``options``: further ZeroStrategy arguments (e.g. activation_checkpointing)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -127,6 +129,7 @@ def _fit(
         pipeline_chunks=chunks,
         reduce_bucket_size=3000,
         sequence_parallel=sequence_parallel,
+        **options,
     )
     trainer = pl.Trainer(
         accelerator="cpu",

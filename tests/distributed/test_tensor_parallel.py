@@ -95,8 +95,14 @@ def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
 
 
 def _fit(
-    tensor_parallel: int, data_parallel: int, stage: int, optimizer: str = "adamw", sequence_parallel: bool = False
+    tensor_parallel: int,
+    data_parallel: int,
+    stage: int,
+    optimizer: str = "adamw",
+    sequence_parallel: bool = False,
+    **options,
 ) -> dict:
+    """``options``: further ZeroStrategy arguments (e.g. activation_checkpointing)."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -105,7 +111,11 @@ def _fit(
     pl.seed_everything(SEED, verbose=False)  # the sampler's shuffling seed
     model = _TinyGPT2.make(optimizer)
     strategy = ZeroStrategy(
-        stage=stage, tensor_parallel_size=tensor_parallel, reduce_bucket_size=3000, sequence_parallel=sequence_parallel
+        stage=stage,
+        tensor_parallel_size=tensor_parallel,
+        reduce_bucket_size=3000,
+        sequence_parallel=sequence_parallel,
+        **options,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
