@@ -45,15 +45,14 @@ class Lion(torch.optim.Optimizer):
         self.state_dtype = state_dtype
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]  # torch's overloads; same behaviour
+    def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2))
-            hyper["weight_decay"] = float(group["weight_decay"])
+            lr, wd = float(group["lr"]), float(group["weight_decay"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -64,7 +63,8 @@ class Lion(torch.optim.Optimizer):
                     )
                 fast = p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
                 if fast:
-                    F.cpu_lion_step(p, p.grad.float().contiguous(), state["exp_avg"], **hyper)
+                    grad = p.grad.float().contiguous()
+                    F.cpu_lion_step(p, grad, state["exp_avg"], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd)
                 else:
-                    reference.cpu_lion_step(p, p.grad, state["exp_avg"], None, grad_scale=1.0, **hyper)
+                    reference.cpu_lion_step(p, p.grad, state["exp_avg"], None, lr, beta1, beta2, wd, 1.0)
         return loss
