@@ -1,6 +1,6 @@
 """CPU Adam step throughput against torch, DeepSpeed (if installed) and the memory bandwidth.
 
-    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 1,2,all] [--repeats 5]
+    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 1,2,all] [--repeats 5] [--plot scaling.png]
 
 Every table is measured once per thread count in ``--threads`` (``all`` = the cores in this
 process's affinity mask), then a thread-scaling table compares them: each row's "vs torch" is
@@ -170,11 +170,34 @@ def scaling(records: list[dict]) -> list[str]:
     return lines
 
 
+def plot(records: list[dict], path: str) -> None:
+    """The thread-scaling table as a PNG (ms per step against threads, one line per implementation
+    and size); says so and returns when matplotlib is not installed (it is not a dependency)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    keep = [r for r in records if r["ms"] is not None and not r["what"].startswith("torch AdamW foreach")]
+    for key in sorted({(r["size"], r["what"]) for r in keep}):
+        rows = sorted((r for r in keep if (r["size"], r["what"]) == key), key=lambda r: r["threads"])
+        ax.plot([r["threads"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"{key[0]} {key[1]}")
+    ax.set(xlabel="threads", ylabel="ms per step (lower is better)", title="CPU Adam step: thread scaling")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"plot written to {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100M,500M", help="comma-separated, M = 1e6 parameters")
     parser.add_argument("--threads", default="1,2,all", help="comma-separated thread counts; 'all' = affinity mask")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--plot", default=None, help="write the thread-scaling plot to this PNG (needs matplotlib)")
     args = parser.parse_args()
     counts = thread_counts(args.threads)
     records = []
@@ -193,6 +216,8 @@ def main() -> None:
                 )
     print(f"\nthread scaling ({', '.join(map(str, counts))} threads; 'x own 1T' against {counts[0]} thread(s))")
     print("\n".join(scaling(records)))
+    if args.plot:
+        plot(records, args.plot)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,12 @@ TORCH_LIBRARY(lightning_zero, m) {
       "Tensor trust_ratio, Tensor(b!)? param_copy, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, int step, bool bias_correction, str isa) -> ()");
   m.def(
+      "cpu_adagrad_step(Tensor(a!) param, Tensor grad, Tensor(b!) state_sum, Tensor(c!)? param_copy, "
+      "float lr, float lr_decay, float eps, float weight_decay, int step, float grad_scale, str isa) -> ()");
+  m.def(
+      "cpu_lion_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!)? param_copy, "
+      "float lr, float beta1, float beta2, float weight_decay, float grad_scale, str isa) -> ()");
+  m.def(
       "fused_adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] param_copies, Tensor? grad_scale, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, int step, bool adamw_mode, "
@@ -131,6 +137,8 @@ TORCH_LIBRARY_IMPL(lightning_zero, CPU, m) {
   m.impl("cpu_adam_step", &lightning_zero::cpu::cpu_adam_step);
   m.impl("cpu_lamb_moments", &lightning_zero::cpu::cpu_lamb_moments);
   m.impl("cpu_lamb_apply", &lightning_zero::cpu::cpu_lamb_apply);
+  m.impl("cpu_adagrad_step", &lightning_zero::cpu::cpu_adagrad_step);
+  m.impl("cpu_lion_step", &lightning_zero::cpu::cpu_lion_step);
   m.impl("fused_adam_step", &lightning_zero::fused_adam_step_cpu);
   m.impl("fused_lamb_moments", &lightning_zero::fused_lamb_moments_cpu);
   m.impl("fused_lamb_apply", &lightning_zero::fused_lamb_apply_cpu);

@@ -81,6 +81,7 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
   h.inv_bc2_sqrt = float(1.0 / std::sqrt(bc2));
   h.decay = float(1.0 - lr * weight_decay);
   h.adamw_mode = adamw_mode ? 1 : 0;
+  h.beta1 = float(beta1);
   return h;
 }
 
@@ -137,7 +138,40 @@ std::vector<Tile> segment_tiles(const at::Tensor& offsets, int64_t n) {
   return tiles;
 }
 
+// One pass of a one-state kernel (Adagrad, Lion) over the tiles of [0, n), on torch's thread pool.
+// Elementwise, so the result does not depend on the number of threads.
+void run_onestate(OneStateRangeFn fn, const at::Tensor& param, const at::Tensor& grad,
+                  const at::Tensor& state, const c10::optional<at::Tensor>& param_copy, const Hyper& h) {
+  Buffers b = make_buffers(param, &grad, state, state, param_copy);
+  b.exp_avg_sq = nullptr;  // one state only
+  const int64_t n = param.numel();
+  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(b, t * TILE, std::min(n, (t + 1) * TILE), h);
+  });
+}
+
 }  // namespace
+
+void cpu_adagrad_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& state_sum,
+                      const c10::optional<at::Tensor>& param_copy, double lr, double lr_decay,
+                      double eps, double weight_decay, int64_t step, double grad_scale,
+                      c10::string_view isa) {
+  check_hyper(lr, 0.0, 0.0, eps, weight_decay, step);
+  TORCH_CHECK_VALUE(lr_decay >= 0.0, "lightning_zero: lr_decay must be >= 0, got ", lr_decay);
+  const KernelTable k = select_table(std::string(isa));
+  Hyper h = make_hyper(lr, 0.0, 0.0, eps, weight_decay, step, false, false, grad_scale, false);
+  h.update_scale = float(lr / (1.0 + double(step - 1) * lr_decay));  // torch's clr
+  run_onestate(k.adagrad, param, grad, state_sum, param_copy, h);
+}
+
+void cpu_lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const c10::optional<at::Tensor>& param_copy, double lr, double beta1, double beta2,
+                   double weight_decay, double grad_scale, c10::string_view isa) {
+  check_hyper(lr, beta1, beta2, 0.0, weight_decay, 1);
+  const KernelTable k = select_table(std::string(isa));
+  const Hyper h = make_hyper(lr, beta1, beta2, 0.0, weight_decay, 1, true, false, grad_scale, false);
+  run_onestate(k.lion, param, grad, exp_avg, param_copy, h);
+}
 
 std::vector<std::string> cpu_supported_isas() {
   KernelTable tables[4];

@@ -28,5 +28,14 @@ void cpu_lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg,
                     double lr, double beta1, double beta2, double eps, double weight_decay,
                     int64_t step, bool bias_correction, c10::string_view isa);
 
+void cpu_adagrad_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& state_sum,
+                      const c10::optional<at::Tensor>& param_copy, double lr, double lr_decay,
+                      double eps, double weight_decay, int64_t step, double grad_scale,
+                      c10::string_view isa);
+
+void cpu_lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const c10::optional<at::Tensor>& param_copy, double lr, double beta1, double beta2,
+                   double weight_decay, double grad_scale, c10::string_view isa);
+
 }  // namespace cpu
 }  // namespace lightning_zero

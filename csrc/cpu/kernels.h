@@ -39,6 +39,7 @@ struct Hyper {
   float inv_bc2_sqrt;  // 1 / sqrt(bias_correction2)
   float decay;         // AdamW: 1 - lr * weight_decay (multiplies the param before the update)
   int adamw_mode;      // 1: decoupled decay (AdamW); 0: L2 decay added to the gradient (Adam)
+  float beta1;         // Lion only: c = beta1 * m + (1 - beta1) * g
 };
 
 // Adam/AdamW on elements [begin, end): updates param, exp_avg, exp_avg_sq, param_copy in place.
@@ -51,11 +52,18 @@ typedef void (*LambMomentsRangeFn)(const Buffers&, int64_t begin, int64_t end, c
 typedef void (*LambApplyRangeFn)(const Buffers&, int64_t begin, int64_t end, const Hyper&,
                                  float lr_trust);
 
+// One-state optimizers on [begin, end) (kernels_impl_onestate.h); the state is Buffers::exp_avg
+// (exp_avg_sq is unused). Adagrad: state = sum of squared gradients, update_scale = clr.
+// Lion: state = exp_avg, update_scale = lr, decay = 1 - lr * weight_decay.
+typedef void (*OneStateRangeFn)(const Buffers&, int64_t begin, int64_t end, const Hyper&);
+
 struct KernelTable {
   const char* name;  // "scalar", "avx2", "avx512"; null entries mean "not compiled for this target"
   AdamRangeFn adam;
   LambMomentsRangeFn lamb_moments;
   LambApplyRangeFn lamb_apply;
+  OneStateRangeFn adagrad;
+  OneStateRangeFn lion;
 };
 
 KernelTable scalar_kernels();

@@ -44,6 +44,13 @@ struct V {
   static R sqrt(R a) { return _mm256_sqrt_ps(a); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R fnmadd(R a, R b, R c) { return _mm256_fnmadd_ps(a, b, c); }
+  // torch.sign: 1, -1, 0 for +-0, NaN for NaN
+  static R sign(R x) {
+    const R zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    R r = _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_GT_OQ), one),
+                        _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one));
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
   static float hsum(R a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -55,6 +62,7 @@ struct V {
 }  // namespace
 
 #include "kernels_impl.h"
+#include "kernels_impl_onestate.h"
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -62,14 +70,15 @@ struct V {
 
 namespace lightning_zero {
 namespace cpu {
-KernelTable avx2_kernels() { return {"avx2", adam_range, lamb_moments_range, lamb_apply_range}; }
+KernelTable avx2_kernels() { return {"avx2", adam_range, lamb_moments_range, lamb_apply_range, adagrad_range,
+                                        lion_range}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 
 #else  // not x86-64: the dispatcher sees null entries and never selects this path
 namespace lightning_zero {
 namespace cpu {
-KernelTable avx2_kernels() { return {"avx2", nullptr, nullptr, nullptr}; }
+KernelTable avx2_kernels() { return {"avx2", nullptr, nullptr, nullptr, nullptr, nullptr}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 #endif

@@ -49,6 +49,13 @@ struct V {
   static R sqrt(R a) { return _mm512_sqrt_ps(a); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R fnmadd(R a, R b, R c) { return _mm512_fnmadd_ps(a, b, c); }
+  // torch.sign: 1, -1, 0 for +-0, NaN for NaN
+  static R sign(R x) {
+    const R zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    R r = _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), one),
+                        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one));
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  }
   // through memory: once per range, and GCC 12's _mm512_reduce_add_ps trips -Wuninitialized
   static float hsum(R a) {
     float lanes[W];
@@ -62,6 +69,7 @@ struct V {
 }  // namespace
 
 #include "kernels_impl.h"
+#include "kernels_impl_onestate.h"
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -69,14 +77,15 @@ struct V {
 
 namespace lightning_zero {
 namespace cpu {
-KernelTable avx512_kernels() { return {"avx512", adam_range, lamb_moments_range, lamb_apply_range}; }
+KernelTable avx512_kernels() { return {"avx512", adam_range, lamb_moments_range, lamb_apply_range, adagrad_range,
+                                        lion_range}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 
 #else  // not x86-64: the dispatcher sees null entries and never selects this path
 namespace lightning_zero {
 namespace cpu {
-KernelTable avx512_kernels() { return {"avx512", nullptr, nullptr, nullptr}; }
+KernelTable avx512_kernels() { return {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 #endif

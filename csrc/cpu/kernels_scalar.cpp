@@ -61,15 +61,19 @@ struct V {
   // a * b + c, not fmaf: without FMA hardware fmaf is a slow libm routine
   static R fmadd(R a, R b, R c) { return a * b + c; }
   static R fnmadd(R a, R b, R c) { return c - a * b; }
+  // torch.sign: 1, -1, 0 for +-0, NaN for NaN
+  static R sign(R x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x != x ? x : 0.0f)); }
   static float hsum(R a) { return a; }
 };
 
 }  // namespace
 
 #include "kernels_impl.h"
+#include "kernels_impl_onestate.h"
 
 namespace lightning_zero {
 namespace cpu {
-KernelTable scalar_kernels() { return {"scalar", adam_range, lamb_moments_range, lamb_apply_range}; }
+KernelTable scalar_kernels() { return {"scalar", adam_range, lamb_moments_range, lamb_apply_range, adagrad_range,
+                                        lion_range}; }
 }  // namespace cpu
 }  // namespace lightning_zero

@@ -7,6 +7,9 @@ What is here
     bf16/fp16 copy of the updated parameter, and keeping the states in bf16.
     ``FusedAdam``, ``FusedLamb``: multi-tensor CUDA kernels (many tensors per launch, fp32 master
     with 16-bit copies, optional on-device unscale).
+    ``Lion``: the Lion optimizer (torch has none); fp32 CPU parameters step with the compiled
+    single-pass kernel. Adagrad needs no class: torch.optim.Adagrad is mapped to the compiled
+    ``functional.cpu_adagrad_step`` by the offloaded ZeRO step.
     ``functional``: the same as plain functions on flat buffers, including the two-phase LAMB that
     works on ZeRO shards whose boundaries cut through parameters (norm pieces summed across ranks).
     ``available()``: op name -> implementation in use, e.g. {"cpu_adam": "avx512", ...}.
@@ -30,6 +33,7 @@ Fallback
 
 from lightning_zero.ops import functional
 from lightning_zero.ops._load import ISA_ENV, available, compiled
+from lightning_zero.ops.lion import Lion
 from lightning_zero.ops.optimizers import CPUAdam, CPULamb, FusedAdam, FusedLamb
 
-__all__ = ["CPUAdam", "CPULamb", "FusedAdam", "FusedLamb", "ISA_ENV", "available", "compiled", "functional"]
+__all__ = ["CPUAdam", "CPULamb", "FusedAdam", "FusedLamb", "ISA_ENV", "Lion", "available", "compiled", "functional"]

@@ -15,7 +15,14 @@ def _none(*args, **kwargs) -> None:
 
 
 def _register() -> None:
-    for name in ("cpu_adam_step", "cpu_lamb_apply", "fused_adam_step", "fused_lamb_apply"):
+    for name in (
+        "cpu_adam_step",
+        "cpu_lamb_apply",
+        "cpu_adagrad_step",
+        "cpu_lion_step",
+        "fused_adam_step",
+        "fused_lamb_apply",
+    ):
         torch.library.register_fake(f"lightning_zero::{name}", _none)
 
     @torch.library.register_fake("lightning_zero::cpu_lamb_moments")

@@ -27,6 +27,8 @@ __all__ = [
     "cpu_adam_step",
     "cpu_lamb_moments",
     "cpu_lamb_apply",
+    "cpu_adagrad_step",
+    "cpu_lion_step",
     "lamb_trust_ratio",
     "fused_adam_step",
     "fused_lamb_moments",
@@ -116,6 +118,55 @@ def cpu_lamb_apply(
     torch.ops.lightning_zero.cpu_lamb_apply(
         param, exp_avg, exp_avg_sq, segment_offsets, trust_ratio, param_copy, *args, path
     )
+
+
+def cpu_adagrad_step(
+    param: Tensor,
+    grad: Tensor,
+    state_sum: Tensor,
+    *,
+    lr: float,
+    lr_decay: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    param_copy: Tensor | None = None,
+) -> None:
+    """One Adagrad step (torch.optim.Adagrad's rule) in a single pass, in place.
+
+    param, grad: fp32 contiguous CPU tensors of n elements; state_sum: fp32 or bf16, n elements;
+    param_copy and grad_scale as in :func:`cpu_adam_step`. ``step``: 1 for the first step.
+    """
+    args = (lr, lr_decay, eps, weight_decay, step, grad_scale)
+    path = cpu_path()
+    if path == "reference":
+        return reference.cpu_adagrad_step(param, grad, state_sum, param_copy, *args)
+    torch.ops.lightning_zero.cpu_adagrad_step(param, grad, state_sum, param_copy, *args, path)
+
+
+def cpu_lion_step(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    param_copy: Tensor | None = None,
+) -> None:
+    """One Lion step (see :func:`lightning_zero.ops.reference.cpu_lion_step`) in a single pass, in place.
+
+    param, grad: fp32 contiguous CPU tensors of n elements; exp_avg: fp32 or bf16, n elements;
+    param_copy and grad_scale as in :func:`cpu_adam_step`.
+    """
+    args = (lr, beta1, beta2, weight_decay, grad_scale)
+    path = cpu_path()
+    if path == "reference":
+        return reference.cpu_lion_step(param, grad, exp_avg, param_copy, *args)
+    torch.ops.lightning_zero.cpu_lion_step(param, grad, exp_avg, param_copy, *args, path)
 
 
 def _impl(name: str, device: torch.device):

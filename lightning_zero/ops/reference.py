@@ -161,6 +161,63 @@ def cpu_lamb_apply(
         param_copy.copy_(param)
 
 
+def cpu_adagrad_step(
+    param: Tensor,
+    grad: Tensor,
+    state_sum: Tensor,
+    param_copy: Tensor | None,
+    lr: float,
+    lr_decay: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float | Tensor,
+) -> None:
+    """Adagrad as torch.optim.Adagrad computes it (L2 decay in the gradient, ``clr`` decayed by step).
+
+    param: fp32 (n,); grad: (n,), multiplied by ``grad_scale`` first; state_sum: fp32 or bf16 (n,),
+    the running sum of squared gradients; ``step`` is the 1-based number of the step being taken.
+    """
+    g = grad.float() * grad_scale
+    if weight_decay != 0:
+        g = g.add(param, alpha=weight_decay)
+    clr = lr / (1 + (step - 1) * lr_decay)
+    s = state_sum.float().addcmul_(g, g)  # a new tensor when state_sum is bf16
+    if s is not state_sum:
+        state_sum.copy_(s)
+    param.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
+    if param_copy is not None:
+        param_copy.copy_(param)
+
+
+def cpu_lion_step(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    param_copy: Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    grad_scale: float | Tensor,
+) -> None:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2)::
+
+        c = beta1 * m + (1 - beta1) * g
+        p = p - lr * (sign(c) + weight_decay * p)     # computed as p * (1 - lr * wd) - lr * sign(c)
+        m = beta2 * m + (1 - beta2) * g
+
+    param: fp32 (n,); grad: (n,), multiplied by ``grad_scale`` first; exp_avg: fp32 or bf16 (n,).
+    """
+    g = grad.float() * grad_scale
+    m = exp_avg.float()
+    c = m.mul(beta1).add_(g, alpha=1 - beta1)
+    param.mul_(1 - lr * weight_decay).sub_(torch.sign(c), alpha=lr)
+    exp_avg.copy_(m.mul_(beta2).add_(g, alpha=1 - beta2))
+    if param_copy is not None:
+        param_copy.copy_(param)
+
+
 def _whole(t: Tensor) -> Tensor:
     return torch.tensor([0, t.numel()], dtype=torch.long)
 

@@ -48,7 +48,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     from lightning_zero import ops
 
     cls = type(optimizer)
-    if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam):
+    if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam, ops.Lion):
         return
     if issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not issubclass(cls, (ops.CPULamb, ops.FusedLamb)):
         return  # a subclass (a counter, a logging hook) is trusted to stay elementwise; it steps itself
@@ -80,6 +80,22 @@ def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
+def _adagrad_initial(optimizer: torch.optim.Optimizer, state: dict) -> bool:
+    """torch.optim.Adagrad creates its state in __init__ (step 0, sum = initial_accumulator_value):
+    that is not a stepped optimizer, and is re-created for the masters below."""
+    return isinstance(optimizer, torch.optim.Adagrad) and set(state) == {"step", "sum"} and float(state["step"]) == 0
+
+
+def _adagrad_init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adagrad's constructor state for the masters (its own step() expects it to exist)."""
+    for group in optimizer.param_groups:
+        for master in group["params"]:
+            optimizer.state[master] = {
+                "step": torch.tensor(0.0),
+                "sum": torch.full_like(master, float(group["initial_accumulator_value"])),
+            }
+
+
 class ShardedOptimizer:
     """The user's optimizer rewired to this rank's master slices; see the module docstring.
 
@@ -103,7 +119,7 @@ class ShardedOptimizer:
         pipeline_parallel_group: comm.ProcessGroup = None,
         counted_elsewhere: frozenset[int] = frozenset(),
     ) -> None:
-        if any(len(state) for state in optimizer.state.values()):
+        if any(len(state) and not _adagrad_initial(optimizer, state) for state in optimizer.state.values()):
             raise ValueError(
                 f"{type(optimizer).__name__} already has optimizer state before ZeRO set it up; create it in "
                 "configure_optimizers and do not step it before training starts."
@@ -121,6 +137,8 @@ class ShardedOptimizer:
             for g_index in range(len(optimizer.param_groups))
         ]
         optimizer.state.clear()
+        if isinstance(optimizer, torch.optim.Adagrad):
+            _adagrad_init_state(optimizer)
         self.kernel = KernelStep.for_optimizer(optimizer, buffers, group)
 
     @contextmanager

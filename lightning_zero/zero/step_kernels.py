@@ -42,6 +42,13 @@ def _adam_family() -> tuple[type, ...]:
     return (torch.optim.Adam, torch.optim.AdamW, ops.CPUAdam, ops.FusedAdam)
 
 
+def _one_state_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """ "adagrad" for exactly torch.optim.Adagrad, "lion" for exactly ops.Lion, else None."""
+    from lightning_zero import ops
+
+    return {torch.optim.Adagrad: "adagrad", ops.Lion: "lion"}.get(type(optimizer))
+
+
 def _lamb_family() -> tuple[type, ...]:
     from lightning_zero import ops
 
@@ -70,6 +77,20 @@ def _hyper(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str,
     }
 
 
+def _one_state_hyper(kind: str, group: dict[str, Any]) -> dict[str, Any]:
+    """Kernel hyperparameters of one Adagrad or Lion parameter group (read live, as for Adam)."""
+    if kind == "adagrad":
+        keys = ("lr", "lr_decay", "eps", "weight_decay")
+        return {k: float(group[k]) for k in keys}
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "weight_decay": float(group["weight_decay"]),
+    }
+
+
 class KernelStep:
     """Steps one rewired optimizer's master slices with the ops kernels (see the module docstring)."""
 
@@ -82,6 +103,8 @@ class KernelStep:
         self.lamb = lamb
         #: the disk tier holding masters and moments between steps (``offload_optimizer="nvme"``)
         self.swap: SwapStore | None = None
+        #: "adam", or "adagrad"/"lion": the one-state kernels (functional.cpu_adagrad_step/cpu_lion_step)
+        self.kind = "adam" if lamb else (_one_state_kind(optimizer) or "adam")
         self._copy_out: dict[int, torch.Tensor] = {}
         #: LAMB with masters on a GPU: the multi-tensor kernels over one view per segment (the CPU
         #: kernels take segment offsets instead). Either computes the same numbers.
@@ -98,9 +121,13 @@ class KernelStep:
             return KernelStep(optimizer, buffers, group, lamb=True)
         if not any(b.offloaded for b in buffers):
             return KernelStep._for_host_masters(optimizer, buffers, group)
-        # Offloaded: the compiled kernel for exactly Adam/AdamW (a subclass may add to step(), so it
-        # steps itself), else the user's optimizer runs its own step() on the host masters, as
+        # Offloaded: the compiled kernel for exactly Adam/AdamW, Adagrad or ops.Lion (a subclass may
+        # add to step(), so it steps itself), else the user's optimizer runs its own step() on the host masters, as
         # DeepSpeed does with zero_force_ds_cpu_optimizer=False.
+        if _one_state_kind(optimizer) is not None:
+            if any(g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
+                return None
+            return KernelStep(optimizer, buffers, group, lamb=False)
         if type(optimizer) not in _adam_family() or any(
             g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups
         ):
@@ -131,7 +158,15 @@ class KernelStep:
 
     def _state(self, master: torch.Tensor) -> dict[str, Any]:
         state = self.optimizer.state[master]
-        if not state:
+        if not state and self.kind != "adam":
+            # torch.optim.Adagrad's keys ("step", "sum" from initial_accumulator_value); Lion's "exp_avg"
+            if self.kind == "adagrad":
+                state["step"] = torch.tensor(0.0)
+                init = float(self.optimizer.param_groups[0].get("initial_accumulator_value", 0.0))
+                state["sum"] = torch.full_like(master, init)
+            else:
+                state["exp_avg"] = torch.zeros_like(master)
+        elif not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(master)
             state["exp_avg_sq"] = torch.zeros_like(master)
@@ -175,6 +210,8 @@ class KernelStep:
 
         if self.lamb:
             return self._lamb_step(tensor_parallel_group)
+        if self.kind != "adam":
+            return self._one_state_step()
         order = [
             (index, b)
             for g_index in range(len(self.optimizer.param_groups))
@@ -214,6 +251,26 @@ class KernelStep:
         if swap is not None and order:
             swap.release(self.swapped(order[-1][0]))
         # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
+
+    def _one_state_step(self) -> None:
+        """Adagrad or Lion: one compiled pass per master slice (grad, state, param, 16-bit copy)."""
+        from lightning_zero.ops import functional as F
+
+        for g_index, param_group in enumerate(self.optimizer.param_groups):
+            hyper = _one_state_hyper(self.kind, param_group)
+            for b in self.buffers:
+                if b.optimizer_group != g_index or b.master.grad is None:
+                    continue
+                state = self._state(b.master)
+                copy = self._param_copy(b)
+                grad = b.master.grad.contiguous()
+                if self.kind == "adagrad":
+                    state["step"] += 1
+                    F.cpu_adagrad_step(b.master, grad, state["sum"], step=int(state["step"]), param_copy=copy, **hyper)
+                else:
+                    F.cpu_lion_step(b.master, grad, state["exp_avg"], param_copy=copy, **hyper)
+                self._write_back(b, copy)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
 
     # -- LAMB on shards ---------------------------------------------------------------------------

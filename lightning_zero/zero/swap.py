@@ -37,7 +37,7 @@ class EngineSwap:
     def __init__(self, sharded: list[ShardedOptimizer], config: NvmeConfig, rank: int) -> None:
         kernels: list[KernelStep] = []
         for s in sharded:
-            if s.kernel is None or s.kernel.lamb:
+            if s.kernel is None or s.kernel.lamb or s.kernel.kind != "adam":
                 raise ValueError(
                     f"offload_optimizer='nvme' streams Adam/AdamW states through the CPU Adam kernel, but "
                     f"{type(s.optimizer).__name__} (with its options) steps otherwise; use torch.optim.Adam/AdamW "

@@ -73,6 +73,12 @@ class ParityModel(pl.LightningModule):
             from lightning_zero.ops import CPULamb
 
             opt = CPULamb(groups, lr=self.lr, betas=(0.9, 0.99))
+        elif self.optimizer_name == "adagrad":
+            opt = torch.optim.Adagrad(groups, lr=self.lr, initial_accumulator_value=0.1)
+        elif self.optimizer_name == "lion":
+            from lightning_zero.ops import Lion
+
+            opt = Lion(groups, lr=self.lr / 10, betas=(0.9, 0.99))
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr)
         elif self.optimizer_name == "counting_adamw":

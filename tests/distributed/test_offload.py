@@ -79,6 +79,18 @@ def test_lamb_on_shards_matches_ddp():
     _check(results, ["zero2", "zero2_multi_tensor", "zero3_offload"], rtol=1e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "lion"])
+def test_adagrad_and_lion_offload_match_ddp(optimizer):
+    """torch.optim.Adagrad and ops.Lion under zero2_offload step with the compiled one-state host
+    kernels (issue 25); DDP steps torch's Adagrad and Lion's own step() on whole parameters."""
+    results = run_ranks(_worker, optimizer, [OFFLOAD_SPECS[1]], "32-true")
+    # Adagrad: same formula, fused vs separate roundings and the reduction's summation order, ~1e-7
+    # per step, as for AdamW. Lion: every update is +-lr (sign), so the only differences are the
+    # decay term's rounding and the order of the gradient sum (which cannot flip a sign that is not
+    # within ~1e-7 of 0): the same 1e-5 bound.
+    _check(results, ["zero2_offload"], rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "first,second,precision",
     [
