@@ -20,6 +20,14 @@ master and Adam states, per parameter). "16-mixed" scales the loss by a dynamic 
 gradients overflow is skipped and the scale halves; after ``growth_interval`` good steps it doubles.
 The scaler's state is saved in checkpoints through Lightning's precision-plugin state.
 
+Lightning's ``ThroughputMonitor`` (FLOP/s and MFU) looks up the compute dtype of a run by the class of
+its precision plugin and counts every plugin it does not know as fp32, whose peak is far below the bf16
+or fp16 peak of a GPU. ``OffloadPrecision`` therefore derives from Lightning's ``HalfPrecision`` and
+declares its compute dtype where that plugin does (``_desired_input_dtype``): the monitor then measures
+MFU against the peak of the dtype the matmuls really run in (bf16 for "bf16-mixed" and "bf16-true",
+fp16 for "16-mixed", fp32 for "32-true", fp64 for "64-true"). Every method ``HalfPrecision`` defines is
+overridden here; only the declaration is inherited.
+
 The strategy always runs with this plugin: :class:`~lightning_zero.ZeroStrategy` converts whatever
 plugin Lightning assigns it (Lightning replaces a named strategy's plugin) into an ``OffloadPrecision``
 with the same precision string.
@@ -32,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -76,8 +84,11 @@ class DynamicLossScaler:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-class OffloadPrecision(Precision):
+class OffloadPrecision(HalfPrecision):
     """Precision plugin of :class:`~lightning_zero.ZeroStrategy`.
+
+    A ``HalfPrecision`` subclass only so that Lightning's ``ThroughputMonitor`` reads the compute dtype
+    (see the module docstring); none of ``HalfPrecision``'s behaviour is used.
 
     Args:
         precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true" (see the module docstring).
@@ -125,6 +136,11 @@ class OffloadPrecision(Precision):
         self._engine: ZeroEngine | None = None
         self._pipelined = False
 
+    @property
+    def _desired_input_dtype(self) -> torch.dtype:  # type: ignore[override]  # an attribute in HalfPrecision
+        """The compute dtype, under the name Lightning's ThroughputMonitor reads for ``HalfPrecision``."""
+        return self.compute_dtype
+
     def attach(self, engine: ZeroEngine | None, device: torch.device, pipelined: bool = False) -> None:
         """Called by the strategy in ``setup``: the engine that owns the gradients, the device, and
         whether a pipeline schedule runs every backward inside ``training_step`` (Lightning's
@@ -158,7 +174,8 @@ class OffloadPrecision(Precision):
                 param.data = param.data.to(self.compute_dtype)
         return module
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
+    # HalfPrecision types its forward_context as a generator context manager; any context manager works
+    def forward_context(self) -> contextlib.AbstractContextManager:  # type: ignore[override]
         if self.separate_master:
             return torch.autocast(self.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()

@@ -372,8 +372,9 @@ class ZeroStrategy(DDPStrategy):
             self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)
         precision.attach(self._engine if fitting else None, self.root_device, pipelined=self._parallel.pipelined)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # re-wraps the optimizers (Lightning's optimizers setter)
         if fitting:
+            self._route_lightning_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
@@ -390,6 +391,16 @@ class ZeroStrategy(DDPStrategy):
         dp = comm.world_size(self.data_parallel_group)
         per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
         check_free_space(nvme, per_rank * max(1, self.num_processes))
+
+    def _route_lightning_optimizers(self) -> None:
+        """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``
+        is the optimizer class's, not the engine's routed one on the instance: without this,
+        ``opt.zero_grad()`` would leave ZeRO-held gradients in place (e.g. the discriminator's from a
+        GAN's generator step would add to its next step; tested in test_multiple_optimizers.py)."""
+        for wrapper in self._lightning_optimizers:
+            routed = wrapper.optimizer.__dict__.get("zero_grad")
+            if routed is not None:
+                wrapper.zero_grad = routed  # type: ignore[attr-defined]  # shadows the class method
 
     def teardown(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still

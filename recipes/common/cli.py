@@ -24,11 +24,13 @@ from recipes.common.data import batch_size, batch_tokens
 
 
 class TokenThroughputMonitor(ThroughputMonitor):
-    """Lightning's ThroughputMonitor for recipe batches: samples/s, tokens/s (``items_per_sec``), FLOP/s, MFU.
+    """Lightning's stock ThroughputMonitor fed recipe batches: samples/s, tokens/s (``items_per_sec``), FLOP/s, MFU.
 
-    FLOPs come from the module's ``flops_per_batch``. Lightning knows the peak FLOP/s of common GPUs
-    (so MFU is logged there) but not of CPUs; ``peak_tflops`` gives the peak of one device (one
-    process) in dtype of the run, which turns on MFU anywhere.
+    FLOPs come from the module's ``flops_per_batch``. The compute dtype (and so the peak MFU is measured
+    against) is the stock lookup's: ``OffloadPrecision`` declares it as Lightning's own plugins do.
+    This subclass only adds the recipe batch functions and ``peak_tflops``: Lightning knows the peak
+    FLOP/s of common GPUs (so MFU is logged there) but not of CPUs; ``peak_tflops`` gives the peak of
+    one device (one process) in the dtype of the run, which turns on MFU anywhere.
     """
 
     def __init__(self, window_size: int = 20, peak_tflops: float | None = None) -> None:
@@ -38,15 +40,9 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Build the throughput meters; override the device's peak FLOP/s when ``peak_tflops`` is given."""
         super().setup(trainer, pl_module, stage)
-        compute_dtype = getattr(trainer.precision_plugin, "compute_dtype", None)
-        if self.peak_tflops is not None:
-            self.available_flops = self.peak_tflops * 1e12
-        elif compute_dtype is not None:
-            # Lightning maps only its own plugins to a dtype (others count as fp32, whose peak is far
-            # lower on GPUs): lightning_zero's OffloadPrecision says its compute dtype itself.
-            from lightning.fabric.utilities.throughput import get_available_flops
-
-            self.available_flops = get_available_flops(trainer.strategy.root_device, compute_dtype)
+        if self.peak_tflops is None:
+            return
+        self.available_flops = int(self.peak_tflops * 1e12)
         for meter in self._throughputs.values():
             meter.available_flops = self.available_flops
 
