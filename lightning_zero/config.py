@@ -191,11 +191,24 @@ class CheckpointConfig:
 
     state_dict_type: str = "sharded"
 
+    async_save: bool = False
+    """Asynchronous save (sharded only): during ``fit`` a save copies this rank's shards into host
+    memory and returns; a background thread writes them, and the checkpoint is published (renamed
+    into place) at the first step boundary after every rank's writer finished, or at the next save,
+    removal or load, or at the end of fit. A failed background write raises on every rank there. Costs
+    host memory for one copy of this rank's shards (:mod:`lightning_zero.checkpoint.save`)."""
+
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"state_dict_type={self.state_dict_type!r}; use 'sharded' (a directory, every rank writes its "
                 "shards) or 'full' (one Lightning checkpoint file from rank 0)."
+            )
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ValueError(
+                f"async_save=True with state_dict_type={self.state_dict_type!r}: only sharded saves are written in "
+                "the background (a full checkpoint is assembled on rank 0 from a sharded one). Use "
+                "state_dict_type='sharded', or async_save=False."
             )
 
 

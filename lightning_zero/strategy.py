@@ -126,6 +126,8 @@ class ZeroStrategy(DDPStrategy):
             parallelism; see :mod:`lightning_zero.activations`.
         activation_checkpointing_offload: keep the checkpointed modules' inputs in host memory until
             backward (on an accelerator; nothing changes on a CPU-only run).
+        async_save: during ``fit``, write sharded checkpoints from a background thread; the training
+            loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -169,6 +171,7 @@ class ZeroStrategy(DDPStrategy):
         state_dict_type: str = "sharded",
         activation_checkpointing: Any = None,
         activation_checkpointing_offload: bool = False,
+        async_save: bool = False,
     ) -> None:
         #: Every option, validated once (sections and the checks across them).
         self.config = StrategyConfig(
@@ -204,11 +207,12 @@ class ZeroStrategy(DDPStrategy):
                 **({} if timeout is None else {"timeout": timeout}),
                 debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
             ),
-            checkpoint=CheckpointConfig(state_dict_type=state_dict_type),
+            checkpoint=CheckpointConfig(state_dict_type=state_dict_type, async_save=async_save),
             activations=ActivationCheckpointConfig(
                 policy=activation_checkpointing, offload=activation_checkpointing_offload
             ),
         )
+        self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
@@ -403,6 +407,17 @@ class ZeroStrategy(DDPStrategy):
                 wrapper.zero_grad = routed  # type: ignore[attr-defined]  # shadows the class method
 
     def teardown(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        try:
+            # The end of fit publishes an async save; after a failure only this rank's writer is
+            # awaited (committing is a collective a crashed rank would never join): the save stays an
+            # unpublished temporary directory, and the previous checkpoint stays in place.
+            self._finish_pending_save(abandon=interrupted)
+        finally:
+            self._teardown_engine()
+
+    def _teardown_engine(self) -> None:
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a
@@ -455,6 +470,12 @@ class ZeroStrategy(DDPStrategy):
         self._end_pass()
         if self._engine is not None:
             self._engine.add_param_groups()  # groups added by callbacks at epoch start (BackboneFinetuning)
+        if self._pending_save is not None:
+            # A step boundary (every rank passes it alike): publish the async save if every rank's
+            # writer has finished, raising a writer's failure on every rank; one small all-gather.
+            pending, self._pending_save = self._pending_save, None
+            if not ckpt_save.poll_save(pending):
+                self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -584,11 +605,32 @@ class ZeroStrategy(DDPStrategy):
         if self.config.checkpoint.state_dict_type == "full":
             self._save_full(checkpoint, Path(filepath).absolute())
             return
-        self._save_sharded(checkpoint, filepath)
+        self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
 
-    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def _finish_pending_save(self, abandon: bool = False) -> None:
+        """Publish the async save still being written (all ranks), or with ``abandon`` only wait for
+        this rank's writer (local). The next save waits for the previous one: one copy in host memory."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        if abandon:
+            pending.wait()
+        else:
+            ckpt_save.commit_save(pending)
+
+    def _in_fit(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+            and self._engine is not None
+        )
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any, background: bool = False) -> None:
         assert self.lightning_module is not None
-        ckpt_save.save_sharded(
+        self._finish_pending_save()
+        self._pending_save = ckpt_save.save_sharded(
             checkpoint,
             filepath,
             self.lightning_module,
@@ -596,6 +638,8 @@ class ZeroStrategy(DDPStrategy):
             self.optimizers,
             self.precision_plugin.precision,
             self._parallel.layout,
+            # Outside fit nothing would publish it later (no step boundary, no teardown): write now.
+            background=background and self._in_fit(),
         )
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -617,11 +661,15 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError(f"writing the full checkpoint {path} failed on rank 0: {errors[0]}")
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint calls this on every rank after agreeing on it; the async save it may name
+        # is published first, so that the removal finds it.
+        self._finish_pending_save()
         if self.is_global_zero:
             ckpt_save.remove_sharded(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
+        self._finish_pending_save()
         plain = super().load_checkpoint
         return ckpt_load.load_checkpoint(
             checkpoint_path, weights_only, self.global_rank, lambda p: plain(str(p), weights_only)

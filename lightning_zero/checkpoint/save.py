@@ -22,17 +22,21 @@ Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import threading
 import traceback
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
@@ -148,6 +152,97 @@ def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict
     return state
 
 
+def _write_files(
+    tmp: Path, rank: int, payload: dict[str, Any], lightning_bytes: bytes | None
+) -> tuple[int, int, int | None]:
+    """Write this rank's file (rank 0 also ``lightning.pt``) into ``tmp``; the rank file's size and
+    CRC-32, and ``lightning.pt``'s CRC-32 (rank 0)."""
+    size, crc = _write(payload, tmp / fmt.rank_file(rank))
+    lightning_crc = None
+    if lightning_bytes is not None:
+        file = tmp / fmt.LIGHTNING_FILE
+        with open(file, "wb") as f:
+            f.write(lightning_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        lightning_crc = zlib.crc32(lightning_bytes)
+    return size, crc, lightning_crc
+
+
+def _detach(snapshot: tuple[dict[str, Any], bytes | None]) -> tuple[dict[str, Any], bytes | None]:
+    """The snapshot with every tensor cloned: some pieces are the engine's own host tensors (an offloaded
+    master), which the next optimizer step changes while the background thread writes them."""
+    payload, lightning_bytes = snapshot
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), payload), lightning_bytes
+
+
+@dataclass(eq=False)
+class PendingSave:
+    """A save whose files are written by a background thread (``save_sharded(background=True)``);
+    published by :func:`commit_save` once every rank's thread has finished."""
+
+    path: Path
+    """The checkpoint directory (rank 0's resolution)."""
+    tmp: Path
+    """The hidden temporary directory the rank files are written into."""
+    rank: int
+    group: comm.ProcessGroup
+    meta: Callable[[list[tuple[int, int, int | None]]], dict[str, Any]]
+    """``metadata.json``'s contents, given every rank's file size."""
+    outcome: tuple[bool, Any] | None = None
+    """``(True, file size)`` or ``(False, traceback)`` once the writer finished."""
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self, write: Callable[[], tuple[int, int, int | None]]) -> None:
+        def run() -> None:
+            self.outcome = _guarded(write)
+
+        self.thread = threading.Thread(target=run, name=f"lightning_zero-save-rank{self.rank}", daemon=True)
+        self.thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's writer has finished (local, no communication)."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for this rank's writer (local, no communication)."""
+        if self.thread is not None:
+            self.thread.join()
+
+
+def commit_save(pending: PendingSave) -> None:
+    """Wait for this rank's writer, agree on every rank's outcome and (rank 0) write ``metadata.json``
+    and rename the directory into place; a failed write on any rank raises on every rank, naming it,
+    and removes the temporary directory. Call on all ranks, from the main thread."""
+    pending.wait()
+    assert pending.outcome is not None
+    path, tmp = pending.path, pending.tmp
+    try:
+        written = _agree(pending.outcome, pending.group, f"writing the sharded checkpoint {path} (files in {tmp})")
+    except RuntimeError:
+        # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
+        # previous checkpoint at ``path`` was never touched).
+        if pending.rank == 0:
+            _clear(tmp)
+        raise
+
+    def finish() -> None:
+        fmt.write_metadata(tmp, pending.meta(written))
+        _publish(tmp, path)
+
+    ok = _guarded(finish) if pending.rank == 0 else (True, None)
+    _agree(ok, pending.group, f"publishing the sharded checkpoint {path}")
+
+
+def poll_save(pending: PendingSave) -> bool:
+    """Commit ``pending`` if every rank's writer has finished (one small all-gather; True then), else
+    leave it (False). Call on all ranks, from the main thread."""
+    if not all(comm.all_gather_object(pending.done(), pending.group)):
+        return False
+    commit_save(pending)
+    return True
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     filepath: fmt.PathLike,
@@ -156,7 +251,8 @@ def save_sharded(
     optimizers: list[torch.optim.Optimizer],
     precision: str,
     layout: ParallelLayout | None = None,
-) -> None:
+    background: bool = False,
+) -> PendingSave | None:
     """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``.
 
     ``checkpoint["state_dict"]`` should hold only the tensors ZeRO does not partition (what the
@@ -164,6 +260,11 @@ def save_sharded(
     (data-parallel rank 0 of each tensor/pipeline position), the rest into ``lightning.pt``.
     ``layout`` is the run's data x tensor x pipeline layout (``None``: data parallel only). Call on
     all ranks of the default process group, with the same ``filepath``.
+
+    ``background=True`` (asynchronous save): this rank's pieces are copied into host memory and a
+    thread writes them; the call returns a :class:`PendingSave` at once, which :func:`poll_save` or
+    :func:`commit_save` (all ranks, main thread) publishes once every rank's thread has finished.
+    Until then the previous checkpoint at ``filepath`` stays as it was.
     """
     group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
     placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
@@ -189,27 +290,19 @@ def save_sharded(
             _clear(tmp)
         raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
 
-    def write_own() -> tuple[int, int, int | None]:
+    def snapshot() -> tuple[dict[str, Any], bytes | None]:
         replaced = overrides(checkpoint["state_dict"], module, engine)  # an EMA's weights, put there by its callback
         values, optim = rank_payload(module, engine, optimizers, merged, rank, replaced)
         payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
-        size, crc = _write(payload, tmp / fmt.rank_file(rank))
-        lightning_crc = None
+        lightning_bytes = None
         if rank == 0:
-            _, lightning_crc = _write(_lightning_state(checkpoint, merged), tmp / fmt.LIGHTNING_FILE)
-        return size, crc, lightning_crc
+            buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
+            torch.save(_lightning_state(checkpoint, merged), buffer)
+            lightning_bytes = buffer.getvalue()
+        return payload, lightning_bytes
 
-    try:
-        written = _agree(_guarded(write_own), group, f"writing the sharded checkpoint {path}")
-    except RuntimeError:
-        # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
-        # previous checkpoint at ``path`` was never touched).
-        if rank == 0:
-            _clear(tmp)
-        raise
-
-    def finish() -> None:
-        meta = {
+    def meta(written: list[tuple[int, int, int | None]]) -> dict[str, Any]:
+        return {
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
             "stage": engine.config.zero.stage if engine is not None else None,
@@ -231,10 +324,21 @@ def save_sharded(
             "torch_version": torch.__version__,
             "lightning_version": lightning.__version__,
         }
-        fmt.write_metadata(tmp, meta)
-        _publish(tmp, path)
 
-    _agree(_guarded(finish) if rank == 0 else (True, None), group, f"publishing the sharded checkpoint {path}")
+    pending = PendingSave(path=path, tmp=tmp, rank=rank, group=group, meta=meta)
+    if not background:
+        pending.outcome = _guarded(lambda: _write_files(tmp, rank, *snapshot()))
+        commit_save(pending)
+        return None
+    taken: list[tuple[dict[str, Any], bytes | None]] = []
+    try:
+        _agree(_guarded(lambda: taken.append(_detach(snapshot()))), group, f"copying the shards of {path} to host")
+    except RuntimeError:
+        if rank == 0:
+            _clear(tmp)
+        raise
+    pending.start(lambda: _write_files(tmp, rank, *taken.pop()))
+    return pending
 
 
 def remove_sharded(filepath: fmt.PathLike) -> None:
