@@ -47,12 +47,16 @@ BERT_MODEL = BertConfig(
     vocab_size=8192, max_position=SEQ, n_layer=6, n_head=6, hidden=384, intermediate=1536, dropout=0.0
 )
 MASK_FRACTION = 0.15
+#: The "square" workload: ``SQUARE_LAYERS`` Linear(SQUARE_WIDTH, SQUARE_WIDTH) + GELU (33.6M parameters
+#: in 8 big tensors): memory dominated by model states, the shape where ZeRO's formulas are tested.
+SQUARE_WIDTH, SQUARE_LAYERS, SQUARE_ROWS = 2048, 8, 64
 
 
 def use_tiny_models() -> None:
     """Shrink both workloads to a few thousand parameters: for checking the scripts, not for numbers."""
-    global MODEL, BERT_MODEL
+    global MODEL, BERT_MODEL, SQUARE_WIDTH, SQUARE_LAYERS
     MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
+    SQUARE_WIDTH, SQUARE_LAYERS = 32, 2
     BERT_MODEL = BertConfig(
         vocab_size=256, max_position=SEQ, n_layer=2, n_head=2, hidden=32, intermediate=64, dropout=0.0
     )
@@ -127,6 +131,39 @@ def bert_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Ten
     return torch.nn.functional.cross_entropy(logits.float(), labels[labels != -100])
 
 
+class SquareStack(torch.nn.Module):
+    """``SQUARE_LAYERS`` blocks of Linear + GELU in ``self.h`` (the blocks FSDP2 wraps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(SQUARE_WIDTH, SQUARE_WIDTH), torch.nn.GELU())
+            for _ in range(SQUARE_LAYERS)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def square_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32."""
+    return torch.nn.functional.mse_loss(model(inputs).float(), targets)
+
+
+class SquareModule(GPTModule):
+    """The square stack with the same AdamW; ``batch`` is (inputs, targets), both (rows, width)."""
+
+    def __init__(self, lr: float = 3e-4) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = SquareStack()
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return square_loss(self.model, *batch)
+
+
 class LossModel(torch.nn.Module):
     """``model(input_ids, labels) -> loss`` for the systems driven by a plain loop (FSDP2, DeepSpeed)."""
 
@@ -134,15 +171,18 @@ class LossModel(torch.nn.Module):
         super().__init__()
         self.model = module.model
         self.is_bert = isinstance(module, BertModule)
+        self.is_square = isinstance(module, SquareModule)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.is_square:
+            return square_loss(self.model, input_ids, labels)
         if self.is_bert:
             return bert_loss(self.model, input_ids, labels)
         return GPT.loss_fn(self.model(input_ids), labels)
 
 
 #: workload name -> its LightningModule class
-WORKLOADS = {"gpt": GPTModule, "bert": BertModule}
+WORKLOADS = {"gpt": GPTModule, "bert": BertModule, "square": SquareModule}
 
 
 def num_params(module: torch.nn.Module) -> int:
@@ -154,9 +194,13 @@ def make_loader(steps: int, rank: int, seed: int = 1234, workload: str = "gpt") 
     """``steps`` micro-batches of random tokens for this rank (each rank its own, same every run).
 
     gpt: (input_ids, next tokens); bert: (input_ids, labels) with ``MASK_FRACTION`` of the
-    positions labelled (the rest -100), the labelled inputs replaced by token 0 ([MASK]).
+    positions labelled (the rest -100), the labelled inputs replaced by token 0 ([MASK]); square:
+    (inputs, targets) of ``SQUARE_ROWS`` random rows.
     """
     generator = torch.Generator().manual_seed(seed + rank)
+    if workload == "square":
+        data = torch.randn(2, steps * SQUARE_ROWS, SQUARE_WIDTH, generator=generator)
+        return DataLoader(TensorDataset(data[0], data[1]), batch_size=SQUARE_ROWS, shuffle=False)
     tokens = torch.randint(0, MODEL.vocab_size, (steps * MICRO_BATCH, SEQ + 1), generator=generator)
     if workload == "bert":
         inputs = tokens[:, :-1].clone()

@@ -7,13 +7,21 @@
   alive before the run was built. That counts what each system really keeps between steps
   (parameters, gradients, fp32 masters, optimizer states, and any persistent communication
   buffers) without knowing its internals; DTensors (FSDP2) count their local shard.
+* Peak RSS per rank: what the OS counts, ``VmHWM`` (the process's peak resident set) at the end of
+  the last step minus ``VmRSS`` when the run began, in a process of its own per configuration
+  (``run.py`` spawns fresh ranks for it: an allocator that ran other systems before holds their freed
+  pages, which would flatter whoever runs later). Everything counts: parameters, gradients,
+  optimizer states, communication buffers, activations, allocator slack, Lightning's own objects.
 * Formulas: the ZeRO paper's model-state bytes per rank (arXiv 1910.02054 §5), for Ψ parameters
   on N ranks with Adam.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
+import re
 import time
 import warnings
 
@@ -99,6 +107,46 @@ class Baseline:
     def grown(self) -> int:
         """Bytes alive now minus bytes alive at construction."""
         return sum(live_tensor_bytes().values()) - self.before
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in KiB."""
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    assert match is not None, f"{field} missing from /proc/self/status"
+    return int(match.group(1))
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    if name:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+class PeakRss:
+    """Growth of this process's peak resident set from now on, as the OS counts it (Linux).
+
+    At construction: garbage collected, the heap trimmed, the kernel's high-water mark reset
+    (``/proc/self/clear_refs`` = 5) and the current RSS noted; :meth:`grown` is ``VmHWM`` minus it.
+    """
+
+    def __init__(self) -> None:
+        gc.collect()
+        _trim_heap()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset = True
+        except OSError:  # without it VmHWM may hold an earlier peak (then it is an upper bound)
+            self.reset = False
+        self.before = _status_kib("VmRSS")
+
+    def grown(self) -> int:
+        """Bytes: the peak resident set since construction minus the resident set at construction."""
+        return (_status_kib("VmHWM") - self.before) * 1024
 
 
 class Clock:

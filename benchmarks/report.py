@@ -26,11 +26,16 @@ NO_OFFLOAD = {"zero2_offload": "zero2", "zero3_offload": "zero3", "ds2_offload":
 #: step-time targets of issue 10 (ratio to DDP; offload: ratio to the same stage without offload)
 TIME_TARGET = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.15, "zero2_offload": 0.99 * 1.05, "zero3_offload": 1.02 * 1.05}
 BYTES_TARGET = 1.05
+#: peak-RSS targets of issue 17 (ratio to DDP's peak RSS growth per rank, in the same run)
+RSS_TARGET = {"zero2": 0.75, "zero3": 0.75}
 MIB = 2**20
 
 
-def summarize(configs: list[tuple[str, str, str]], per_rank: list[dict], warmup: int, n: int) -> list[dict]:
-    """One record per (workload, precision, system): median step (rank 0) and bytes (largest rank)."""
+def summarize(
+    configs: list[tuple[str, str, str]], per_rank: list[dict], warmup: int, n: int, peaks: dict | None = None
+) -> list[dict]:
+    """One record per (workload, precision, system): median step (rank 0), bytes (largest rank) and
+    peak RSS growth per rank (``peaks``: ``run.rss_pass``; a string where that run failed)."""
     records = []
     for workload, precision, system in configs:
         key = f"{workload} {precision} {system}"
@@ -57,6 +62,11 @@ def summarize(configs: list[tuple[str, str, str]], per_rank: list[dict], warmup:
                 split=_split(largest["split"]),
             )
         record["formula"] = formula_bytes(system, precision, record["psi"], n)
+        peak = (peaks or {}).get(key)
+        if isinstance(peak, int):
+            record["peak_rss"] = peak
+        elif peak is not None:
+            record["errors"].append("peak RSS run: " + peak)
         records.append(record)
     _ratios(records)
     return records
@@ -89,6 +99,11 @@ def _ratios(records: list[dict]) -> None:
                 r[f"time_vs_{label}"] = r["median_s"] / peer["median_s"]
                 r[f"bytes_vs_{label}"] = r["bytes"] / peer["bytes"]
         r["bytes_vs_formula"] = r["bytes"] / sum(r["formula"][k] for k in ("device", "host"))
+        ddp = peers.get("ddp")
+        if "peak_rss" in r:
+            r["rss_vs_formula"] = r["peak_rss"] / sum(r["formula"][k] for k in ("device", "host"))
+            if ddp and "peak_rss" in ddp:
+                r["rss_vs_ddp"] = r["peak_rss"] / ddp["peak_rss"]
         r["verdict"] = _verdict(r)
 
 
@@ -101,6 +116,8 @@ def _verdict(r: dict) -> str:
     if base in r:
         parts.append("ok" if r[base] <= TIME_TARGET[system] else f"time>{TIME_TARGET[system]:.2f}")
     parts.append("ok" if r["bytes_vs_formula"] <= BYTES_TARGET else f"bytes>{BYTES_TARGET}")
+    if system in RSS_TARGET and "rss_vs_ddp" in r:
+        parts.append("ok" if r["rss_vs_ddp"] <= RSS_TARGET[system] else f"rss>{RSS_TARGET[system]:.2f}xDDP")
     return "ok" if set(parts) == {"ok"} else " ".join(p for p in parts if p != "ok")
 
 
@@ -136,6 +153,9 @@ def table(records: list[dict]) -> str:
         "x DS",
         "formula MiB",
         "x formula",
+        "peak RSS MiB/rank",
+        "x DDP",
+        "x formula",
         "target",
     ]
     rows = []
@@ -147,7 +167,7 @@ def table(records: list[dict]) -> str:
                     r["system"],
                     r["precision"],
                     "failed: " + r["errors"][0].strip().splitlines()[-1][:60],
-                    *["-"] * 9,
+                    *["-"] * 12,
                 ]
             )
             continue
@@ -165,6 +185,9 @@ def table(records: list[dict]) -> str:
                 _x(r, "bytes_vs_ds"),
                 _formula(r),
                 _x(r, "bytes_vs_formula"),
+                f"{r['peak_rss'] / MIB:.0f}" if "peak_rss" in r else "-",
+                _x(r, "rss_vs_ddp"),
+                _x(r, "rss_vs_formula"),
                 r["verdict"],
             ]
         )
@@ -207,17 +230,18 @@ def plots(out: Path, records: list[dict], cpu_adam: list[dict] | None) -> list[P
 
     fig, ax = plt.subplots(figsize=(max(6, len(done) * 0.7), 4))
     xs = range(len(done))
-    ax.bar([x - 0.2 for x in xs], [r["bytes"] / MIB for r in done], width=0.4, label="measured (live tensors)")
+    ax.bar([x - 0.27 for x in xs], [r["bytes"] / MIB for r in done], width=0.27, label="live tensors")
     ax.bar(
-        [x + 0.2 for x in xs],
+        list(xs),
         [(r["formula"]["device"] + r["formula"]["host"]) / MIB for r in done],
-        width=0.4,
+        width=0.27,
         label="ZeRO formula",
     )
+    ax.bar([x + 0.27 for x in xs], [r.get("peak_rss", 0) / MIB for r in done], width=0.27, label="peak RSS growth (OS)")
     ax.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("model-state MiB per rank")
+    ax.set_ylabel("MiB per rank")
     ax.legend()
-    ax.set_title("Bytes per rank vs the ZeRO formula")
+    ax.set_title("Bytes per rank: live tensors, the ZeRO formula, peak RSS")
     paths.append(_save(fig, out / "bytes_vs_formula.png"))
 
     if cpu_adam:

@@ -10,6 +10,9 @@ this CPU is fast at ("bf16-mixed" with native bf16, AVX512_BF16 or AMX; else "32
 recipes' ``precision: auto``; the table says which), 5 timed steps, 3 rounds, CPU Adam at 50M;
 every system is still run.
 
+Peak RSS per rank (what the OS sees: ``measure.PeakRss``) is measured in a second pass that runs
+every configuration once more in fresh ranks of its own (``--no-rss`` skips it).
+
 Configurations run interleaved in the same two processes (a busy moment of the machine hits all of
 them alike); the table reports the median of all kept steps of rank 0. DeepSpeed runs when
 ``deepspeed`` imports with ``DS_ACCELERATOR=cpu`` (its C++ ops are built on first use, into
@@ -83,6 +86,23 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
     return out
 
 
+def rss_pass(configs: list, warmup: int, steps: int, smoke: bool) -> dict[str, int | str]:
+    """Peak RSS growth per rank (the larger rank's) of every configuration, each in fresh ranks."""
+    peaks: dict[str, int | str] = {}
+    for config in configs:
+        key = " ".join(config)
+        try:
+            per_rank = common.run_ranks(_worker, [config], warmup, steps, 1, smoke)
+            runs = [rank[key][0] for rank in per_rank]
+            failed = [r["error"] for r in runs if "error" in r]
+            peaks[key] = failed[0] if failed else max(r["peak_rss"] for r in runs)
+        except AssertionError as error:  # a rank died (e.g. killed for memory): say so, go on
+            peaks[key] = str(error)
+        if isinstance(peaks[key], int):
+            print(f"[run.py] peak RSS {key}: {peaks[key] / 2**20:.0f} MiB per rank", file=sys.stderr, flush=True)
+    return peaks
+
+
 def _profile_worker(rank: int, system: str, precision: str, workload: str, warmup: int, steps: int) -> dict:
     """rank 0's torch.profiler tables over the steps after the warm-up (setup and teardown excluded)."""
     import torch
@@ -125,6 +145,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps per run excluded from timing")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed even when installed")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS pass (fresh ranks per configuration)")
     parser.add_argument("--no-cpu-adam", action="store_true", help="skip the CPU Adam throughput measurement")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 1 step: checks that every system runs")
     parser.add_argument("--profile", metavar="SYSTEM", help="instead: torch.profiler of one system on rank 0")
@@ -163,7 +184,8 @@ def main() -> None:
     start = time.perf_counter()
     configs = [(w, p, s) for w in workloads for p in precisions for s in names]
     per_rank = common.run_ranks(_worker, configs, args.warmup, steps, args.rounds, args.smoke)
-    records = report.summarize(configs, per_rank, args.warmup, common.WORLD_SIZE)
+    peaks = {} if args.no_rss else rss_pass(configs, args.warmup, 2, args.smoke)
+    records = report.summarize(configs, per_rank, args.warmup, common.WORLD_SIZE, peaks)
     train_s = time.perf_counter() - start
 
     cpu_adam = None

@@ -1,7 +1,8 @@
 """One runner per training system, all on the same model, optimizer, data and measurement.
 
 ``run(rank, system, precision, workload, total)`` trains ``total`` steps on this rank and returns
-``{"stamps": [...], "bytes": live tensor bytes at the end, "split": {"device", "host"} or None}``.
+``{"stamps": [...], "bytes": live tensor bytes at the end, "split": {"device", "host"} or None,
+"peak_rss": peak RSS growth in bytes (measure.PeakRss) up to the end of the last step}``.
 
 * Lightning (``ddp``, ``zero1`` ... ``zero3_offload``): a Trainer with the strategy; DDP runs with
   ``gradient_as_bucket_view=True`` (its gradients are its all-reduce buckets; Lightning's default
@@ -28,7 +29,7 @@ from typing import Any
 import common
 import lightning.pytorch as pl
 import torch
-from measure import Baseline, Clock
+from measure import Baseline, Clock, PeakRss
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
 LIGHTNING = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -39,26 +40,28 @@ DEEPSPEED = ("ds0", "ds1", "ds2", "ds3", "ds2_offload", "ds3_offload")
 class _Measure(pl.Callback):
     """Ticks the clock at every batch end; at the last one counts the live bytes (and ours' split)."""
 
-    def __init__(self, clock: Clock, baseline: Baseline, last: int) -> None:
-        self.clock, self.baseline, self.last = clock, baseline, last
+    def __init__(self, clock: Clock, baseline: Baseline, last: int, rss: PeakRss) -> None:
+        self.clock, self.baseline, self.last, self.rss = clock, baseline, last, rss
         self.result: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.tick()
         if batch_idx != self.last:
             return
+        peak_rss = self.rss.grown()  # before the count below allocates anything
         split = None
         if hasattr(trainer.strategy, "memory_breakdown"):
             split = trainer.strategy.memory_breakdown()
-        self.result = {"bytes": self.baseline.grown(), "split": split}
+        self.result = {"bytes": self.baseline.grown(), "split": split, "peak_rss": peak_rss}
         self.clock.tick()  # the count is not part of any step: restart the interval after it
 
 
 def _lightning(rank: int, system: str, precision: str, workload: str, total: int) -> dict:
     options = {"gradient_as_bucket_view": True} if system == "ddp" else {}
+    rss = PeakRss()
     baseline, clock = Baseline(), Clock()
     module = common.WORKLOADS[workload]()
-    measure = _Measure(clock, baseline, total - 1)
+    measure = _Measure(clock, baseline, total - 1, rss)
     trainer = common.make_trainer(common.build_strategy(system, **options), precision, total, [measure])
     trainer.fit(module, train_dataloaders=common.make_loader(total, rank, workload=workload))
     # the last interval is the count itself, not a step: drop it
@@ -71,7 +74,14 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _plain_loop(
-    step_model: Any, optimizer: Any, loader, baseline: Baseline, bf16_autocast: bool, backward=None, step=None
+    step_model: Any,
+    optimizer: Any,
+    loader,
+    baseline: Baseline,
+    rss: PeakRss,
+    bf16_autocast: bool,
+    backward=None,
+    step=None,
 ) -> dict:
     """Train over ``loader``; ``backward``/``step`` default to ``loss.backward()``/``optimizer.step()``."""
     clock = Clock()
@@ -86,7 +96,8 @@ def _plain_loop(
         (step or optimizer.step)()
         clock.tick()
         if i == len(batches) - 1:
-            result = {"bytes": baseline.grown(), "split": None}
+            peak_rss = rss.grown()
+            result = {"bytes": baseline.grown(), "split": None, "peak_rss": peak_rss}
     return {"stamps": clock.stamps, **result}
 
 
@@ -102,6 +113,7 @@ def _torch(rank: int, system: str, precision: str, workload: str, total: int) ->
 
     bf16 = precision == "bf16-mixed"
     pl.seed_everything(0, verbose=False)
+    rss = PeakRss()
     baseline = Baseline()
     model = common.LossModel(common.WORKLOADS[workload]())
     loader = common.make_loader(total, rank, workload=workload)
@@ -110,14 +122,14 @@ def _torch(rank: int, system: str, precision: str, workload: str, total: int) ->
         optimizer = ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY
         )
-        return _plain_loop(ddp, optimizer, loader, baseline, bf16_autocast=bf16)
+        return _plain_loop(ddp, optimizer, loader, baseline, rss, bf16_autocast=bf16)
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None)
     reshard = system == "fsdp2"
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    return _plain_loop(model, _adamw(model.parameters()), loader, baseline, bf16_autocast=False)
+    return _plain_loop(model, _adamw(model.parameters()), loader, baseline, rss, bf16_autocast=False)
 
 
 def deepspeed_config(system: str, precision: str) -> dict:
@@ -155,6 +167,7 @@ def _deepspeed(rank: int, system: str, precision: str, workload: str, total: int
     import deepspeed
 
     pl.seed_everything(0, verbose=False)
+    rss = PeakRss()
     baseline = Baseline()
     model = common.LossModel(common.WORKLOADS[workload]())
     config = deepspeed_config(system, precision)
@@ -163,7 +176,9 @@ def _deepspeed(rank: int, system: str, precision: str, workload: str, total: int
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, optimizer=client, model_parameters=model.parameters(), config=config)
     loader = common.make_loader(total, rank, workload=workload)
-    return _plain_loop(engine, None, loader, baseline, bf16_autocast=False, backward=engine.backward, step=engine.step)
+    return _plain_loop(
+        engine, None, loader, baseline, rss, bf16_autocast=False, backward=engine.backward, step=engine.step
+    )
 
 
 def run(rank: int, system: str, precision: str, workload: str, total: int) -> dict:

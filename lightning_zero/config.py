@@ -76,9 +76,11 @@ class ZeroConfig:
     on a GPU on a side stream). False reduces everything after backward: easier to debug, slower.
     Stage 1 always reduces once, at the accumulation boundary."""
 
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 5_000_000
     """Stage 3: most elements of parameters all-gathered ahead of the module that needs them, along
-    the execution order recorded on the previous step."""
+    the execution order recorded on the previous step. Every prefetched element is resident until
+    its module ran: the default keeps about one large layer ahead (DeepSpeed's default, 50M, keeps
+    all of a 34M-parameter model gathered in forward: measured +113 MiB per rank in fp32)."""
 
     param_persistence_threshold: int = 100_000
     """Stage 3: parameters with at most this many elements stay whole on every rank (sharded only in
@@ -86,6 +88,14 @@ class ZeroConfig:
 
     max_live_parameters: int = 1_000_000_000
     """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
+
+    host_mmap_threshold: int | None = 1 << 20
+    """CPU training (and host memory under offload), glibc only: host allocations of at least this
+    many bytes are served from ``mmap`` and returned to the OS when freed, set at setup and put back
+    at teardown (:func:`lightning_zero.memory.fix_mmap_threshold`). Keeps the resident set the OS
+    reports near the live bytes instead of glibc's fragmented heap (measured 378 vs 503 MiB peak RSS
+    growth per rank at stage 3 on 34M fp32 parameters). ``None`` leaves the allocator alone; an
+    environment variable ``MALLOC_MMAP_THRESHOLD_`` set by the user also does."""
 
     on_nonfinite: str = "error"
     """Non-finite (inf/NaN) gradients under "32-true", "bf16-mixed" or "bf16-true": "error" raises
@@ -120,6 +130,12 @@ class ZeroConfig:
                     f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000); "
                     "smaller buckets use less memory, larger ones fewer collectives."
                 )
+        mmap = self.host_mmap_threshold
+        if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 < mmap <= 1 << 40):
+            raise ValueError(
+                f"host_mmap_threshold={mmap!r} must be None (leave the allocator alone) or a number of bytes "
+                "> 0, e.g. 1048576: host allocations at least that large are returned to the OS when freed."
+            )
         if not isinstance(self.absorb_param_edits, bool):
             raise ValueError(f"absorb_param_edits={self.absorb_param_edits!r} must be True or False.")
         if self.on_nonfinite not in ("error", "skip", "ignore"):

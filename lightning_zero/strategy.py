@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, summary, threads
+from lightning_zero import comm, debug, failures, memory, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
@@ -88,6 +88,9 @@ class ZeroStrategy(DDPStrategy):
         absorb_param_edits: in-place edits of whole parameters in hooks and callbacks (weight
             clipping, an EMA swapped in) reach the fp32 master before the next step and checkpoint,
             as under DDP (see :class:`~lightning_zero.config.ZeroConfig`).
+        host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
+            bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
+            live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -139,12 +142,13 @@ class ZeroStrategy(DDPStrategy):
         reduce_bucket_size: int = 5_000_000,
         allgather_bucket_size: int = 50_000_000,
         overlap_comm: bool = True,
-        prefetch_bucket_size: int = 50_000_000,
+        prefetch_bucket_size: int = 5_000_000,
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
+        host_mmap_threshold: int | None = 1 << 20,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
         pin_memory: bool = True,
@@ -186,6 +190,7 @@ class ZeroStrategy(DDPStrategy):
                 allow_untested_optimizer=allow_untested_optimizer,
                 on_nonfinite=on_nonfinite,
                 absorb_param_edits=absorb_param_edits,
+                host_mmap_threshold=host_mmap_threshold,
             ),
             offload=OffloadConfig(
                 offload_optimizer=offload_optimizer,
@@ -219,6 +224,7 @@ class ZeroStrategy(DDPStrategy):
         self._engine: ZeroEngine | None = None
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
         self._threads_before: int | None = None  # torch's thread count before setup changed it
+        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
@@ -342,6 +348,9 @@ class ZeroStrategy(DDPStrategy):
         host = torch.device("cpu") if self.root_device.type != "cpu" else None
         apply_activation_checkpointing(module, self.config.activations, host)
         precision = self.precision_plugin
+        mmap = self.config.zero.host_mmap_threshold
+        if mmap is not None and (self.root_device.type == "cpu" or precision.offload.offload_optimizer):
+            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
         if precision.offload.offload_optimizer:
             # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
             self._threads_before = torch.get_num_threads()  # put back at teardown
@@ -434,6 +443,9 @@ class ZeroStrategy(DDPStrategy):
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)  # the process's thread count left as found
             self._threads_before = None
+        if self._mmap_fixed:
+            memory.restore_mmap_threshold()
+            self._mmap_fixed = False
         super().teardown()
 
     @contextmanager

@@ -16,7 +16,7 @@ freed before the next module, so no rank ever holds more than its shards plus on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from lightning_zero.config import OffloadConfig, ZeroConfig
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
+from lightning_zero.zero.pools import BlockPool
 
 _SUPPORTED_PARAM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,6 +46,8 @@ class BuildContext:
     device: torch.device
     recordings: tuple[Recording, ...] = ()
     """How meta parameters were built (``configure_model`` under stage 3), for :func:`materialize`."""
+    pool: BlockPool = field(default_factory=BlockPool)
+    """Gathered parameters and gradient buckets of the engine (:mod:`~lightning_zero.zero.pools`)."""
 
     @property
     def rank(self) -> int:
@@ -66,6 +69,7 @@ class BuildContext:
             separate_master=self.separate_master,
             persistent=persistent,
             offload=self.offload,
+            pool=self.pool,
         )
 
     def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:

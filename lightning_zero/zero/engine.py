@@ -145,6 +145,7 @@ class ZeroEngine:
             device=device,
             overlap_comm=config.zero.overlap_comm,
             tied=parallel.tied,
+            pool=ctx.pool,
         )
         self._coordinator: GatherCoordinator | None = None
         if config.zero.stage == 3:
@@ -529,9 +530,9 @@ class ZeroEngine:
             "master_weights": [b.master for b in self._buffers if b.separate_master],
             "gradients": [b.grad_bucket for b in self._buffers if stage1 and b.grad_bucket is not None]
             + [b.grad_shard for b in self._buffers if b.grad_shard is not None],
-            # freed buckets kept for reuse (a fresh multi-MB CPU allocation page-faults: see reduce.py)
+            # buckets in use and free pooled blocks (buckets and stage 3's gathers: see pools.py)
             "communication_buckets": [b.grad_bucket for b in self._buffers if not stage1 and b.grad_bucket is not None]
-            + list(self._reducer.pool.free),
+            + self._ctx.pool.free,
             "optimizer_states": [
                 value
                 for s in self._sharded.values()

@@ -6,7 +6,8 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
     flat_param   (padded_numel,) c    the full parameters; every parameter's ``.data`` is a view into it.
                                       Persistent buffers (stages 1 and 2, and small parameters under
                                       stage 3) keep it, with param_shard a view of its slice r; sharded
-                                      buffers (stage 3) have it only while gathered
+                                      buffers (stage 3) have its memory only while gathered (one tensor
+                                      whose storage is resized to 0 bytes when released)
     grad_bucket  (padded_numel,) c    full-size gradients collected from autograd for one reduction;
                                       stage 1 keeps it across micro-steps, stages 2/3 free it after each
     grad_shard   (shard_numel,)  c    rank r's slice of the reduced (averaged) gradients
@@ -49,6 +50,7 @@ from lightning_zero import comm
 from lightning_zero.config import OffloadConfig
 from lightning_zero.offload.host import host_copy, host_empty
 from lightning_zero.zero.partition import FlatLayout
+from lightning_zero.zero.pools import BlockPool, empty_shell, lend, take_back
 
 
 class ParamState(enum.Enum):
@@ -95,6 +97,8 @@ class FlatBuffer:
         persistent: keep the full parameters (stages 1/2); False shards them (stage 3).
         offload: an :class:`~lightning_zero.config.OffloadConfig`; with ``offload_optimizer`` the
             fp32 master (and so the optimizer states) lives in host memory, pinned on a GPU machine.
+        pool: where a sharded buffer's gathered parameters come from and go back to
+            (:mod:`~lightning_zero.zero.pools`); a pool of its own when not given.
     """
 
     def __init__(
@@ -109,8 +113,11 @@ class FlatBuffer:
         separate_master: bool,
         persistent: bool = True,
         offload: OffloadConfig | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         self.params = params
+        self.pool = pool if pool is not None else BlockPool()
+        self._block: torch.Tensor | None = None  # the pool's block whose memory flat_param holds while gathered
         self.layout = layout
         self.rank = rank
         self.optimizer_group = optimizer_group
@@ -143,6 +150,8 @@ class FlatBuffer:
             self.state = ParamState.GATHERED
             self.bind_params()
         else:
+            # One tensor for the buffer's whole life; memory only while gathered (see release()).
+            self.flat_param = empty_shell(layout.padded_numel, dtype, device)
             self.param_shard = master.to(dtype)
             if offload is not None and offload.offload_parameters and self.param_shard.device.type != "cpu":
                 self.param_shard = host_copy(self.param_shard, pin=offload.pin_memory)
@@ -187,13 +196,17 @@ class FlatBuffer:
         module it is for (in the collective checker's messages). Call on all ranks."""
         if self.state is not ParamState.RELEASED:
             return
-        self.flat_param = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        assert self.flat_param is not None and self._block is None
+        self._block = lend(self.pool, self.flat_param)  # the same tensor every time, pooled memory
         start, end = self.layout.shard_range(self.rank)
         own = self.flat_param[start:end]
-        # With offloaded parameters the shard is in host memory: to the device first (non_blocking
-        # from pinned memory; the all-gather is queued after the copy on the same stream).
-        own.copy_(self.param_shard, non_blocking=True)
-        self._gather_handle = comm.all_gather(self.flat_param, own, group, async_op=True, label=label)
+        # Writing the parameters back must not count as an in-place edit of the tensors autograd saved
+        # from them in forward (views of flat_param): their values are the same as when saved.
+        with torch.autograd._unsafe_preserve_version_counter(self.flat_param):
+            # With offloaded parameters the shard is in host memory: to the device first (non_blocking
+            # from pinned memory; the all-gather is queued after the copy on the same stream).
+            own.copy_(self.param_shard, non_blocking=True)
+            self._gather_handle = comm.all_gather(self.flat_param, own, group, async_op=True, label=label)
         self.state = ParamState.GATHERING
 
     def gather_wait(self) -> None:
@@ -213,7 +226,14 @@ class FlatBuffer:
         empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
         for index, param in enumerate(self.params):
             param.data = self._own_piece(index, empty)
-        self.flat_param = None
+        # Free the memory, keep the tensor: autograd holds views of flat_param that forward saved for
+        # backward (``weight.t()`` of a Linear), which would keep a dropped buffer alive until
+        # backward, so every module's full parameters would stay resident from its forward to its
+        # backward. The memory goes back to the pool now (flat_param holds 0 bytes); the next gather
+        # puts memory into the same storage, and the saved views read the parameters again.
+        if self.flat_param is not None:
+            take_back(self.pool, self.flat_param, self._block)
+            self._block = None
         self.state = ParamState.RELEASED
 
     def _own_piece(self, index: int, empty: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""Memory that lives and dies every step, taken from one pool per engine and given back to it.
+
+Two kinds of full-size blocks come and go on the hot path: stage 3's gathered parameters (one
+flat buffer's ``flat_param`` from its all-gather to its release) and the gradient buckets of stages
+2 and 3 (from a buffer's first gradient of a backward to the end of its reduce-scatter). Asking the
+allocator for them every time makes the process's resident memory churn and grow: on CPU a fresh
+multi-megabyte allocation page-faults on first touch (measured 77-86 ms for 56 MB against 2.6 ms to
+zero a buffer that already exists), and glibc keeps freed blocks of the heap resident in fragments,
+so the RSS the OS reports ends well above what is alive (measured at 2 ranks on 8 square 2048
+layers, fp32, stage 3: 575 MiB resident over 293 MiB of live tensors). A :class:`BlockPool` keeps
+every block given back and hands it out again, keyed by element count, dtype and device; after the
+first step the pool holds the most blocks a step used at once and nothing is allocated any more
+(counted by :attr:`BlockPool.allocations`). Stage 3 gathers and stage 2/3 buckets share one pool:
+a buffer's bucket and its gathered parameters have the same size.
+
+Gathered parameters cannot simply be *replaced* by a pooled block: autograd keeps views of
+``flat_param`` that forward saved for backward (``weight.t()`` of a Linear). :func:`lend` moves a
+block's memory into ``flat_param``'s own storage instead (``UntypedStorage._swap_data_ptr_``, which
+exchanges two storages' memory and sizes), so every view sees the gathered values, and
+:func:`take_back` moves it out again, leaving ``flat_param`` with 0 bytes. Where that private torch
+method is missing, the storage is resized to 0 bytes and back (what FSDP does): correct, but every
+gather asks the allocator again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: ``UntypedStorage._swap_data_ptr_`` exists (torch >= 2.4): gathered parameters can use pooled memory
+CAN_LEND = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+class BlockPool:
+    """Free 1-D blocks by ``(numel, dtype, device)``; every block given back is kept for reuse."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        #: blocks this pool had to allocate (a step in the steady state allocates none)
+        self.allocations = 0
+
+    @property
+    def free(self) -> list[torch.Tensor]:
+        """The blocks not in use right now (memory accounting)."""
+        return [t for blocks in self._free.values() for t in blocks]
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+        """A block of ``numel`` elements (contents undefined unless ``zero``)."""
+        blocks = self._free.get((numel, dtype, torch.device(device)))
+        if blocks:
+            block = blocks.pop()
+            return block.zero_() if zero else block
+        self.allocations += 1
+        return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+
+    def give(self, block: torch.Tensor) -> None:
+        """Keep ``block`` (1-D, owning its whole storage) for the next :meth:`take` of its size."""
+        self._free.setdefault((block.numel(), block.dtype, block.device), []).append(block)
+
+    def clear(self) -> None:
+        """Let the allocator have every free block back (teardown)."""
+        self._free.clear()
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the memory (and byte sizes) of ``a``'s and ``b``'s storages; views follow their storage."""
+    # a private torch API (its presence checked by CAN_LEND), absent from torch's type stubs
+    a.untyped_storage()._swap_data_ptr_(b.untyped_storage())  # type: ignore[attr-defined]
+
+
+def empty_shell(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements whose storage holds 0 bytes: ``flat_param`` while released."""
+    shell = torch.empty(numel, dtype=dtype, device=device)
+    shell.untyped_storage().resize_(0)
+    return shell
+
+
+def lend(pool: BlockPool, shell: torch.Tensor) -> torch.Tensor | None:
+    """Give ``shell`` (0 bytes) a full block's memory; returns the emptied block to hand back to
+    :func:`take_back` (``None`` where the memory was allocated instead: see the module docstring)."""
+    nbytes = shell.numel() * shell.element_size()
+    if not CAN_LEND:
+        shell.untyped_storage().resize_(nbytes)
+        return None
+    block = pool.take(shell.numel(), shell.dtype, shell.device)
+    _swap(shell, block)  # shell: the memory; block: 0 bytes
+    return block
+
+
+def take_back(pool: BlockPool, shell: torch.Tensor, block: torch.Tensor | None) -> None:
+    """Move ``shell``'s memory back into ``block`` and into the pool; ``shell`` holds 0 bytes after."""
+    if block is None:
+        shell.untyped_storage().resize_(0)
+        return
+    _swap(shell, block)
+    pool.give(block)
