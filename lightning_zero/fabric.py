@@ -67,6 +67,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_zero import comm, debug, failures, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
@@ -83,7 +84,8 @@ from lightning_zero.zero.surface import ModelParallelContext
 PRECISION_KEY = OffloadPrecision.__qualname__
 """Where the loss scaler's state is saved: the key Lightning gives the Trainer's precision plugin."""
 FABRIC_KEYS = "lightning_zero_fabric_keys"
-"""Saved by ``fabric.save``: the names the model and optimizers had in ``state`` (loading matches them)."""
+"""Saved by ``fabric.save``: the names the model, optimizers and schedulers had in ``state`` (loading matches them)."""
+_FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY, FABRIC_KEYS)
 
 
 class FabricOffloadPrecision(OffloadPrecision):
@@ -411,15 +413,15 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints: the Trainer strategy's sharded directories ---------------------------------------
 
-    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str]]:
-        """The key of the model and the keys of its optimizers in ``state`` (the order of ``state``)."""
+    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str], list[str]]:
+        """The keys of the model, of its optimizers and of the LR schedulers in ``state`` (in its order)."""
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
         if len(modules) != 1 or state[modules[0]] is not self._module:
             raise ValueError(
                 f"the state to save or load holds {len(modules)} module(s) ({modules}); ZeroStrategy saves exactly "
                 "one, the model set up with fabric.setup: e.g. {'model': model, 'optimizer': optimizer}."
             )
-        reserved = [k for k in state if k in ("state_dict", "optimizer_states", PRECISION_KEY, FABRIC_KEYS)]
+        reserved = [k for k in state if k in _FORMAT_KEYS]
         if reserved:
             raise ValueError(f"the state keys {reserved} are the checkpoint format's own; rename them.")
         optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
@@ -428,7 +430,8 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(
                 f"the optimizers {unknown} were not set up with this model (fabric.setup(model, optimizer))."
             )
-        return modules[0], optimizers
+        schedulers = [k for k, v in state.items() if isinstance(v, LRScheduler)]
+        return modules[0], optimizers, schedulers
 
     def save_checkpoint(
         self,
@@ -443,13 +446,10 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
                 "format holds every parameter piece of every rank; save without them."
             )
-        module_key, optimizer_keys = self._split_state(state)
+        module_key, optimizer_keys, scheduler_keys = self._split_state(state)
         module = state[module_key]
-        checkpoint = {
-            k: v.state_dict() if isinstance(v, _Stateful) else v
-            for k, v in state.items()
-            if k != module_key and k not in optimizer_keys
-        }
+        own = {module_key, *optimizer_keys, *scheduler_keys}
+        checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in state.items() if k not in own}
         if self.config.zero.stage < 3:
             checkpoint["state_dict"] = module.state_dict()
         else:
@@ -457,7 +457,8 @@ class ZeroStrategy(DDPStrategy):
             checkpoint["state_dict"] = ckpt_pieces.non_partitioned_state_dict(module, partitioned)
         optimizers = [state[k] for k in optimizer_keys]
         checkpoint["optimizer_states"] = [self._optimizer_state(o, module) for o in optimizers]
-        checkpoint[FABRIC_KEYS] = {"model": module_key, "optimizers": optimizer_keys}
+        checkpoint["lr_schedulers"] = [state[k].state_dict() for k in scheduler_keys]  # where the Trainer has them
+        checkpoint[FABRIC_KEYS] = {"model": module_key, "optimizers": optimizer_keys, "schedulers": scheduler_keys}
         if precision_state := self.precision.state_dict():
             checkpoint[PRECISION_KEY] = precision_state
         checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer resumes from it
@@ -491,24 +492,29 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
                 "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
             )
-        module_key, optimizer_keys = self._split_state(state)
+        module_key, optimizer_keys, scheduler_keys = self._split_state(state)
         module = state[module_key]
         saved_keys = checkpoint.pop(FABRIC_KEYS, None) or {}
         if "state_dict" not in checkpoint and module_key in checkpoint:  # a Fabric checkpoint of another strategy
             checkpoint["state_dict"] = checkpoint.pop(module_key)
             checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizer_keys if k in checkpoint]
-            saved_keys = {"optimizers": optimizer_keys}
+            checkpoint["lr_schedulers"] = [checkpoint.pop(k) for k in scheduler_keys if k in checkpoint]
+            saved_keys = {"optimizers": optimizer_keys, "schedulers": scheduler_keys}
         ckpt_load.load_model(checkpoint, module, self._engine, self._optimizers, strict)
         if optimizer_keys:
-            states = _optimizer_states(checkpoint, optimizer_keys, saved_keys.get("optimizers"))
+            states = _saved_states(checkpoint, "optimizer_states", optimizer_keys, saved_keys.get("optimizers"))
             optimizers = [state[k] for k in optimizer_keys]
             ckpt_load.load_optimizers({**checkpoint, "optimizer_states": states}, module, self._engine, optimizers)
+        if scheduler_keys:
+            states = _saved_states(checkpoint, "lr_schedulers", scheduler_keys, saved_keys.get("schedulers"))
+            for key, saved in zip(scheduler_keys, states, strict=True):
+                state[key].load_state_dict(saved)
         if PRECISION_KEY in checkpoint:
             self.precision.load_state_dict(checkpoint.pop(PRECISION_KEY))
-        for key in (ckpt_load.SHARDED_KEY, "state_dict", "optimizer_states"):
+        for key in (ckpt_load.SHARDED_KEY, "state_dict", "optimizer_states", "lr_schedulers"):
             checkpoint.pop(key, None)
         for key, obj in state.items():
-            if key == module_key or key in optimizer_keys:
+            if key == module_key or key in optimizer_keys or key in scheduler_keys:
                 continue
             if key not in checkpoint:
                 if strict:
@@ -546,23 +552,21 @@ def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def _optimizer_states(
-    checkpoint: dict[str, Any], keys: list[str], saved_keys: list[str] | None
-) -> list[dict[str, Any]]:
-    """The saved states for the optimizers named ``keys``: by name when the checkpoint recorded the
-    names (Fabric's), else in order (the Trainer's ``configure_optimizers`` order)."""
-    saved = checkpoint.get("optimizer_states")
+def _saved_states(checkpoint: dict[str, Any], where: str, keys: list[str], saved_keys: list[str] | None) -> list[Any]:
+    """The states saved under ``checkpoint[where]`` for the objects named ``keys``: by name when the
+    checkpoint recorded the names (Fabric's), else in order (the Trainer's ``configure_optimizers``)."""
+    saved = checkpoint.get(where)
     if saved is None:
         raise ValueError(
-            f"the checkpoint has no optimizer states (a weights-only save?) but the state asks for {keys}; "
+            f"the checkpoint has no {where} (a weights-only save?) but the state asks for {keys}; "
             "load the model alone: fabric.load(path, {'model': model})."
         )
     if saved_keys is not None and all(k in saved_keys for k in keys):
         return [saved[saved_keys.index(k)] for k in keys]
     if len(saved) != len(keys):
         raise ValueError(
-            f"the checkpoint has {len(saved)} optimizer states but the state to load holds {len(keys)} optimizers "
-            f"({keys}); give as many, in the order of the run that saved it."
+            f"the checkpoint has {len(saved)} {where} but the state to load holds {len(keys)} ({keys}); "
+            "give as many, in the order of the run that saved it."
         )
     return list(saved)
 
