@@ -59,6 +59,7 @@ import lightning
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -88,12 +89,15 @@ FABRIC_KEYS = "lightning_zero_fabric_keys"
 _FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY, FABRIC_KEYS)
 
 
-class FabricOffloadPrecision(OffloadPrecision):
+class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):
     """:class:`~lightning_zero.OffloadPrecision` as Fabric calls it.
 
     Fabric casts the model before the strategy sets it up; ZeRO builds its fp32 masters from the
     values the user built, so the cast waits for the engine (the strategy calls
     :meth:`cast_module`). Outputs return in the default dtype, as from Fabric's own precision plugins.
+    Fabric's ``HalfPrecision`` is a base only so that Fabric's ``ThroughputMonitor`` reads the compute
+    dtype (``_desired_input_dtype``), as the Trainer's does through ``OffloadPrecision``; every method
+    it defines is overridden.
     """
 
     def convert_module(self, module: nn.Module) -> nn.Module:
