@@ -53,6 +53,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning
@@ -89,7 +90,8 @@ FABRIC_KEYS = "lightning_zero_fabric_keys"
 _FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY, FABRIC_KEYS)
 
 
-class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):
+# (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
+class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ignore[override]
     """:class:`~lightning_zero.OffloadPrecision` as Fabric calls it.
 
     Fabric casts the model before the strategy sets it up; ZeRO builds its fp32 masters from the
@@ -239,7 +241,7 @@ class ZeroStrategy(DDPStrategy):
         self._build(module, optimizers)
         return module, optimizers, scheduler
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
         """``fabric.setup_module(model)``. Stage 3 shards the model now (evaluation, or training after
         ``fabric.setup`` instead); stages 1/2 make every rank's weights rank 0's and build the engine
         at ``setup_optimizers``."""
@@ -440,7 +442,7 @@ class ZeroStrategy(DDPStrategy):
     def save_checkpoint(
         self,
         path: _PATH,
-        state: dict[str, nn.Module | torch.optim.Optimizer | Any],
+        state: dict[str, Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
@@ -483,7 +485,7 @@ class ZeroStrategy(DDPStrategy):
         """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
         (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
         checkpoint = ckpt_load.load_checkpoint(
-            path, weights_only, self.global_rank, lambda p: pl_load(p, weights_only=weights_only)
+            path, weights_only, self.global_rank, lambda p: pl_load(Path(p), weights_only=weights_only)
         )
         if not state:
             return checkpoint
