@@ -40,11 +40,15 @@ steps them and publishes. What differs from the Trainer:
 * Data parallelism only: tensor and pipeline parallelism are the Trainer strategy's (they need the
   LightningModule's plan and ``configure_pipeline``).
 * ``fabric.save(path, state)`` writes the Trainer strategy's sharded directory: the model's weights
-  under ``state_dict``, the optimizers (in the order of ``state``) under ``optimizer_states``, the loss
-  scaler under ``OffloadPrecision``, everything else as given. A Trainer checkpoint loads with
-  ``fabric.load(path, {"model": model, "optimizer": optimizer})`` (the rest comes back, e.g.
-  ``global_step``), and a Fabric one resumes a Trainer through ``ckpt_path=`` (use the same module
-  class, so that the parameter names match). Any world size and stage load, as for the Trainer.
+  under ``state_dict``, the optimizers and LR schedulers (in the order of ``state``) under
+  ``optimizer_states`` and ``lr_schedulers``, the loss scaler under ``OffloadPrecision``, everything
+  else as given. A Trainer checkpoint loads with ``fabric.load(path, {"model": model, "optimizer":
+  optimizer})`` (the rest comes back, e.g. ``global_step``), and a Fabric one resumes a Trainer
+  through ``ckpt_path=`` (use the same module class, so that the parameter names match; the Trainer's
+  loop counters start from 0). A plain Fabric DDP checkpoint file loads too. Any world size and stage
+  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank).
+* Stage 3 evaluation: a forward without backward (under ``torch.no_grad()``) ends its pass at the
+  model's forward hook (the Trainer ends it after ``validation_step``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -66,15 +69,14 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_zero import comm, debug, failures, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero.checkpoint import fabric_state
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
@@ -82,12 +84,6 @@ from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
-
-PRECISION_KEY = OffloadPrecision.__qualname__
-"""Where the loss scaler's state is saved: the key Lightning gives the Trainer's precision plugin."""
-FABRIC_KEYS = "lightning_zero_fabric_keys"
-"""Saved by ``fabric.save``: the names the model, optimizers and schedulers had in ``state`` (loading matches them)."""
-_FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY, FABRIC_KEYS)
 
 
 # (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
@@ -417,27 +413,7 @@ class ZeroStrategy(DDPStrategy):
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
-    # -- checkpoints: the Trainer strategy's sharded directories ---------------------------------------
-
-    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str], list[str]]:
-        """The keys of the model, of its optimizers and of the LR schedulers in ``state`` (in its order)."""
-        modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        if len(modules) != 1 or state[modules[0]] is not self._module:
-            raise ValueError(
-                f"the state to save or load holds {len(modules)} module(s) ({modules}); ZeroStrategy saves exactly "
-                "one, the model set up with fabric.setup: e.g. {'model': model, 'optimizer': optimizer}."
-            )
-        reserved = [k for k in state if k in _FORMAT_KEYS]
-        if reserved:
-            raise ValueError(f"the state keys {reserved} are the checkpoint format's own; rename them.")
-        optimizers = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-        unknown = [k for k in optimizers if all(state[k] is not o for o in self._optimizers)]
-        if unknown:
-            raise ValueError(
-                f"the optimizers {unknown} were not set up with this model (fabric.setup(model, optimizer))."
-            )
-        schedulers = [k for k, v in state.items() if isinstance(v, LRScheduler)]
-        return modules[0], optimizers, schedulers
+    # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
     def save_checkpoint(
         self,
@@ -452,28 +428,11 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
                 "format holds every parameter piece of every rank; save without them."
             )
-        module_key, optimizer_keys, scheduler_keys = self._split_state(state)
-        module = state[module_key]
-        own = {module_key, *optimizer_keys, *scheduler_keys}
-        checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in state.items() if k not in own}
-        if self.config.zero.stage < 3:
-            checkpoint["state_dict"] = module.state_dict()
-        else:
-            partitioned = ckpt_pieces.partitioned_params(module, self._engine)
-            checkpoint["state_dict"] = ckpt_pieces.non_partitioned_state_dict(module, partitioned)
-        optimizers = [state[k] for k in optimizer_keys]
-        checkpoint["optimizer_states"] = [self._optimizer_state(o, module) for o in optimizers]
-        checkpoint["lr_schedulers"] = [state[k].state_dict() for k in scheduler_keys]  # where the Trainer has them
-        checkpoint[FABRIC_KEYS] = {"model": module_key, "optimizers": optimizer_keys, "schedulers": scheduler_keys}
-        if precision_state := self.precision.state_dict():
-            checkpoint[PRECISION_KEY] = precision_state
-        checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer resumes from it
-        ckpt_save.save_sharded(checkpoint, path, module, self._engine, optimizers, self.precision.precision)
-
-    def _optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-        if self._engine is None or not self._engine.manages(optimizer):
-            return optimizer.state_dict()
-        return ckpt_save.optimizer_groups(module, self._engine, optimizer)
+        keys = fabric_state.split_state(state, self._module, self._optimizers)
+        stage, precision = self.config.zero.stage, self.precision
+        checkpoint = fabric_state.to_checkpoint(state, keys, self._engine, stage, precision.state_dict())
+        optimizers = [state[k] for k in keys.optimizers]
+        ckpt_save.save_sharded(checkpoint, path, state[keys.module], self._engine, optimizers, precision.precision)
 
     def load_checkpoint(
         self,
@@ -498,42 +457,8 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
                 "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
             )
-        module_key, optimizer_keys, scheduler_keys = self._split_state(state)
-        module = state[module_key]
-        saved_keys = checkpoint.pop(FABRIC_KEYS, None) or {}
-        if "state_dict" not in checkpoint and module_key in checkpoint:  # a Fabric checkpoint of another strategy
-            checkpoint["state_dict"] = checkpoint.pop(module_key)
-            checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizer_keys if k in checkpoint]
-            checkpoint["lr_schedulers"] = [checkpoint.pop(k) for k in scheduler_keys if k in checkpoint]
-            saved_keys = {"optimizers": optimizer_keys, "schedulers": scheduler_keys}
-        ckpt_load.load_model(checkpoint, module, self._engine, self._optimizers, strict)
-        if optimizer_keys:
-            states = _saved_states(checkpoint, "optimizer_states", optimizer_keys, saved_keys.get("optimizers"))
-            optimizers = [state[k] for k in optimizer_keys]
-            ckpt_load.load_optimizers({**checkpoint, "optimizer_states": states}, module, self._engine, optimizers)
-        if scheduler_keys:
-            states = _saved_states(checkpoint, "lr_schedulers", scheduler_keys, saved_keys.get("schedulers"))
-            for key, saved in zip(scheduler_keys, states, strict=True):
-                state[key].load_state_dict(saved)
-        if PRECISION_KEY in checkpoint:
-            self.precision.load_state_dict(checkpoint.pop(PRECISION_KEY))
-        for key in (ckpt_load.SHARDED_KEY, "state_dict", "optimizer_states", "lr_schedulers"):
-            checkpoint.pop(key, None)
-        for key, obj in state.items():
-            if key == module_key or key in optimizer_keys or key in scheduler_keys:
-                continue
-            if key not in checkpoint:
-                if strict:
-                    raise KeyError(
-                        f"the requested state contains a key {key!r} that the checkpoint at {path} does not have; "
-                        "pass strict=False to skip it."
-                    )
-                continue
-            if isinstance(obj, _Stateful):
-                obj.load_state_dict(checkpoint.pop(key))
-            else:
-                state[key] = checkpoint.pop(key)
-        return checkpoint
+        keys = fabric_state.split_state(state, self._module, self._optimizers)
+        return fabric_state.restore(checkpoint, state, keys, self._engine, self._optimizers, self.precision, strict)
 
     # -- teardown ----------------------------------------------------------------------------------------
 
@@ -556,25 +481,6 @@ class ZeroStrategy(DDPStrategy):
 
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def _saved_states(checkpoint: dict[str, Any], where: str, keys: list[str], saved_keys: list[str] | None) -> list[Any]:
-    """The states saved under ``checkpoint[where]`` for the objects named ``keys``: by name when the
-    checkpoint recorded the names (Fabric's), else in order (the Trainer's ``configure_optimizers``)."""
-    saved = checkpoint.get(where)
-    if saved is None:
-        raise ValueError(
-            f"the checkpoint has no {where} (a weights-only save?) but the state asks for {keys}; "
-            "load the model alone: fabric.load(path, {'model': model})."
-        )
-    if saved_keys is not None and all(k in saved_keys for k in keys):
-        return [saved[saved_keys.index(k)] for k in keys]
-    if len(saved) != len(keys):
-        raise ValueError(
-            f"the checkpoint has {len(saved)} {where} but the state to load holds {len(keys)} ({keys}); "
-            "give as many, in the order of the run that saved it."
-        )
-    return list(saved)
 
 
 __all__ = ["FabricOffloadPrecision", "ZeroStrategy"]

@@ -555,11 +555,7 @@ class ZeroStrategy(DDPStrategy):
         ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
         values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
-        if self.zero_config.stage < 3:
-            return self.lightning_module.state_dict()
-        return ckpt_pieces.non_partitioned_state_dict(
-            self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine)
-        )
+        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
