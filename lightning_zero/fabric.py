@@ -84,6 +84,7 @@ from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
+from lightning_zero.zero.swap import check_space as check_nvme_space
 
 
 # (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
@@ -309,6 +310,8 @@ class ZeroStrategy(DDPStrategy):
             threads.apply_threads(self.num_processes)
         # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
+        if optimizers:
+            check_nvme_space(config.offload, module, comm.world_size(self.data_parallel_group), self.num_processes)
         self._engine = ZeroEngine(
             module,
             optimizers,

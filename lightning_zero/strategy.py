@@ -53,13 +53,12 @@ from lightning_zero.config import (
     ZeroConfig,
 )
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.offload.nvme import check_free_space
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.swap import bytes_needed as swap_bytes_needed
+from lightning_zero.zero.swap import check_space as check_nvme_space
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -360,17 +359,10 @@ class ZeroStrategy(DDPStrategy):
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
-        """Before anything is allocated: the disk tier's files (of every rank on this machine,
-        which share ``nvme_path``) must fit in its free space."""
-        nvme = config.offload.nvme
-        if config.offload.optimizer_tier != "nvme" or nvme is None:
-            return
-        module = self.lightning_module
-        assert module is not None
-        trainable = [p for p in module.parameters() if p.requires_grad]
+        """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
+        assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
-        per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
-        check_free_space(nvme, per_rank * max(1, self.num_processes))
+        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``

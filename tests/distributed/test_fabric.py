@@ -277,6 +277,22 @@ def _errors_worker(rank: int) -> dict:
     fabric.backward(loss_of(fabric_model, tokens))
     expect("norm_type", ValueError, lambda: fabric.clip_gradients(fabric_model, optimizer, max_norm=1.0, norm_type=1))
     fabric.strategy.teardown()
+    # the disk tier's files must fit in nvme_path's free space, checked before anything is allocated
+    import shutil
+    import tempfile
+
+    nvme_path = f"{tempfile.mkdtemp()}/swap"
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=1000)  # type: ignore[assignment]  # a full disk
+    try:
+        fabric = make_fabric({"stage": 2, "offload_optimizer": "nvme", "nvme_path": nvme_path})
+        model = ParityModel()
+        expect("nvme_space", ValueError, lambda: fabric.setup(model, torch.optim.AdamW(model.parameters())))
+    finally:
+        shutil.disk_usage = real
+    import os
+
+    messages["nvme_created"] = str(os.path.exists(nvme_path))
     return messages
 
 
@@ -289,3 +305,4 @@ def test_fabric_bad_input_raises_before_work():
     assert "stage" in messages["bad_stage"]
     assert "reduce_bucket" in messages["unknown_option"]
     assert "norm_type=1" in messages["norm_type"]
+    assert "only 1000 bytes" in messages["nvme_space"] and messages["nvme_created"] == "False"
