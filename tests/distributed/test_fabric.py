@@ -48,7 +48,9 @@ def make_fabric(strategy: Any, precision: str = "32-true") -> Any:
 
 
 def train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, clip: str, steps: int) -> list[float]:
-    """``steps`` optimizer steps of ACCUMULATE micro-batches each; the micro-batch losses."""
+    """``steps`` optimizer steps of ACCUMULATE micro-batches each; the micro-batch losses.
+    ``optimizer``: one or a list (each clipped and stepped); ``scheduler``: one or None."""
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     losses: list[float] = []
     for index, (tokens,) in enumerate(loader):
         boundary = (index + 1) % ACCUMULATE == 0
@@ -57,13 +59,15 @@ def train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, 
             fabric.backward(loss / ACCUMULATE)
         losses.append(loss.item())
         if boundary:
-            if clip == "norm":
-                fabric.clip_gradients(model, optimizer, max_norm=0.5)
-            elif clip == "value":
-                fabric.clip_gradients(model, optimizer, clip_val=0.02)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            for opt in optimizers:
+                if clip == "norm":
+                    fabric.clip_gradients(model, opt, max_norm=0.5)
+                elif clip == "value":
+                    fabric.clip_gradients(model, opt, clip_val=0.02)
+                opt.step()
+                opt.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
         if len(losses) == steps * ACCUMULATE:
             break
     return losses
@@ -75,24 +79,35 @@ def weights(fabric: Any, model: ParityModel) -> dict[str, torch.Tensor]:
         return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def run(
-    strategy: Any, clip: str, optimizer: str, init_module: bool = False, precision: str = "32-true"
-) -> dict[str, Any]:
+def run(strategy: Any, clip: str, optimizer: str, how: str = "setup", precision: str = "32-true") -> dict[str, Any]:
+    """Train a seeded ParityModel with ``optimizer`` ("two": AdamW for the blocks, SGD for the rest),
+    set up by ``how``: "setup" (fabric.setup), "init_module" (built under fabric.init_module()) or
+    "two_step" (fabric.setup_module, then fabric.setup_optimizers)."""
     import lightning.pytorch as pl
 
     fabric = make_fabric(strategy, precision)
     pl.seed_everything(7, verbose=False)
-    with fabric.init_module() if init_module else contextlib.nullcontext():
-        model = ParityModel(optimizer=optimizer)
-    configured = model.configure_optimizers()
-    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-    fabric_model, fabric_optimizer = fabric.setup(model, optimizer)
+    with fabric.init_module() if how == "init_module" else contextlib.nullcontext():
+        model = ParityModel(optimizer="adamw" if optimizer == "two" else optimizer)
+    if optimizer == "two":
+        blocks = [p for m in (model.up, model.down, model.norm) for p in m.parameters()]
+        rest = [p for p in model.parameters() if p.requires_grad and all(p is not b for b in blocks)]
+        optimizers = [torch.optim.AdamW(blocks, lr=1e-2), torch.optim.SGD(rest, lr=0.1, momentum=0.9)]
+        scheduler = None
+    else:
+        configured = model.configure_optimizers()
+        optimizers, scheduler = [configured["optimizer"]], configured["lr_scheduler"]["scheduler"]
+    if how == "two_step":
+        fabric_model = fabric.setup_module(model)
+        fabric_optimizers = [fabric.setup_optimizers(*optimizers)]
+    else:
+        fabric_model, *fabric_optimizers = fabric.setup(model, *optimizers)
     loader = fabric.setup_dataloaders(make_loader())
-    losses = train(fabric, fabric_model, fabric_optimizer, scheduler, loader, clip, STEPS)
+    losses = train(fabric, fabric_model, fabric_optimizers, scheduler, loader, clip, STEPS)
     # an evaluation pass (no backward: under stage 3 the model's forward hook ends the pass), then training again
     with torch.no_grad():
         evals = [loss_of(fabric_model, tokens).item() for (tokens,) in itertools.islice(loader, 2)]
-    losses += train(fabric, fabric_model, fabric_optimizer, scheduler, loader, clip, 1) + evals
+    losses += train(fabric, fabric_model, fabric_optimizers, scheduler, loader, clip, 1) + evals
     out = {"losses": losses, "state": weights(fabric, model)}
     fabric.strategy.teardown()
     return out
@@ -101,7 +116,7 @@ def run(
 def _parity_worker(rank: int, specs: list, precision: str = "32-true") -> dict:
     import lightning_zero  # noqa: F401 - registers the names with Fabric's registry
 
-    return {(name, clip, opt): run(spec, clip, opt, init, precision) for name, spec, clip, opt, init in specs}
+    return {(name, clip, opt): run(spec, clip, opt, how, precision) for name, spec, clip, opt, how in specs}
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,30 +127,35 @@ def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
     zero2 = {"stage": 2, "reduce_bucket_size": 40}
     # AdamW is blind to clipping by norm when every step clips (a common factor on the gradients of
     # every step cancels in m / sqrt(v)); SGD with momentum sees the clip coefficient.
-    specs = [(name, spec, "norm", "adamw", False) for name, spec in (("ddp", "ddp"), ("zero1", "zero1"))]
+    specs = [(name, spec, "norm", "adamw", "setup") for name, spec in (("ddp", "ddp"), ("zero1", "zero1"))]
     specs += [
-        (name, spec, clip, "sgd", False)
+        (name, spec, clip, "sgd", "setup")
         for name, spec in (("ddp", "ddp"), ("zero1", "zero1"))
         for clip in ("norm", "value")
     ]
     specs += [
-        (name, spec, clip, opt, False)
+        (name, spec, clip, opt, "setup")
         for name, spec in (("zero2", zero2), ("zero3", ZERO3))
         for clip, opt in (("norm", "adamw"), ("norm", "sgd"), ("value", "sgd"))
     ]
     specs += [
-        ("zero3_init", ZERO3, "norm", "adamw", True),  # built under fabric.init_module(): straight into the shards
-        ("zero2_offload", "zero2_offload", "norm", "adamw", False),  # the registered names, as a user writes them
-        ("zero3_offload", {**ZERO3, "offload_optimizer": True, "offload_parameters": True}, "norm", "adamw", False),
+        ("zero3_init", ZERO3, "norm", "adamw", "init_module"),  # built straight into the shards
+        ("zero2_two_step", zero2, "norm", "adamw", "two_step"),  # setup_module, then setup_optimizers
+        ("zero2_offload", "zero2_offload", "norm", "adamw", "setup"),  # the registered names, as a user writes them
+        ("zero3_offload", {**ZERO3, "offload_optimizer": True, "offload_parameters": True}, "norm", "adamw", "setup"),
         # recomputed in backward (stage 3: re-gathered there): the same numbers in fp32
-        ("zero3_checkpointed", {**ZERO3, "activation_checkpointing": torch.nn.Linear}, "norm", "adamw", False),
+        ("zero3_checkpointed", {**ZERO3, "activation_checkpointing": torch.nn.Linear}, "norm", "adamw", "setup"),
+    ]
+    # two optimizers over two parts of the model, stepped one after the other
+    specs += [
+        (name, spec, "norm", "two", "setup") for name, spec in (("ddp", "ddp"), ("zero2", zero2), ("zero3", ZERO3))
     ]
     results = run_ranks(_parity_worker, specs, timeout=900)
     for res in results:
         for (name, clip, opt), got in res.items():
             if name == "ddp":
                 continue
-            ref = res[("ddp", clip, opt)]
+            ref = res[("ddp", clip, opt)]  # the names ending in _init, _two_step, ... compare with ddp too
             assert len(got["losses"]) == (STEPS + 1) * ACCUMULATE + 2
             # fp32: ZeRO and DDP differ only in summation order (reduce-scatter of flat buckets vs DDP's
             # all-reduce; the offload kernel's separate roundings): ~1e-7 relative per step, amplified by
@@ -214,10 +234,10 @@ def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_fabric_bf16_mixed_matches_ddp():
     specs = [
-        ("ddp", "ddp", "norm", "adamw", False),
-        ("zero2", {"stage": 2, "reduce_bucket_size": 40}, "norm", "adamw", False),
-        ("zero3", ZERO3, "norm", "adamw", False),
-        ("zero2_offload", "zero2_offload", "norm", "adamw", False),
+        ("ddp", "ddp", "norm", "adamw", "setup"),
+        ("zero2", {"stage": 2, "reduce_bucket_size": 40}, "norm", "adamw", "setup"),
+        ("zero3", ZERO3, "norm", "adamw", "setup"),
+        ("zero2_offload", "zero2_offload", "norm", "adamw", "setup"),
     ]
     for res in run_ranks(_parity_worker, specs, "bf16-mixed", timeout=600):
         ref = res[("ddp", "norm", "adamw")]
