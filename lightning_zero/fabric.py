@@ -168,6 +168,7 @@ class ZeroStrategy(DDPStrategy):
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
+        self._environment_before: dict[str, str | None] = {}  # what _setup_distributed changed, for teardown
         self._steps = 0  # optimizer steps taken, for the messages
         super().__init__(
             accelerator=accelerator,
@@ -206,6 +207,9 @@ class ZeroStrategy(DDPStrategy):
         return self._checked_group
 
     def _setup_distributed(self) -> None:
+        # NCCL's watchdog defaults (NCCL only), as under the Trainer; put back at teardown.
+        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
+            self._environment_before.setdefault(name, value)  # the first value seen is the user's
         super()._setup_distributed()
         failures.register_rank(self.global_rank, self.world_size, self.config.failure.collective_timeout)
         if self.config.failure.debug_collectives and self._checked_group is None:
@@ -302,16 +306,16 @@ class ZeroStrategy(DDPStrategy):
         if not stage3:
             self._check_not_meta(module)
         self._check_optimizers(module, optimizers)
-        host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host)
         precision = self.precision
-        if precision.offload.offload_optimizer and self._threads_before is None:
-            self._threads_before = torch.get_num_threads()  # put back at teardown
-            threads.apply_threads(self.num_processes)
         # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
         if optimizers:
             check_nvme_space(config.offload, module, comm.world_size(self.data_parallel_group), self.num_processes)
+        host = torch.device("cpu") if self.root_device.type != "cpu" else None
+        apply_activation_checkpointing(module, self.config.activations, host)
+        if precision.offload.offload_optimizer and self._threads_before is None:
+            self._threads_before = torch.get_num_threads()  # put back at teardown
+            threads.apply_threads(self.num_processes)
         self._engine = ZeroEngine(
             module,
             optimizers,
@@ -479,6 +483,8 @@ class ZeroStrategy(DDPStrategy):
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+        failures.restore_environment(self._environment_before)
+        self._environment_before.clear()
         super().teardown()
 
 
