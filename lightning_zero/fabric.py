@@ -132,8 +132,9 @@ class ZeroStrategy(DDPStrategy):
             with the same meaning and defaults (:func:`lightning_zero.options.strategy_config`).
 
     Raises:
-        ValueError: for an unknown or invalid option, and for ``tensor_parallel_size`` or
-            ``pipeline_parallel_size`` above 1 (the Trainer strategy's).
+        ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
+            above 1, ``state_dict_type="full"`` or ``async_save=True`` (the Trainer strategy's).
+        TypeError: for an unknown option.
     """
 
     strategy_name = "zero"
@@ -159,6 +160,13 @@ class ZeroStrategy(DDPStrategy):
                 f"tensor_parallel_size={self.config.tensor.size}, pipeline_parallel_size={self.config.pipeline.stages}:"
                 " Fabric's ZeroStrategy is data parallel only; tensor and pipeline parallelism need the Trainer's "
                 "lightning_zero.ZeroStrategy (a LightningModule's plan and configure_pipeline)."
+            )
+        if self.config.checkpoint.state_dict_type != "sharded" or self.config.checkpoint.async_save:
+            raise ValueError(
+                f"state_dict_type={self.config.checkpoint.state_dict_type!r}, async_save="
+                f"{self.config.checkpoint.async_save}: Fabric's ZeroStrategy writes sharded checkpoints synchronously "
+                "(no step boundary of a Trainer publishes an async save); leave both at their defaults and convert "
+                "a checkpoint with `lightning-zero consolidate` when one file is needed."
             )
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None

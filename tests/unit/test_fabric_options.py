@@ -47,6 +47,8 @@ def test_options_are_the_trainer_strategys():
         ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
         ({"stage": 2, "offload_parameters": True, "offload_optimizer": True}, "needs stage=3"),
         ({"pipeline_parallel_size": 2}, "data parallel only"),
+        ({"state_dict_type": "full"}, "state_dict_type='full'"),
+        ({"async_save": True}, "async_save=True"),
     ],
 )
 def test_invalid_options_fail_at_construction(kwargs, match):
