@@ -222,25 +222,43 @@ class OffloadPrecision(HalfPrecision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
         skipped_backward = closure_result is None and model.automatic_optimization
+        self.zero_step(
+            optimizer,
+            step=model.trainer.global_step,
+            before_update=lambda: self._after_closure(model, optimizer),
+            update=not skipped_backward,
+        )
+        return closure_result
+
+    def zero_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        before_update: Callable[[], None] | None = None,
+        update: bool = True,
+    ) -> None:
+        """One ZeRO optimizer step with this plugin's loss scale and non-finite policy (the Trainer's
+        :meth:`optimizer_step` and Fabric's strategy both step through here). ``step`` is the number
+        of optimizer steps so far, for the messages. Call on all ranks."""
+        assert self._engine is not None  # attached by the strategy's setup
         policy = self._engine.config.zero.on_nonfinite
         overflow = self._engine.step(
             optimizer,
             inv_scale=1.0 / self.loss_scale,
             check_overflow=self.scaler is not None or policy != "ignore",
-            before_update=lambda: self._after_closure(model, optimizer),
-            update=not skipped_backward,
+            before_update=before_update,
+            update=update,
         )
-        if skipped_backward:
-            return closure_result
+        if not update:
+            return
         if self.scaler is not None:
             self.scaler.update(overflow)
         elif overflow:
-            self._nonfinite(model, policy)
-        return closure_result
+            self._nonfinite(step, policy)
 
-    def _nonfinite(self, model: pl.LightningModule, policy: str) -> None:
+    def _nonfinite(self, step: int, policy: str) -> None:
         """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""
-        step = model.trainer.global_step
         self.nonfinite_steps += 1
         if policy == "error":
             raise FloatingPointError(

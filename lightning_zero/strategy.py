@@ -46,25 +46,19 @@ from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
     PRECISIONS,
-    ActivationCheckpointConfig,
-    CheckpointConfig,
     FailureConfig,
     LossScaleConfig,
-    OffloadConfig,
     PipelineConfig,
     StrategyConfig,
-    TensorParallelConfig,
     ZeroConfig,
-    normalize_precision,
 )
-from lightning_zero.config import nvme_config as nvme_config_from
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.offload.nvme import check_free_space
+from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.swap import bytes_needed as swap_bytes_needed
+from lightning_zero.zero.swap import check_space as check_nvme_space
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -177,45 +171,38 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing_offload: bool = False,
         async_save: bool = False,
     ) -> None:
-        #: Every option, validated once (sections and the checks across them).
-        self.config = StrategyConfig(
-            zero=ZeroConfig(
-                stage=stage,
-                reduce_bucket_size=reduce_bucket_size,
-                allgather_bucket_size=allgather_bucket_size,
-                overlap_comm=overlap_comm,
-                prefetch_bucket_size=prefetch_bucket_size,
-                param_persistence_threshold=param_persistence_threshold,
-                max_live_parameters=max_live_parameters,
-                allow_untested_optimizer=allow_untested_optimizer,
-                on_nonfinite=on_nonfinite,
-                absorb_param_edits=absorb_param_edits,
-                host_mmap_threshold=host_mmap_threshold,
-            ),
-            offload=OffloadConfig(
-                offload_optimizer=offload_optimizer,
-                offload_parameters=offload_parameters,
-                pin_memory=pin_memory,
-                nvme=nvme_config_from(None if nvme_path is None else str(nvme_path), nvme_config),
-            ),
-            tensor=TensorParallelConfig(
-                size=tensor_parallel_size, plan=tensor_parallel_plan, sequence_parallel=sequence_parallel
-            ),
-            pipeline=PipelineConfig(
-                stages=pipeline_parallel_size,
-                micro_batches=pipeline_micro_batches,
-                schedule=pipeline_schedule,
-                partition=pipeline_partition,
-                chunks=pipeline_chunks,
-            ),
-            failure=FailureConfig(
-                **({} if timeout is None else {"timeout": timeout}),
-                debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
-            ),
-            checkpoint=CheckpointConfig(state_dict_type=state_dict_type, async_save=async_save),
-            activations=ActivationCheckpointConfig(
-                policy=activation_checkpointing, offload=activation_checkpointing_offload
-            ),
+        #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
+        self.config = strategy_config(
+            stage=stage,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            overlap_comm=overlap_comm,
+            prefetch_bucket_size=prefetch_bucket_size,
+            param_persistence_threshold=param_persistence_threshold,
+            max_live_parameters=max_live_parameters,
+            allow_untested_optimizer=allow_untested_optimizer,
+            on_nonfinite=on_nonfinite,
+            absorb_param_edits=absorb_param_edits,
+            host_mmap_threshold=host_mmap_threshold,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            pin_memory=pin_memory,
+            nvme_path=nvme_path,
+            nvme_config=nvme_config,
+            timeout=timeout,
+            debug_collectives=debug_collectives,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan,
+            pipeline_micro_batches=pipeline_micro_batches,
+            pipeline_schedule=pipeline_schedule,
+            pipeline_partition=pipeline_partition,
+            pipeline_chunks=pipeline_chunks,
+            sequence_parallel=sequence_parallel,
+            state_dict_type=state_dict_type,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_offload=activation_checkpointing_offload,
+            async_save=async_save,
         )
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._checked_group: comm.CheckedGroup | None = None
@@ -266,22 +253,10 @@ class ZeroStrategy(DDPStrategy):
 
     def _as_offload_precision(self, plugin: Precision | None) -> OffloadPrecision | None:
         """Lightning assigns a generic plugin to a strategy chosen by name: keep its precision string."""
-        if plugin is None or isinstance(plugin, OffloadPrecision):
-            return plugin
-        # (A plugin given to the strategy itself reaches here unchanged: Lightning prefers it to the
-        # Trainer's precision flag.)
-        requested = normalize_precision(getattr(plugin, "precision", "32-true"))
-        return self._new_precision(requested)
+        return as_offload_precision(plugin, self.config, self._loss_scale)
 
     def _new_precision(self, precision: str) -> OffloadPrecision:
-        return OffloadPrecision(
-            precision,
-            offload_optimizer=self.config.offload.offload_optimizer,
-            offload_parameters=self.config.offload.offload_parameters,
-            pin_memory=self.config.offload.pin_memory,
-            loss_scale=self._loss_scale,
-            nvme=self.config.offload.nvme,
-        )
+        return new_precision(precision, self.config, self._loss_scale, OffloadPrecision)
 
     # -- setup and teardown ---------------------------------------------------------------------
 
@@ -393,17 +368,10 @@ class ZeroStrategy(DDPStrategy):
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
-        """Before anything is allocated: the disk tier's files (of every rank on this machine,
-        which share ``nvme_path``) must fit in its free space."""
-        nvme = config.offload.nvme
-        if config.offload.optimizer_tier != "nvme" or nvme is None:
-            return
-        module = self.lightning_module
-        assert module is not None
-        trainable = [p for p in module.parameters() if p.requires_grad]
+        """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
+        assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
-        per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
-        check_free_space(nvme, per_rank * max(1, self.num_processes))
+        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``
@@ -591,11 +559,7 @@ class ZeroStrategy(DDPStrategy):
         ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
         values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
-        if self.zero_config.stage < 3:
-            return self.lightning_module.state_dict()
-        return ckpt_pieces.non_partitioned_state_dict(
-            self.lightning_module, ckpt_pieces.partitioned_params(self.lightning_module, self._engine)
-        )
+        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
@@ -705,28 +669,4 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}",
-                cls,
-                description=f"lightning_zero ZeRO stage {stage}",
-                override=True,
-                stage=stage,
-            )
-        strategy_registry.register(
-            "zero2_offload",
-            cls,
-            description="lightning_zero ZeRO stage 2, optimizer offloaded to the CPU",
-            override=True,
-            stage=2,
-            offload_optimizer=True,
-        )
-        strategy_registry.register(
-            "zero3_offload",
-            cls,
-            description="lightning_zero ZeRO stage 3, optimizer and parameters offloaded to the CPU",
-            override=True,
-            stage=3,
-            offload_optimizer=True,
-            offload_parameters=True,
-        )
+        register_names(strategy_registry, cls)

@@ -5,7 +5,7 @@ parameter (what each rank holds and writes); ``merge.py`` the ranks' reports mer
 metadata (tensor-parallel parts, pipeline stages, tied names); ``save.py`` the atomic parallel save;
 ``reader.py`` any range of any tensor-parallel part of a saved tensor; ``load.py`` resharding loads
 (and plain Lightning checkpoints); ``consolidate.py`` one plain state dict without a process group;
-``rng.py`` random states.
+``rng.py`` random states; ``fabric_state.py`` Fabric's ``state`` dict in the same format.
 
 Why not ``torch.distributed.checkpoint`` (DCP), which also reshards on load: a ZeRO slice cuts
 parameters at arbitrary element offsets, and DCP describes a rank's piece of a tensor through

@@ -118,6 +118,15 @@ def non_partitioned_state_dict(module: nn.Module, params: dict[str, PartitionedP
         return {k: v for k, v in module.state_dict().items() if k not in skip}
 
 
+def module_state_dict(module: nn.Module, engine: ZeroEngine | None, stage: int) -> dict[str, Any]:
+    """What a checkpoint's ``state_dict`` holds: stages 1/2 the module's whole state dict (views of
+    the parameters, no copy); stage 3 only the tensors ZeRO does not partition (frozen parameters,
+    buffers), the partitioned ones being written from every rank's slices. Local."""
+    if stage < 3:
+        return module.state_dict()
+    return non_partitioned_state_dict(module, partitioned_params(module, engine))
+
+
 def local_shards(
     params: dict[str, PartitionedParam], engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from lightning_zero.config import NvmeConfig
-from lightning_zero.offload.nvme import Swapped, SwapStore
+from torch import nn
+
+from lightning_zero.config import NvmeConfig, OffloadConfig
+from lightning_zero.offload.nvme import Swapped, SwapStore, check_free_space
 from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.step_kernels import KernelStep
 
@@ -23,6 +25,19 @@ def bytes_needed(numel: int, tensors: int, block_size: int) -> int:
     exp_avg and exp_avg_sq, plus up to one ``block_size`` of padding per file (the compiled engine
     pads files to whole blocks) for at most one buffer per parameter tensor (``tensors``)."""
     return 3 * 4 * numel + 3 * block_size * tensors
+
+
+def check_space(offload: OffloadConfig, module: nn.Module, data_parallel_size: int, processes_per_machine: int) -> None:
+    """Before anything is allocated: the disk tier's files of every rank on this machine (which share
+    ``nvme_path``) must fit in its free space; ``ValueError`` otherwise. A no-op without the disk tier."""
+    nvme = offload.nvme
+    if offload.optimizer_tier != "nvme" or nvme is None:
+        return
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    per_rank = bytes_needed(
+        -(-sum(p.numel() for p in trainable) // data_parallel_size), len(trainable), nvme.block_size
+    )
+    check_free_space(nvme, per_rank * max(1, processes_per_machine))
 
 
 class EngineSwap:

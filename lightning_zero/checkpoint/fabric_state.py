@@ -1,0 +1,169 @@
+"""Fabric's ``state`` dict and the Trainer's checkpoint dict, one format for both strategies.
+
+``fabric.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "step": 5})`` becomes the
+dict the Trainer strategy saves (:func:`to_checkpoint`), written by :func:`~lightning_zero.checkpoint.save.save_sharded`::
+
+    state_dict           the model (stage 3: only what ZeRO does not partition; the rest is in the rank files)
+    optimizer_states     the optimizers of ``state``, in its order (ZeRO's: their parameter groups)
+    lr_schedulers        the LR schedulers of ``state``, in its order
+    OffloadPrecision     the loss scaler's state ("16-mixed")
+    lightning_zero_fabric_keys   the names these had in ``state``, so that loading matches them by name
+    step, ...            everything else as given (stateful objects: their ``state_dict()``)
+
+:func:`restore` reads such a dict back into ``state`` (a Trainer checkpoint too: then the optimizers
+and schedulers match by order, and ``global_step``, ``epoch``, ... come back in the remainder), and a
+plain Fabric checkpoint of another strategy (``{"model": ..., "optimizer": ...}``) by its keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning
+import torch
+from lightning.fabric.utilities.types import _Stateful
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_zero.checkpoint import load as ckpt_load
+from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.pieces import module_state_dict
+from lightning_zero.precision import OffloadPrecision
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.engine import ZeroEngine
+
+PRECISION_KEY = OffloadPrecision.__qualname__
+"""Where the loss scaler's state is saved: the key Lightning gives the Trainer's precision plugin."""
+FABRIC_KEYS = "lightning_zero_fabric_keys"
+"""The names the model, optimizers and schedulers had in ``state`` (loading matches them)."""
+_FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY, FABRIC_KEYS)
+
+
+@dataclass(frozen=True)
+class StateKeys:
+    """Where the objects the format stores apart are in a Fabric ``state`` dict."""
+
+    module: str
+    optimizers: tuple[str, ...]
+    schedulers: tuple[str, ...]
+
+    def own(self, key: str) -> bool:
+        return key == self.module or key in self.optimizers or key in self.schedulers
+
+
+def split_state(state: dict[str, Any], module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> StateKeys:
+    """The keys of ``module`` (the one set up), of its ``optimizers`` and of the LR schedulers in
+    ``state``; ``ValueError`` for another or a second module, a reserved key, a foreign optimizer."""
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    if len(modules) != 1 or state[modules[0]] is not module:
+        raise ValueError(
+            f"the state to save or load holds {len(modules)} module(s) ({modules}); ZeroStrategy saves exactly "
+            "one, the model set up with fabric.setup: e.g. {'model': model, 'optimizer': optimizer}."
+        )
+    reserved = [k for k in state if k in _FORMAT_KEYS]
+    if reserved:
+        raise ValueError(f"the state keys {reserved} are the checkpoint format's own; rename them.")
+    optimizer_keys = tuple(k for k, v in state.items() if isinstance(v, torch.optim.Optimizer))
+    unknown = [k for k in optimizer_keys if all(state[k] is not o for o in optimizers)]
+    if unknown:
+        raise ValueError(f"the optimizers {unknown} were not set up with this model (fabric.setup(model, optimizer)).")
+    schedulers = tuple(k for k, v in state.items() if isinstance(v, LRScheduler))
+    return StateKeys(modules[0], optimizer_keys, schedulers)
+
+
+def to_checkpoint(
+    state: dict[str, Any], keys: StateKeys, engine: ZeroEngine | None, stage: int, precision_state: dict[str, Any]
+) -> dict[str, Any]:
+    """The Trainer's checkpoint dict for ``state`` (see the module docstring). Local."""
+    module = state[keys.module]
+    checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in state.items() if not keys.own(k)}
+    checkpoint["state_dict"] = module_state_dict(module, engine, stage)
+    checkpoint["optimizer_states"] = [_optimizer_state(module, engine, state[k]) for k in keys.optimizers]
+    checkpoint["lr_schedulers"] = [state[k].state_dict() for k in keys.schedulers]
+    checkpoint[FABRIC_KEYS] = {
+        "model": keys.module,
+        "optimizers": list(keys.optimizers),
+        "schedulers": list(keys.schedulers),
+    }
+    if precision_state:
+        checkpoint[PRECISION_KEY] = precision_state
+    checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)  # the Trainer resumes from it
+    return checkpoint
+
+
+def _optimizer_state(module: nn.Module, engine: ZeroEngine | None, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if engine is None or not engine.manages(optimizer):
+        return optimizer.state_dict()
+    return ckpt_save.optimizer_groups(module, engine, optimizer)
+
+
+def restore(
+    checkpoint: dict[str, Any],
+    state: dict[str, Any],
+    keys: StateKeys,
+    engine: ZeroEngine | None,
+    optimizers: list[torch.optim.Optimizer],
+    precision: OffloadPrecision,
+    strict: bool,
+) -> dict[str, Any]:
+    """Load ``checkpoint`` (as :func:`~lightning_zero.checkpoint.load.load_checkpoint` returns it) into the
+    objects of ``state``; plain values of ``state`` are replaced. Returns what is left of the checkpoint.
+    ``optimizers``: every optimizer the engine was built with. Call on all ranks."""
+    module = state[keys.module]
+    saved_keys = checkpoint.pop(FABRIC_KEYS, None) or {}
+    if "state_dict" not in checkpoint and keys.module in checkpoint:  # a Fabric checkpoint of another strategy
+        checkpoint["state_dict"] = checkpoint.pop(keys.module)
+        checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in keys.optimizers if k in checkpoint]
+        checkpoint["lr_schedulers"] = [checkpoint.pop(k) for k in keys.schedulers if k in checkpoint]
+        saved_keys = {"optimizers": list(keys.optimizers), "schedulers": list(keys.schedulers)}
+    ckpt_load.load_model(checkpoint, module, engine, optimizers, strict)
+    if keys.optimizers:
+        states = _saved_states(checkpoint, "optimizer_states", keys.optimizers, saved_keys.get("optimizers"))
+        chosen = [state[k] for k in keys.optimizers]
+        ckpt_load.load_optimizers({**checkpoint, "optimizer_states": states}, module, engine, chosen)
+    if keys.schedulers:
+        states = _saved_states(checkpoint, "lr_schedulers", keys.schedulers, saved_keys.get("schedulers"))
+        for key, saved in zip(keys.schedulers, states, strict=True):
+            state[key].load_state_dict(saved)
+    if PRECISION_KEY in checkpoint:
+        precision.load_state_dict(checkpoint.pop(PRECISION_KEY))
+    for key in (ckpt_load.SHARDED_KEY, "state_dict", "optimizer_states", "lr_schedulers"):
+        checkpoint.pop(key, None)
+    for key, obj in state.items():
+        if keys.own(key):
+            continue
+        if key not in checkpoint:
+            if strict:
+                raise KeyError(
+                    f"the requested state contains a key {key!r} that the checkpoint does not have; "
+                    "pass strict=False to skip it."
+                )
+            continue
+        if isinstance(obj, _Stateful):
+            obj.load_state_dict(checkpoint.pop(key))
+        else:
+            state[key] = checkpoint.pop(key)
+    return checkpoint
+
+
+def _saved_states(
+    checkpoint: dict[str, Any], where: str, keys: tuple[str, ...], saved_keys: list[str] | None
+) -> list[Any]:
+    """The states saved under ``checkpoint[where]`` for the objects named ``keys``: by name when the
+    checkpoint recorded the names (Fabric's), else in order (the Trainer's ``configure_optimizers``)."""
+    saved = checkpoint.get(where)
+    if saved is None:
+        raise ValueError(
+            f"the checkpoint has no {where} (a weights-only save?) but the state asks for {list(keys)}; "
+            "load the model alone: fabric.load(path, {'model': model})."
+        )
+    if saved_keys is not None and all(k in saved_keys for k in keys):
+        return [saved[saved_keys.index(k)] for k in keys]
+    if len(saved) != len(keys):
+        raise ValueError(
+            f"the checkpoint has {len(saved)} {where} but the state to load holds {len(keys)} ({list(keys)}); "
+            "give as many, in the order of the run that saved it."
+        )
+    return list(saved)

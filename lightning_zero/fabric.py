@@ -1,0 +1,511 @@
+"""``ZeroStrategy`` for Lightning Fabric: the same engine, options and checkpoint format as the Trainer's.
+
+Usage::
+
+    import lightning_zero  # registers "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload" with Fabric too
+    fabric = Fabric(strategy="zero3", precision="bf16-mixed", devices=8)
+    fabric = Fabric(strategy=lightning_zero.fabric.ZeroStrategy(stage=2, reduce_bucket_size=50_000_000))
+    fabric.launch()
+    with fabric.init_module():               # stage 3: built straight into each rank's shards
+        model = MyModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    for i, batch in enumerate(loader):
+        loss = model(batch)
+        fabric.backward(loss / accumulate)   # reduces into this rank's gradient shard
+        if (i + 1) % accumulate == 0:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)  # global norm over the shards
+            optimizer.step()                 # this rank's slices, then publish
+            optimizer.zero_grad()
+    fabric.save("ckpt", {"model": model, "optimizer": optimizer, "step": i})  # a sharded directory
+
+The strategy drives the one :class:`~lightning_zero.zero.engine.ZeroEngine` exactly as the Trainer
+strategy does (its options are :func:`lightning_zero.options.strategy_config`'s, and the loss scale and
+non-finite policy step through :meth:`lightning_zero.OffloadPrecision.zero_step`):
+``fabric.backward`` scales the loss ("16-mixed"), runs backward (the engine's hooks reduce the gradients
+into buckets) and completes the reductions; ``optimizer.step()`` exposes this rank's unscaled slices,
+steps them and publishes. What differs from the Trainer:
+
+* The engine is built for the model and all its optimizers at once: ``fabric.setup(model, opt1, opt2)``,
+  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)`` (stages 1 and 2; stage 3
+  shards the model in ``setup_module``, so it needs ``fabric.setup(model, optimizer)``).
+* ``fabric.no_backward_sync`` is accepted and changes nothing: ZeRO accumulates the window in its own
+  buffers (stage 1 reduces once, at the step; stages 2 and 3 reduce-scatter each micro-batch into the
+  gradient shard, which is what keeps their gradients sharded), so there is no synchronization to skip.
+* ``param.grad`` stays ``None`` (gradients go straight into the buckets); ``fabric.clip_gradients``
+  clips over the shards (``max_norm`` with the L2 norm only, or ``clip_val``).
+* ``optimizer.step()`` drops the window's gradients; ``optimizer.zero_grad()`` after it has nothing left
+  to drop. To discard gradients in the middle of a window call ``fabric.strategy.zero_grad(optimizer)``
+  (Fabric's optimizer wrapper calls the optimizer class's ``zero_grad``, not the engine's).
+* Data parallelism only: tensor and pipeline parallelism are the Trainer strategy's (they need the
+  LightningModule's plan and ``configure_pipeline``).
+* ``fabric.save(path, state)`` writes the Trainer strategy's sharded directory: the model's weights
+  under ``state_dict``, the optimizers and LR schedulers (in the order of ``state``) under
+  ``optimizer_states`` and ``lr_schedulers``, the loss scaler under ``OffloadPrecision``, everything
+  else as given. A Trainer checkpoint loads with ``fabric.load(path, {"model": model, "optimizer":
+  optimizer})`` (the rest comes back, e.g. ``global_step``), and a Fabric one resumes a Trainer
+  through ``ckpt_path=`` (use the same module class, so that the parameter names match; the Trainer's
+  loop counters start from 0). A plain Fabric DDP checkpoint file loads too. Any world size and stage
+  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank).
+* Stage 3 evaluation: a forward without backward (under ``torch.no_grad()``) ends its pass at the
+  model's forward hook (the Trainer ends it after ``validation_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+
+from lightning_zero import comm, debug, failures, memory, threads
+from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero.checkpoint import fabric_state
+from lightning_zero.checkpoint import load as ckpt_load
+from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.config import LossScaleConfig
+from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
+from lightning_zero.precision import OffloadPrecision
+from lightning_zero.zero.deferred import Recorder, Recording
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.surface import ModelParallelContext
+from lightning_zero.zero.swap import check_space as check_nvme_space
+
+
+# (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
+class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ignore[override]
+    """:class:`~lightning_zero.OffloadPrecision` as Fabric calls it.
+
+    Fabric casts the model before the strategy sets it up; ZeRO builds its fp32 masters from the
+    values the user built, so the cast waits for the engine (the strategy calls
+    :meth:`cast_module`). Outputs return in the default dtype, as from Fabric's own precision plugins.
+    Fabric's ``HalfPrecision`` is a base only so that Fabric's ``ThroughputMonitor`` reads the compute
+    dtype (``_desired_input_dtype``), as the Trainer's does through ``OffloadPrecision``; every method
+    it defines is overridden.
+    """
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module  # cast_module, after the engine has taken the masters
+
+    def cast_module(self, module: nn.Module) -> nn.Module:
+        return super().convert_module(module)
+
+    def convert_output(self, data: Any) -> Any:
+        if self.compute_dtype == torch.get_default_dtype():
+            return data
+        dtype = torch.get_default_dtype()
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+class _ZeroBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: ZeRO has nothing to skip (see the module docstring)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return nullcontext()
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO stage 1, 2 or 3 over Fabric's ranks.
+
+    Args:
+        stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
+        loss_scale: dynamic loss-scaling options for "16-mixed".
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+            process_group_backend, start_method: as for Fabric's ``DDPStrategy``.
+        **options: the other options of :class:`lightning_zero.ZeroStrategy` (``reduce_bucket_size``,
+            ``offload_optimizer``, ``offload_parameters``, ``activation_checkpointing``, ``timeout``, ...),
+            with the same meaning and defaults (:func:`lightning_zero.options.strategy_config`).
+
+    Raises:
+        ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
+            above 1, ``state_dict_type="full"`` or ``async_save=True`` (the Trainer strategy's).
+        TypeError: for an unknown option.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        loss_scale: LossScaleConfig | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
+    ) -> None:
+        #: Every option, validated once, as for the Trainer strategy.
+        self.config = strategy_config(stage=stage, **options)
+        if self.config.tensor.size > 1 or self.config.pipeline.stages > 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.config.tensor.size}, pipeline_parallel_size={self.config.pipeline.stages}:"
+                " Fabric's ZeroStrategy is data parallel only; tensor and pipeline parallelism need the Trainer's "
+                "lightning_zero.ZeroStrategy (a LightningModule's plan and configure_pipeline)."
+            )
+        if self.config.checkpoint.state_dict_type != "sharded" or self.config.checkpoint.async_save:
+            raise ValueError(
+                f"state_dict_type={self.config.checkpoint.state_dict_type!r}, async_save="
+                f"{self.config.checkpoint.async_save}: Fabric's ZeroStrategy writes sharded checkpoints synchronously "
+                "(no step boundary of a Trainer publishes an async save); leave both at their defaults and convert "
+                "a checkpoint with `lightning-zero consolidate` when one file is needed."
+            )
+        self._loss_scale = loss_scale
+        self._engine: ZeroEngine | None = None
+        self._module: nn.Module | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
+        self._checked_group: comm.CheckedGroup | None = None
+        self._threads_before: int | None = None
+        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
+        self._environment_before: dict[str, str | None] = {}  # what _setup_distributed changed, for teardown
+        self._steps = 0  # optimizer steps taken, for the messages
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=self.config.failure.collective_timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _ZeroBackwardSync()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)
+
+    # -- precision: always a FabricOffloadPrecision -------------------------------------------------
+
+    @property
+    def precision(self) -> FabricOffloadPrecision:
+        if self._precision is None:
+            self._precision = new_precision("32-true", self.config, self._loss_scale, FabricOffloadPrecision)
+        assert isinstance(self._precision, FabricOffloadPrecision)  # the setter converts what Fabric assigns
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = as_offload_precision(precision, self.config, self._loss_scale, FabricOffloadPrecision)
+
+    # -- processes ----------------------------------------------------------------------------------
+
+    @property
+    def data_parallel_group(self) -> comm.ProcessGroup:
+        """The group ZeRO shards over (the default group; checked when ``debug_collectives`` is on)."""
+        return self._checked_group
+
+    def _setup_distributed(self) -> None:
+        # NCCL's watchdog defaults (NCCL only), as under the Trainer; put back at teardown.
+        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
+            self._environment_before.setdefault(name, value)  # the first value seen is the user's
+        super()._setup_distributed()
+        failures.register_rank(self.global_rank, self.world_size, self.config.failure.collective_timeout)
+        if self.config.failure.debug_collectives and self._checked_group is None:
+            self._checked_group = debug.checked_group(None, self.config.failure.collective_timeout)
+
+    # -- model and optimizers -------------------------------------------------------------------------
+
+    @contextmanager
+    def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``fabric.init_module()``. Stage 3: the model is built on the meta device and recorded;
+        ``fabric.setup`` replays it into each rank's shards, to the values an unsharded build with the
+        same seed gives (:mod:`lightning_zero.zero.deferred`). Otherwise Fabric's own."""
+        if self.config.zero.stage != 3:
+            with super().module_init_context(empty_init):
+                yield
+            return
+        with self.precision.module_init_context(), Recorder(self.root_device) as recording:
+            yield
+        self._recordings.append(recording)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        if not _on_meta(module):  # stage 3 materializes a recorded model in setup
+            module.to(self.root_device)
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+        """``fabric.setup(model, *optimizers)``: one engine for the model and every optimizer."""
+        self._adopt(module)
+        self._build(module, optimizers)
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
+        """``fabric.setup_module(model)``. Stage 3 shards the model now (evaluation, or training after
+        ``fabric.setup`` instead); stages 1/2 make every rank's weights rank 0's and build the engine
+        at ``setup_optimizers``."""
+        self._adopt(module)
+        if self.config.zero.stage == 3:
+            self._build(module, [])
+        else:
+            self._check_not_meta(module)
+            comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
+        if self._module is None:
+            raise ValueError(
+                "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
+                "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
+            )
+        if self._engine is not None:
+            raise ValueError(
+                f"fabric.setup_optimizers() after the engine was built (stage {self.config.zero.stage}, "
+                f"{len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model once, for all of its "
+                "optimizers; pass them together: fabric.setup(model, optimizer1, optimizer2)."
+            )
+        self._build(self._module, [optimizer])
+        return optimizer
+
+    def _adopt(self, module: nn.Module) -> None:
+        if self._module is not None and self._module is not module:
+            raise ValueError(
+                "a second model was set up with this ZeroStrategy; it partitions one model: put the models into "
+                "one nn.Module (with one optimizer per part if needed) and call fabric.setup once."
+            )
+        self._module = module
+
+    def _check_not_meta(self, module: nn.Module) -> None:
+        if _on_meta(module):
+            raise ValueError(
+                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
+                f"this strategy runs stage {self.config.zero.stage}. Use stage=3 or build the model on a real device."
+            )
+
+    def _check_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Every parameter of every optimizer belongs to ``module``: ZeRO partitions the model's parameters."""
+        mine = {id(p) for p in module.parameters()}
+        for index, optimizer in enumerate(optimizers):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            foreign = [p for p in params if id(p) not in mine]
+            if foreign:
+                raise ValueError(
+                    f"optimizer {index} ({type(optimizer).__name__}) holds {len(foreign)} of its {len(params)} "
+                    f"parameters outside the model (e.g. of shape {tuple(foreign[0].shape)}): ZeRO partitions the "
+                    "model's own parameters; build the optimizer from model.parameters() of the model given to "
+                    "fabric.setup."
+                )
+
+    def _build(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """What the Trainer strategy's ``setup`` does, for a model and optimizers given by the user."""
+        stage3 = self.config.zero.stage == 3
+        on_meta = _on_meta(module)
+        if not stage3:
+            self._check_not_meta(module)
+        self._check_optimizers(module, optimizers)
+        precision = self.precision
+        # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
+        config = dataclasses.replace(self.config, offload=precision.offload)
+        if optimizers:
+            check_nvme_space(config.offload, module, comm.world_size(self.data_parallel_group), self.num_processes)
+        host = torch.device("cpu") if self.root_device.type != "cpu" else None
+        apply_activation_checkpointing(module, self.config.activations, host)
+        mmap = self.config.zero.host_mmap_threshold
+        on_host = self.root_device.type == "cpu" or precision.offload.offload_optimizer
+        if mmap is not None and not self._mmap_fixed and on_host:
+            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
+        if precision.offload.offload_optimizer and self._threads_before is None:
+            self._threads_before = torch.get_num_threads()  # put back at teardown
+            threads.apply_threads(self.num_processes)
+        self._engine = ZeroEngine(
+            module,
+            optimizers,
+            config=config,
+            precision=precision.precision,
+            device=self.root_device,
+            parallel=ModelParallelContext(data=self.data_parallel_group),
+            recordings=self._recordings,
+        )
+        self._optimizers = list(optimizers)
+        for recording in self._recordings:
+            recording.close()
+        self._recordings.clear()
+        if on_meta:
+            module.to(self.root_device)  # what stage 3 left whole (buffers, small frozen parameters)
+        precision.cast_module(module)
+        precision.attach(self._engine if optimizers else None, self.root_device)
+        _optimizers_to_device(optimizers, self.root_device)
+        if stage3:
+            # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
+            self._eval_hook = module.register_forward_hook(self._end_eval_pass)
+
+    def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() and self._engine is not None:
+            self._engine.end_pass()
+
+    def _training_engine(self, what: str) -> ZeroEngine:
+        if self._engine is None or not self._optimizers:
+            raise ValueError(
+                f"{what} under ZeRO stage {self.config.zero.stage} needs the optimizer set up with the model "
+                f"(its gradients go into the optimizer's shards); call fabric.setup(model, optimizer), or "
+                "fabric.setup_optimizers(optimizer) after fabric.setup_module(model) (stages 1 and 2)."
+            )
+        return self._engine
+
+    # -- backward and step ---------------------------------------------------------------------------
+
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Scale ("16-mixed"), backward (the engine's hooks reduce into buckets), complete the reductions."""
+        engine = self._training_engine("fabric.backward()")
+        precision = self.precision
+        scaled = tensor * precision.loss_scale if precision.scaler is not None else tensor
+        scaled.backward(*args, **kwargs)
+        engine.backward_done()
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()``: this rank's slices (unscaled), then publish; the gradients are dropped."""
+        if self._engine is None or not self._engine.manages(optimizer):
+            return super().optimizer_step(optimizer, **kwargs)
+        closure: Callable[[], Any] | None = kwargs.pop("closure", None)
+        result = closure() if closure is not None else None
+        self.precision.zero_step(optimizer, step=self._steps)
+        self._steps += 1
+        return result
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop every gradient of ``optimizer`` since its last step (ZeRO-held ones too). Call on all ranks."""
+        self._training_engine("zero_grad()").zero_grad(optimizer)
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip to a global L2 norm over the shards, as DDP clips the full gradients; returns the norm
+        before clipping. Call on all ranks, after the window's last backward."""
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"fabric.clip_gradients(norm_type={norm_type}): ZeRO clips by the global L2 norm over the shards; "
+                "use norm_type=2.0, or clip_val= to clip by value."
+            )
+        engine = self._training_engine("fabric.clip_gradients()")
+        precision = self.precision
+        norm = engine.clip_grad_norm(optimizer, float(max_norm), 1.0 / precision.loss_scale)
+        # "16-mixed" overflows are expected: the step skips them. Otherwise as torch's clip_grad_norm_.
+        if error_if_nonfinite and precision.scaler is None and not bool(torch.isfinite(norm)):
+            raise RuntimeError(
+                f"the total norm of order 2.0 of the gradients is non-finite ({float(norm)}), so it cannot be "
+                "clipped; pass error_if_nonfinite=False to clip anyway (the step then follows on_nonfinite)."
+            )
+        return norm
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
+        """Clamp every gradient element of this rank's slices to ``[-clip_val, clip_val]``."""
+        engine = self._training_engine("fabric.clip_gradients()")
+        engine.clip_grad_value(optimizer, float(clip_val), 1.0 / self.precision.loss_scale)
+
+    @contextmanager
+    def gathered_parameters(
+        self, module: nn.Module | None = None, modifier_rank: int | None = None
+    ) -> Generator[None, None, None]:
+        """Inside the block ``module`` (default: the model) has its full parameters on every rank, under
+        stage 3 too; edits on ``modifier_rank`` are written back into every rank's shards and fp32
+        masters. Call on all ranks."""
+        module = module or self._module
+        if self._engine is None or module is None:
+            yield
+            return
+        with self._engine.gathered_parameters(module, modifier_rank):
+            yield
+
+    # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write the sharded directory ``path`` (every rank its own file), in the Trainer strategy's format."""
+        if storage_options is not None or filter is not None:
+            raise ValueError(
+                "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
+                "format holds every parameter piece of every rank; save without them."
+            )
+        keys = fabric_state.split_state(state, self._module, self._optimizers)
+        stage, precision = self.config.zero.stage, self.precision
+        checkpoint = fabric_state.to_checkpoint(state, keys, self._engine, stage, precision.state_dict())
+        optimizers = [state[k] for k in keys.optimizers]
+        ckpt_save.save_sharded(checkpoint, path, state[keys.module], self._engine, optimizers, precision.precision)
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
+        (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
+        checkpoint = ckpt_load.load_checkpoint(
+            path, weights_only, self.global_rank, lambda p: pl_load(Path(p), weights_only=weights_only)
+        )
+        if not state:
+            return checkpoint
+        if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
+            self._adopt(state)
+            ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
+            return {}
+        if isinstance(state, torch.optim.Optimizer):
+            raise ValueError(
+                "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
+                "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
+            )
+        keys = fabric_state.split_state(state, self._module, self._optimizers)
+        return fabric_state.restore(checkpoint, state, keys, self._engine, self._optimizers, self.precision, strict)
+
+    # -- teardown ----------------------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """Remove the engine's hooks; stage 3 parameters become whole again (a collective)."""
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
+        if self._engine is not None:
+            self._engine.close(unshard=True)
+            self._engine = None
+        self.precision.attach(None, self.root_device)
+        if self._module is not None:
+            remove_activation_checkpointing(self._module)
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        if self._mmap_fixed:
+            memory.restore_mmap_threshold()
+            self._mmap_fixed = False
+        failures.restore_environment(self._environment_before)
+        self._environment_before.clear()
+        super().teardown()
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+__all__ = ["FabricOffloadPrecision", "ZeroStrategy"]

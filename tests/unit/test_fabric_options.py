@@ -1,0 +1,91 @@
+"""Fabric's ZeroStrategy (issue 19) without processes: its names in Fabric's registry, the options it
+shares with the Trainer strategy, the precision plugin Fabric gets, and Fabric's ThroughputMonitor dtype."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
+
+import lightning_zero
+from lightning_zero import OffloadPrecision
+from lightning_zero.fabric import FabricOffloadPrecision, ZeroStrategy
+from lightning_zero.options import REGISTERED_NAMES, strategy_config
+
+
+@pytest.mark.parametrize("name", sorted(REGISTERED_NAMES))
+def test_fabric_finds_the_registered_names(name):
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=name)
+    strategy = fabric.strategy
+    assert type(strategy) is ZeroStrategy
+    expected = REGISTERED_NAMES[name][1]
+    assert strategy.config.zero.stage == expected["stage"]
+    assert strategy.config.offload.offload_optimizer == expected.get("offload_optimizer", False)
+    assert bool(strategy.config.offload.offload_parameters) == expected.get("offload_parameters", False)
+
+
+def test_options_are_the_trainer_strategys():
+    """Every option of strategy_config (which Fabric's strategy takes as keywords) is one of the
+    Trainer strategy's, with the same default: one list of options, documented once."""
+    shared = inspect.signature(strategy_config).parameters
+    trainer = inspect.signature(lightning_zero.ZeroStrategy.__init__).parameters
+    for name, parameter in shared.items():
+        assert name in trainer, name
+        assert trainer[name].default == parameter.default, name
+    lightnings_own = {"self", "loss_scale", "accelerator", "parallel_devices", "cluster_environment"}
+    lightnings_own |= {"checkpoint_io", "precision_plugin", "process_group_backend", "start_method"}
+    assert set(trainer) - set(shared) == lightnings_own
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stage": 4}, "stage=4"),
+        ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
+        ({"stage": 2, "offload_parameters": True, "offload_optimizer": True}, "needs stage=3"),
+        ({"pipeline_parallel_size": 2}, "data parallel only"),
+        ({"state_dict_type": "full"}, "state_dict_type='full'"),
+        ({"async_save": True}, "async_save=True"),
+    ],
+)
+def test_invalid_options_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "precision,dtype",
+    [
+        ("32-true", torch.float32),
+        ("bf16-mixed", torch.bfloat16),
+        ("bf16-true", torch.bfloat16),
+        ("64-true", torch.float64),
+    ],
+)
+def test_fabric_precision_and_throughput_dtype(precision, dtype):
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="zero3", precision=precision)
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, FabricOffloadPrecision) and plugin.precision == precision
+    assert fabric._precision is plugin  # what Fabric's model wrapper calls
+    # Fabric's ThroughputMonitor measures MFU against the peak of this dtype
+    assert _plugin_to_compute_dtype(plugin) == dtype
+
+
+def test_offload_precision_plugin_keeps_its_options():
+    plugin = OffloadPrecision("bf16-mixed", offload_optimizer=True)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2), plugins=[plugin])
+    converted = fabric.strategy.precision
+    assert isinstance(converted, FabricOffloadPrecision)
+    assert converted.precision == "bf16-mixed" and converted.offload.offload_optimizer
+
+
+def test_outputs_in_the_default_dtype():
+    plugin = FabricOffloadPrecision("bf16-mixed")
+    out = plugin.convert_output({"loss": torch.ones(2, dtype=torch.bfloat16), "ids": torch.ones(2, dtype=torch.long)})
+    assert out["loss"].dtype == torch.float32 and out["ids"].dtype == torch.long
+    module = torch.nn.Linear(3, 2)
+    assert plugin.convert_module(module).weight.dtype == torch.float32  # cast later, after the engine
+    assert plugin.cast_module(module).weight.dtype == torch.bfloat16
