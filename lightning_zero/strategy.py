@@ -42,6 +42,7 @@ from lightning_zero import comm, debug, failures, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
+from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
@@ -213,6 +214,7 @@ class ZeroStrategy(DDPStrategy):
             ),
         )
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
+        self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
@@ -478,6 +480,18 @@ class ZeroStrategy(DDPStrategy):
                 self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._resume_rng is not None and trainer is not None and trainer.training:
+            # The first batch after a resume: a mid-epoch resume created its data loader iterator after
+            # the checkpoint's random states were restored (drawing a base seed from them), which the
+            # uninterrupted run did not; so the states are restored again here, where that run stood.
+            # (After an epoch-end save both runs create an iterator first: nothing to undo then.)
+            if trainer.fit_loop.epoch_loop.batch_progress.current.completed > 0:
+                ckpt_rng.restore(self._resume_rng)
+            self._resume_rng = None
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
@@ -671,9 +685,11 @@ class ZeroStrategy(DDPStrategy):
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
         self._finish_pending_save()
         plain = super().load_checkpoint
-        return ckpt_load.load_checkpoint(
+        checkpoint = ckpt_load.load_checkpoint(
             checkpoint_path, weights_only, self.global_rank, lambda p: plain(str(p), weights_only)
         )
+        self._resume_rng = checkpoint.get(ckpt_load.RESUME_KEY, {}).get("rng")
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
@@ -686,6 +702,7 @@ class ZeroStrategy(DDPStrategy):
         ckpt_load.load_optimizers(
             checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
         )
+        ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
 
