@@ -106,7 +106,7 @@ class TokenDataModule(LightningDataModule, abc.ABC):
         (``seed_everything``'s, as the sampler Lightning would add) and the epoch only, which a resumed
         run draws alike; with one process too (a shuffling sampler of its own would draw its
         permutation from the global random state, which differs at a resume)."""
-        trainer = self._trainer
+        trainer = getattr(self, "trainer", None)
         ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
         ranks = ranks or {"num_replicas": 1, "rank": 0}
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
