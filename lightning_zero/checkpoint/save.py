@@ -300,7 +300,11 @@ def save_sharded(
     def snapshot() -> tuple[dict[str, Any], bytes | None]:
         replaced = overrides(checkpoint["state_dict"], module, engine)  # an EMA's weights, put there by its callback
         values, optim = rank_payload(module, engine, optimizers, merged, rank, replaced)
-        payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
+        payload: dict[str, Any] = {
+            "params": values,
+            "optim": optim if has_optimizer_states else [],
+            "rng": rng.collect(),
+        }
         # Resuming exactly mid-epoch: this rank's data loader state (Lightning's dict keeps rank 0's) and,
         # in the middle of an accumulation window, the gradients accumulated since the last step.
         payload["loader"] = loader_state(checkpoint)
