@@ -480,17 +480,16 @@ class ZeroStrategy(DDPStrategy):
                 self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+    def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._resume_rng is not None and trainer is not None and trainer.training:
-            # The first batch after a resume: a mid-epoch resume created its data loader iterator after
-            # the checkpoint's random states were restored (drawing a base seed from them), which the
-            # uninterrupted run did not; so the states are restored again here, where that run stood.
-            # (After an epoch-end save both runs create an iterator first: nothing to undo then.)
-            if trainer.fit_loop.epoch_loop.batch_progress.current.completed > 0:
-                ckpt_rng.restore(self._resume_rng)
-            self._resume_rng = None
-        return super().batch_to_device(batch, device, dataloader_idx)
+        if self._resume_rng is not None and trainer is not None and trainer.fit_loop.restarted_mid_epoch:
+            # A mid-epoch resume has just created its train loader's iterator (drawing a base seed from the
+            # random states the checkpoint restored), which the uninterrupted run did not do at that point:
+            # the states are restored again, so the rest of the epoch draws what that run drew. (After an
+            # epoch-end save both runs create an iterator first: nothing to undo then.)
+            ckpt_rng.restore(self._resume_rng)
+        self._resume_rng = None
+        super().on_train_start()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._parallel.pipelined:

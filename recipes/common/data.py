@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,16 @@ from recipes.common import cache, corpus
 from recipes.common.tokenizer import get_tokenizer
 
 
+class EpochIndexSampler(DistributedSampler):
+    """A ``DistributedSampler`` that yields ``(index, epoch)``: a dataset drawing randomness per sample
+    (BERT's dynamic masks) seeds it with both, so its draws are a function of seed, epoch and index,
+    the same in a resumed run, whatever the worker processes and whatever was fetched ahead."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]  # pairs, not plain indices
+        epoch = self.epoch
+        return ((index, epoch) for index in super().__iter__())
+
+
 class TokenDataModule(LightningDataModule, abc.ABC):
     """Tokenizes ``sources`` once (``prepare_data``, one process per machine) and serves fixed windows.
 
@@ -25,6 +36,8 @@ class TokenDataModule(LightningDataModule, abc.ABC):
     """
 
     tokenizer_name: str = ""
+    sampler_class: type[DistributedSampler] = DistributedSampler
+    """The train sampler (:class:`EpochIndexSampler` for datasets that take ``(index, epoch)``)."""
 
     def __init__(
         self,
@@ -110,7 +123,7 @@ class TokenDataModule(LightningDataModule, abc.ABC):
         ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
         ranks = ranks or {"num_replicas": 1, "rank": 0}
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True, **ranks)
+        return self.sampler_class(dataset, shuffle=True, seed=seed, drop_last=True, **ranks)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled windows of the train split, this data-parallel rank's share."""
