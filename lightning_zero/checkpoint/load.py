@@ -7,8 +7,11 @@ Lightning checkpoint (DDP, single device, or our earlier consolidated format) lo
 same code with the whole tensors as the source.
 
 Lightning calls, after the strategy's setup (``restore_checkpoint_after_setup`` is True, so the
-engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random states),
-``load_model_state_dict``, then, when fitting, ``load_optimizer_state_dict``.
+engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random states and its own
+data loader state), ``load_model_state_dict``, then, when fitting, ``load_optimizer_state_dict``
+(and :func:`load_window`: the gradients of an accumulation window the checkpoint interrupted). A
+mid-epoch resume restores the random states once more at ``on_train_start``, after Lightning has
+created the train loader's iterator (see the strategy and the README, "Exact resume").
 """
 
 from __future__ import annotations
