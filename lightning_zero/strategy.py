@@ -42,6 +42,7 @@ from lightning_zero import comm, debug, failures, memory, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
+from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
 from lightning_zero.config import (
@@ -205,6 +206,7 @@ class ZeroStrategy(DDPStrategy):
             async_save=async_save,
         )
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
+        self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
@@ -458,6 +460,17 @@ class ZeroStrategy(DDPStrategy):
                 self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._resume_rng is not None and trainer is not None and trainer.fit_loop.restarted_mid_epoch:
+            # A mid-epoch resume has just created its train loader's iterator (drawing a base seed from the
+            # random states the checkpoint restored), which the uninterrupted run did not do at that point:
+            # the states are restored again, so the rest of the epoch draws what that run drew. (After an
+            # epoch-end save both runs create an iterator first: nothing to undo then.)
+            ckpt_rng.restore(self._resume_rng)
+        self._resume_rng = None
+        super().on_train_start()
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
@@ -647,9 +660,11 @@ class ZeroStrategy(DDPStrategy):
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""
         self._finish_pending_save()
         plain = super().load_checkpoint
-        return ckpt_load.load_checkpoint(
+        checkpoint = ckpt_load.load_checkpoint(
             checkpoint_path, weights_only, self.global_rank, lambda p: plain(str(p), weights_only)
         )
+        self._resume_rng = checkpoint.get(ckpt_load.RESUME_KEY, {}).get("rng")
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
@@ -662,6 +677,7 @@ class ZeroStrategy(DDPStrategy):
         ckpt_load.load_optimizers(
             checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
         )
+        ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
 

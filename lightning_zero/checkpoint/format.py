@@ -19,11 +19,15 @@ with elements in r's slices, one contiguous piece of the flattened part::
 
     {"params": {name: 1-D tensor},                  the master (fp32 under mixed precision) values
      "optim":  [{name: {"slices": {state_key: 1-D tensor}, "scalars": {state_key: value}}} per optimizer],
-     "rng":    this rank's torch / numpy / Python random states}
+     "rng":    this rank's torch / numpy / Python random states,
+     "loader": this rank's stateful train data loader states (Lightning's ``combined_loader``; None without),
+     "window": None, or (saved in the middle of a gradient-accumulation window) this rank's gradients
+               accumulated since the last step, with the flat-buffer layout they belong to}
 
 and ``metadata.json`` says where each piece starts::
 
     "layout": {"data": D, "tensor": T, "pipeline": P}, "world_size": D*T*P, "state_dict_keys": [...],
+    "mid_window": whether the ranks' "window" entries hold gradients,
     "params": {name: {"shape": [whole shape], "dtype": "bfloat16", "saved_dtype": "float32",
                       "aliases": [tied names], "optimizer": 0 (or null: no optimizer state),
                       "partition_dim": d (or null), "tensor_parallel_size": T (1: saved whole),

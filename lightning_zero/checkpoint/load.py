@@ -7,8 +7,11 @@ Lightning checkpoint (DDP, single device, or our earlier consolidated format) lo
 same code with the whole tensors as the source.
 
 Lightning calls, after the strategy's setup (``restore_checkpoint_after_setup`` is True, so the
-engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random states),
-``load_model_state_dict``, then, when fitting, ``load_optimizer_state_dict``.
+engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random states and its own
+data loader state), ``load_model_state_dict``, then, when fitting, ``load_optimizer_state_dict``
+(and :func:`load_window`: the gradients of an accumulation window the checkpoint interrupted). A
+mid-epoch resume restores the random states once more at ``on_train_start``, after Lightning has
+created the train loader's iterator (see the strategy and the README, "Exact resume").
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
 
 SHARDED_KEY = "lightning_zero_sharded_checkpoint"
 """Key of the checkpoint dict that :func:`load_checkpoint` returns for a sharded checkpoint: its directory."""
+SAVED_WORLD_SIZE_KEY = "lightning_zero_saved_world_size"
+RESUME_KEY = "lightning_zero_resume"
+"""This rank's random states and accumulation-window gradients, for an exact resume (see :func:`load_window`)."""
 
 
 class SavedStateDict(MutableMapping[str, Any]):
@@ -96,6 +102,7 @@ def load_checkpoint(
     if directory is None:
         return load_plain(path)
     meta = fmt.read_metadata(directory)
+    world_size = comm.world_size(None) if comm.initialized() else 1
     fmt.check_rank_files(directory, meta)
     # weights_only=None means torch's default (True): Lightning's state is plain containers; pass
     # weights_only=False to Trainer.fit only for a trusted checkpoint with arbitrary hyperparameters.
@@ -107,12 +114,40 @@ def load_checkpoint(
         mmap=False,
     )
     checkpoint[SHARDED_KEY] = str(directory)
+    checkpoint[SAVED_WORLD_SIZE_KEY] = meta["world_size"]
     keys = meta.get("state_dict_keys") or list(meta.get("params", {}))
     checkpoint["state_dict"] = SavedStateDict(directory, checkpoint.get("state_dict", {}), keys)
+    resumed: dict[str, Any] = {"mid_window": bool(meta.get("mid_window", False)), "window": None, "rng": None}
     if rank < meta["world_size"]:
-        own = directory / meta["rank_files"][rank]
-        rng.restore(fmt.load_file(own, fmt.rank_file_crc32(meta, rank), f"rank {rank}'s shards")["rng"])
+        own = fmt.load_file(
+            directory / meta["rank_files"][rank], fmt.rank_file_crc32(meta, rank), f"rank {rank}'s shards"
+        )
+        resumed["rng"] = own["rng"]
+        rng.restore(own["rng"])
+        if meta["world_size"] == world_size:
+            resumed["window"] = own.get("window")
+            loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+            if own.get("loader") is not None and "combined_loader" in loops:
+                loops["combined_loader"] = own["loader"]  # this rank's own position (Lightning saves rank 0's)
+    checkpoint[RESUME_KEY] = resumed
     return checkpoint
+
+
+def load_window(checkpoint: Mapping[str, Any], engine: ZeroEngine | None) -> None:
+    """Put back this rank's gradients of the accumulation window the checkpoint was saved in (if it was
+    saved in the middle of one): only into the same world size, stage and buckets, ``ValueError``
+    otherwise. Local."""
+    resumed = checkpoint.get(RESUME_KEY)
+    if resumed is None or not resumed["mid_window"]:
+        return
+    if resumed["window"] is None or engine is None:
+        raise ValueError(
+            f"the checkpoint {checkpoint.get(SHARDED_KEY)} was saved in the middle of a gradient-accumulation window "
+            f"and its partial gradients fit only its own world size ({checkpoint.get(SAVED_WORLD_SIZE_KEY)} ranks, "
+            f"here {comm.world_size(None)}). Resume with that world size, or from a checkpoint saved at a window "
+            "boundary (ModelCheckpoint(every_n_train_steps=...) saves there)."
+        )
+    engine.load_window_state(resumed["window"])
 
 
 def _check_keys(reader: Any, local: dict[str, tuple | None], strict: bool, where: str) -> set[str]:

@@ -63,6 +63,11 @@ def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.opt
     return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(optimizer).__name__, "param_groups": groups}
 
 
+def loader_state(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The fit loop's stateful train data loader states in Lightning's dict (``None`` without)."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+
+
 def _agree(outcome: tuple[bool, Any], group: comm.ProcessGroup, what: str) -> list:
     """Exchange every rank's ``(ok, value or traceback)``; return the values, or raise on every rank
     if any rank failed. Call on all ranks."""
@@ -290,10 +295,21 @@ def save_sharded(
             _clear(tmp)
         raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
 
+    facts: dict[str, Any] = {}
+
     def snapshot() -> tuple[dict[str, Any], bytes | None]:
         replaced = overrides(checkpoint["state_dict"], module, engine)  # an EMA's weights, put there by its callback
         values, optim = rank_payload(module, engine, optimizers, merged, rank, replaced)
-        payload = {"params": values, "optim": optim if has_optimizer_states else [], "rng": rng.collect()}
+        payload: dict[str, Any] = {
+            "params": values,
+            "optim": optim if has_optimizer_states else [],
+            "rng": rng.collect(),
+        }
+        # Resuming exactly mid-epoch: this rank's data loader state (Lightning's dict keeps rank 0's) and,
+        # in the middle of an accumulation window, the gradients accumulated since the last step.
+        payload["loader"] = loader_state(checkpoint)
+        payload["window"] = engine.window_state() if engine is not None and has_optimizer_states else None
+        facts["mid_window"] = payload["window"] is not None
         lightning_bytes = None
         if rank == 0:
             buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
@@ -314,6 +330,7 @@ def save_sharded(
             },
             "precision": precision,
             "has_optimizer_states": has_optimizer_states,
+            "mid_window": facts.get("mid_window", False),  # the same on every rank: windows end together
             "rank_files": [fmt.rank_file(r) for r in range(world_size)],
             "rank_file_bytes": [size for size, _, _ in written],
             # CRC-32 of every file, checked by each reader before it trusts a file's bytes

@@ -511,6 +511,15 @@ class ZeroEngine:
         with self._resident():
             self._get(optimizer).load_consolidated_state_dict(state_dict)
 
+    def window_state(self) -> dict[str, Any] | None:
+        """This rank's gradients accumulated since the last step (a checkpoint saved in the middle of
+        an accumulation window), as host copies; ``None`` at a window boundary. Local."""
+        return self._reducer.window_state()
+
+    def load_window_state(self, state: dict[str, Any]) -> None:
+        """Put back :meth:`window_state` (same stage, world size and buckets; ``ValueError`` otherwise). Local."""
+        self._reducer.load_window_state(state)
+
     def publish(self) -> None:
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""

@@ -348,6 +348,26 @@ class FlatBuffer:
             self.grad_shard.zero_()
         self.grad_state = GradState.EMPTY
 
+    def window_grads(self) -> tuple[str, torch.Tensor] | None:
+        """The gradients this buffer holds in the middle of an accumulation window, for a checkpoint:
+        ``(GradState value, host copy)`` of ``grad_bucket`` (stage 1: this rank's unreduced sums) or
+        ``grad_shard`` (stages 2/3: the averaged slice); ``None`` when EMPTY. Between backwards only
+        (not REDUCING). ON_HOST is saved as REDUCED: ``host_grad`` is a copy of ``grad_shard``."""
+        if not self.trainable or self.grad_state is GradState.EMPTY:
+            return None
+        assert self.grad_state is not GradState.REDUCING, "a checkpoint in the middle of a reduction"
+        source = self.grad_bucket if self._bucket_kept else self.grad_shard
+        assert source is not None
+        state = GradState.REDUCED if self.grad_state is GradState.ON_HOST else self.grad_state
+        return state.value, source.detach().to("cpu", copy=True)
+
+    def load_window_grads(self, state: str, grads: torch.Tensor) -> None:
+        """Put back what :meth:`window_grads` saved (same layout, same rank)."""
+        target = self.grad_bucket if self._bucket_kept else self.grad_shard
+        assert target is not None and target.shape == grads.shape
+        target.copy_(grads)
+        self.grad_state = GradState(state)
+
     def absorb_edits(self, chunk: int = 1 << 20) -> None:
         """Write in-place edits of parameters into the master (the user's hooks and callbacks edit
         ``param.data``: weight clipping, an EMA swapped in; under stage 3 the released parameters are

@@ -161,8 +161,11 @@ class GatherCoordinator:
             sub.__class__ = _guarded_class(type(sub))
             sub._lightning_zero_sharded = names
             self.needs.append(needed)
-            self._handles.append(sub.register_forward_pre_hook(self._make_pre_forward(index)))
-            self._handles.append(sub.register_forward_hook(self._make_post_forward(index)))
+            # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
+            # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
+            pre, post = self._make_pre_forward(index), self._make_post_forward(index)
+            self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
+            self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
         self._refs: dict[int, int] = {}
         self._pinned: set[int] = set()
         self.trace: list[int] = []  # module indices in the order they ran this step

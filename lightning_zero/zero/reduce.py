@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -288,6 +289,56 @@ class GradReducer:
             if lo < hi:
                 buffer.add_to_grads(lo - start, accum[lo - slot.offset : hi - slot.offset])
             accum.zero_()
+
+    # -- checkpoints in the middle of an accumulation window -------------------------------------
+
+    def _signature(self) -> list[tuple[int, int, int, int, int | None]]:
+        return [
+            (b.layout.padded_numel, b.layout.world_size, b.rank, len(b.params), b.optimizer_group) for b in self.buffers
+        ]
+
+    def window_state(self) -> dict[str, Any] | None:
+        """The gradients accumulated since the last optimizer step, as host copies: each buffer's
+        (:meth:`FlatBuffer.window_grads`), the tied accumulators, and which parameters got a gradient;
+        with the layout they belong to. ``None`` at a window boundary (no gradient since the step).
+        Local: every rank saves its own."""
+        if not self.got_gradient:
+            return None
+        if self.unfinished():
+            raise RuntimeError(f"a checkpoint was saved in the middle of a backward: {BACKWARD_OUTSIDE}.")
+        got = [
+            (b, p)
+            for b, buffer in enumerate(self.buffers)
+            for p, param in enumerate(buffer.params)
+            if id(param) in self.got_gradient
+        ]
+        return {
+            "stage": self.stage,
+            "buffers": self._signature(),
+            "grads": [b.window_grads() for b in self.buffers],
+            "tied": [accum.detach().to("cpu", copy=True) for accum, _, _, _ in self._tied.values()],
+            "got_gradient": got,
+        }
+
+    def load_window_state(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`window_state` saved, so the window goes on as if never interrupted:
+        only into the same stage and flat-buffer layout (``ValueError`` otherwise). Local."""
+        layout = [tuple(b) for b in state["buffers"]]
+        if state["stage"] != self.stage or layout != self._signature() or len(state["tied"]) != len(self._tied):
+            raise ValueError(
+                f"the checkpoint was saved in the middle of a gradient-accumulation window, at ZeRO stage {state['stage']} "
+                f"with {len(layout)} flat buffers on data-parallel rank {layout[0][2] if layout else '?'} of "
+                f"{layout[0][1] if layout else '?'}; its partial gradients fit only that layout (here: stage {self.stage}, "
+                f"{len(self.buffers)} flat buffers, rank {self.buffers[0].rank if self.buffers else '?'} of "
+                f"{self.world_size}). Resume with the same world size, stage and bucket sizes, or from a checkpoint "
+                "saved at a window boundary (ModelCheckpoint(every_n_train_steps=...) saves there)."
+            )
+        for buffer, saved in zip(self.buffers, state["grads"], strict=True):
+            if saved is not None:
+                buffer.load_window_grads(*saved)
+        for (accum, _, _, _), saved in zip(self._tied.values(), state["tied"], strict=True):
+            accum.copy_(saved)
+        self.got_gradient.update(id(self.buffers[b].params[p]) for b, p in state["got_gradient"])
 
     def unfinished(self) -> bool:
         """A backward brought gradients that :meth:`finish` has not completed (it was not called)."""

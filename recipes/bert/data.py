@@ -1,8 +1,11 @@
 """BERT data: windows of the token cache as ``[CLS] A [SEP] (B [SEP])``, 15% of word pieces masked.
 
 Masking follows BERT: of the chosen positions, 80% become [MASK], 10% a random word piece, 10% stay.
-Training windows draw their masks from torch's global generator (seeded by ``seed_everything``), so
-each epoch masks differently (RoBERTa's dynamic masking); validation windows use a generator seeded
+Training windows come from :class:`~recipes.common.data.EpochIndexSampler` as ``(index, epoch)`` and
+draw their masks from a generator seeded by ``seed_everything``'s seed, the epoch and the index, so
+each epoch masks differently (RoBERTa's dynamic masking) and a run resumed mid-epoch draws the masks
+the uninterrupted run drew (the global generator would not do: Lightning fetches a batch ahead).
+A plain integer index draws from torch's global generator. Validation windows use a generator seeded
 by the window's index, so every validation sees the same masks and ``val_loss`` is comparable.
 
 With ``nsp``, a window is cut at a random point into A and B; half of the time B is replaced by as
@@ -12,11 +15,13 @@ Segments are cut at token, not sentence, boundaries: simpler, and NSP is optiona
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.common.data import TokenDataModule
+from recipes.common.data import EpochIndexSampler, TokenDataModule
 from recipes.common.tokenizer import BertTokenizer
 
 
@@ -33,6 +38,7 @@ class MaskedWindows(Dataset):
         self.tokens, self.seq_len, self.tok = tokens, seq_len, tok
         self.mask_prob, self.nsp, self.seed = mask_prob, nsp, seed
         self.body = seq_len - (3 if nsp else 2)
+        self.train_seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, for (index, epoch) items
 
     def __len__(self) -> int:
         return len(self.tokens) // self.body
@@ -40,8 +46,13 @@ class MaskedWindows(Dataset):
     def _slice(self, start: int, length: int) -> torch.Tensor:
         return torch.from_numpy(self.tokens[start : start + length].astype(np.int64))
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = None if self.seed is None else torch.Generator().manual_seed(self.seed + index)
+    def __getitem__(self, index: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+        if isinstance(index, tuple):  # (index, epoch) from EpochIndexSampler: this epoch's masks of the window
+            index, epoch = index
+            mixed = ((self.train_seed * 1_000_003 + epoch) * 1_000_000_007 + index) % (1 << 63)
+            gen: torch.Generator | None = torch.Generator().manual_seed(mixed)
+        else:
+            gen = None if self.seed is None else torch.Generator().manual_seed(self.seed + index)
         cls, sep = torch.tensor([self.tok.cls_id]), torch.tensor([self.tok.sep_id])
         body = self._slice(index * self.body, self.body)
         item = {}
@@ -95,6 +106,7 @@ class BertDataModule(TokenDataModule):
     """
 
     tokenizer_name = "bert-uncased"
+    sampler_class = EpochIndexSampler
 
     def __init__(
         self,

@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import abc
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from recipes.common import cache, corpus
 from recipes.common.tokenizer import get_tokenizer
+
+
+class EpochIndexSampler(DistributedSampler):
+    """A ``DistributedSampler`` that yields ``(index, epoch)``: a dataset drawing randomness per sample
+    (BERT's dynamic masks) seeds it with both, so its draws are a function of seed, epoch and index,
+    the same in a resumed run, whatever the worker processes and whatever was fetched ahead."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]  # pairs, not plain indices
+        epoch = self.epoch
+        return ((index, epoch) for index in super().__iter__())
 
 
 class TokenDataModule(LightningDataModule, abc.ABC):
@@ -23,6 +36,8 @@ class TokenDataModule(LightningDataModule, abc.ABC):
     """
 
     tokenizer_name: str = ""
+    sampler_class: type[DistributedSampler] = DistributedSampler
+    """The train sampler (:class:`EpochIndexSampler` for datasets that take ``(index, epoch)``)."""
 
     def __init__(
         self,
@@ -87,18 +102,31 @@ class TokenDataModule(LightningDataModule, abc.ABC):
             setattr(self, f"{split}_set", self.make_dataset(tokens, split))
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        return DataLoader(
+        # A StatefulDataLoader (torchdata): Lightning saves its position in every checkpoint, so a run
+        # resumed from a mid-epoch checkpoint goes on with the next batch (see the README, "Exact resume").
+        return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            sampler=self._train_sampler(dataset) if train else None,
             drop_last=train,  # equal micro-batches: constant tokens/step and FLOPs per batch
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
 
+    def _train_sampler(self, dataset: Dataset) -> DistributedSampler:
+        """The shuffled order of the train windows over the data-parallel ranks: a function of the seed
+        (``seed_everything``'s, as the sampler Lightning would add) and the epoch only, which a resumed
+        run draws alike; with one process too (a shuffling sampler of its own would draw its
+        permutation from the global random state, which differs at a resume)."""
+        trainer = getattr(self, "trainer", None)
+        ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+        ranks = ranks or {"num_replicas": 1, "rank": 0}
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return self.sampler_class(dataset, shuffle=True, seed=seed, drop_last=True, **ranks)
+
     def train_dataloader(self) -> DataLoader:
-        """Shuffled windows of the train split (Lightning adds a DistributedSampler across ranks)."""
+        """Shuffled windows of the train split, this data-parallel rank's share."""
         return self._loader(self.train_set, train=True)
 
     def val_dataloader(self) -> DataLoader:
