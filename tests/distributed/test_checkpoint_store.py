@@ -1,7 +1,8 @@
 """Sharded checkpoints on an object store (issue 24), on 2 spawned CPU/gloo ranks: save, resume,
 ModelCheckpoint's save_top_k removal and `lightning-zero consolidate` through s3fs against a local S3
-server (moto's server mode, on 127.0.0.1, started and stopped by a fixture: no network). The
-checkpoints must be bit for bit those a local save writes, and resume the same.
+server (moto's server mode, on 127.0.0.1, started and stopped by a fixture: no network), with the
+saves during fit asynchronous. The checkpoints must be bit for bit those a local save writes, and
+resume the same.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _worker(rank: int, root: str, tmp: str) -> dict:
 
     every_epoch = ModelCheckpoint(dirpath=f"{root}/epochs", every_n_epochs=1, save_top_k=-1)
     top_k = ModelCheckpoint(dirpath=f"{root}/topk", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
-    trainer, full = _fit(ZERO2, 2, rank, 8, callbacks=[every_epoch, top_k])
+    # ModelCheckpoint's saves during fit are asynchronous (background threads streaming to the store)
+    trainer, full = _fit({**ZERO2, "async_save": True}, 2, rank, 8, callbacks=[every_epoch, top_k])
     trainer.save_checkpoint(f"{root}/final.ckpt")
     trainer.save_checkpoint(f"{tmp}/final.ckpt")  # the same state on local disk, for the byte comparison
     trainer.save_checkpoint(f"{root}/final.ckpt")  # overwriting a checkpoint on the store
@@ -94,7 +96,7 @@ def test_save_resume_topk_consolidate_on_s3(s3, tmp_path):
 
     results = run_ranks(_worker, root, str(tmp_path), timeout=600)
     for res in results:
-        # Resumed at step 4 from the store: the same steps 5..8 with the same arithmetic as the
+        # Resumed at step 4 from the store (an async save): the same steps 5..8 with the same arithmetic as the
         # uninterrupted run, so the losses and the final weights are equal bit for bit.
         assert res["resumed"] == res["full"][4:]
         for key, value in res["resumed_state"].items():
