@@ -9,6 +9,9 @@ which loads with ``model.load_state_dict(torch.load(OUT, weights_only=True), str
 ``--lightning`` a whole Lightning checkpoint (optimizer states, loops, schedulers) that a DDP or
 single-device Trainer resumes from (built in memory).
 
+``CKPT_DIR`` and ``OUT`` may be fsspec URLs (``s3://bucket/run/epoch=3.ckpt``) with the filesystem's
+package installed (see :mod:`lightning_zero.checkpoint.io`).
+
 ``report`` prints the per-rank model-state memory of a parameter count and layout from the ZeRO
 formulas (:mod:`lightning_zero.report`).
 """

@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_zero import comm, debug, failures, memory, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
@@ -337,6 +338,10 @@ class ZeroStrategy(DDPStrategy):
         config = dataclasses.replace(self.config, offload=precision.offload)
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             self._check_nvme_space(config)
+            # Ranks that cannot see a checkpoint directory are found now, not at the first save.
+            ckpt_io.check_shared(
+                [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None
+            )
         self._engine = None
         if fitting:
             self.setup_optimizers(trainer)
@@ -592,7 +597,13 @@ class ZeroStrategy(DDPStrategy):
         if not comm.initialized() and not self.is_global_zero:
             return
         if self.config.checkpoint.state_dict_type == "full":
-            self._save_full(checkpoint, Path(filepath).absolute())
+            where = ckpt_io.location(filepath)
+            if not where.local:
+                raise ValueError(
+                    f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
+                    "default, which writes to object stores too) or a local or shared path."
+                )
+            self._save_full(checkpoint, where.as_path())
             return
         self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
 

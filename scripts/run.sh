@@ -18,7 +18,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" --upgrade pip
   "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 fi
-if ! "$VPY" -c "import lightning_zero, pytest, mypy" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
+if ! "$VPY" -c "import lightning_zero, pytest, mypy, torchdata, s3fs, moto" 2>/dev/null || [ "${REINSTALL:-0}" = 1 ]; then
   # no build isolation: the C++ extension builds against the torch installed above; an isolated
   # build environment would download its own (CUDA) torch.
   echo "setup: lightning_zero and its extras (builds the C++ ops)"

@@ -29,13 +29,15 @@ from typing import Any, SupportsIndex
 import torch
 
 from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint import io as ckpt_io
+from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.reader import ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _open(path: fmt.PathLike, trust_pickles: bool = False) -> tuple[ShardedReader, dict[str, Any]]:
+def _open(path: fmt.PathLike | Location, trust_pickles: bool = False) -> tuple[ShardedReader, dict[str, Any]]:
     """The reader of the checkpoint at ``path`` and its Lightning state (``lightning.pt``), read with
     ``weights_only`` unless ``trust_pickles`` (objects such as a ``pathlib.Path`` in hyperparameters
     need full unpickling: only for a checkpoint you trust)."""
@@ -44,7 +46,7 @@ def _open(path: fmt.PathLike, trust_pickles: bool = False) -> tuple[ShardedReade
         raise ValueError(f"{path} is not a lightning_zero sharded checkpoint directory (a plain file, or missing).")
     meta = fmt.read_metadata(directory)
     state = fmt.load_file(
-        directory / fmt.LIGHTNING_FILE,
+        directory / fmt.lightning_file(meta),
         meta.get("lightning_file_crc32"),
         "Lightning's state",
         weights_only=not trust_pickles,
@@ -103,14 +105,31 @@ class _Pickler(pickle.Pickler):
 
 def stream_save(entries: dict[str, Any], out: fmt.PathLike) -> None:
     """``torch.save(entries, out)`` where values may be :class:`_TensorRef` placeholders, whose data is
-    produced, written and freed one storage at a time. Written to a temporary name, then renamed."""
+    produced, written and freed one storage at a time (see :func:`write_file` for where)."""
     storages: dict[str, _StorageRef] = {}
     data = io.BytesIO()
     _Pickler(data, storages).dump(entries)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with torch.serialization._open_zipfile_writer(str(tmp)) as writer:
-        writer.write_record("data.pkl", data.getvalue(), len(data.getvalue()))
+    write_file(out, functools.partial(_write_records, data.getvalue(), storages))
+
+
+def write_file(out: fmt.PathLike, write: Callable[[Any], None]) -> None:
+    """Call ``write(target)`` to produce the file ``out``: locally ``target`` is a temporary name beside
+    ``out``, renamed to it once complete; on another fsspec filesystem (a store, where an object
+    appears whole once closed) ``target`` is the filesystem's file object for ``out``, streamed."""
+    where = ckpt_io.location(out)
+    if not where.local:
+        with where.open("wb") as f:
+            write(f)
+        return
+    final = where.as_path()
+    tmp = final.with_name(f".{final.name}.tmp")
+    write(str(tmp))
+    os.replace(tmp, final)
+
+
+def _write_records(pickled: bytes, storages: dict[str, _StorageRef], target: Any) -> None:
+    with torch.serialization._open_zipfile_writer(target) as writer:
+        writer.write_record("data.pkl", pickled, len(pickled))
         writer.write_record(".format_version", "1", 1)
         alignment = str(torch.serialization._get_storage_alignment())
         writer.write_record(".storage_alignment", alignment, len(alignment))
@@ -121,11 +140,10 @@ def stream_save(entries: dict[str, Any], out: fmt.PathLike) -> None:
             # By data pointer, not storage: a tensor may be a view into a larger storage.
             writer.write_record(f"data/{ref.key}", tensor.data_ptr(), tensor.nbytes)
             del tensor
-    os.replace(tmp, out)
 
 
 def consolidate(
-    checkpoint_dir: fmt.PathLike,
+    checkpoint_dir: fmt.PathLike | Location,
     out: fmt.PathLike,
     dtype: torch.dtype | None = torch.float32,
     trust_pickles: bool = False,
@@ -160,7 +178,10 @@ def consolidate(
 
 
 def to_lightning_checkpoint(
-    checkpoint_dir: fmt.PathLike, out: fmt.PathLike, dtype: torch.dtype | None = None, trust_pickles: bool = False
+    checkpoint_dir: fmt.PathLike | Location,
+    out: fmt.PathLike,
+    dtype: torch.dtype | None = None,
+    trust_pickles: bool = False,
 ) -> None:
     """Write a plain Lightning checkpoint (one file) from a sharded one: the whole model, consolidated
     optimizer states (per original parameter, full shapes, as the optimizer without ZeRO writes them),
@@ -191,10 +212,7 @@ def to_lightning_checkpoint(
             groups.append(entry)
         states.append({"state": per_param, "param_groups": groups})
     checkpoint["optimizer_states"] = states
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, out)
+    write_file(out, functools.partial(torch.save, checkpoint))
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: fmt.PathLike, trust_pickles: bool = False, **kwargs: Any) -> Any:

@@ -10,6 +10,10 @@ A checkpoint is a directory (its name is the path Lightning asked for, e.g. ``ep
                                           optimizers' parameter-group hyperparameters and parameter names
     metadata.json                         written last: its presence marks the directory complete
 
+On an object store (no rename, :mod:`~lightning_zero.checkpoint.store`) the rank files and
+``lightning.pt`` lie under ``files-ID/`` in the directory, ``ID`` new for each save; ``rank_files``
+and ``lightning_file`` in ``metadata.json`` name them relative to the directory.
+
 The format is **per parameter**, not per flat buffer, so a checkpoint loads into another world
 size, bucket size, stage, tensor-parallel size or pipeline split. Every tensor of the model's state
 dict is described by its **whole** (unsplit) shape; a tensor-parallel parameter (``param.tensor_parallel``,
@@ -56,14 +60,18 @@ import hashlib
 import json
 import os
 import pickle
+import posixpath
+import tempfile
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from lightning_zero.checkpoint import io as ckpt_io
+from lightning_zero.checkpoint.io import Location
 
 FORMAT_NAME = "lightning_zero.sharded_checkpoint"
 FORMAT_VERSION = 2
@@ -71,6 +79,7 @@ METADATA_FILE = "metadata.json"
 LIGHTNING_FILE = "lightning.pt"
 
 PathLike = str | os.PathLike
+P = TypeVar("P", Path, Location)  # a local path, or a path on any fsspec filesystem
 
 
 def rank_file(rank: int) -> str:
@@ -78,24 +87,24 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def _hidden(path: Path, kind: str) -> Path:
+def _hidden(path: P, kind: str) -> P:
     # A hash, not the name itself: ModelCheckpoint finds "last" checkpoints by the substring "last"
     # in a name, and must not pick a temporary directory of "last.ckpt".
     digest = hashlib.sha1(path.name.encode()).hexdigest()[:16]
     return path.parent / f".zero-{kind}-{digest}"
 
 
-def temporary_path(path: Path) -> Path:
+def temporary_path(path: P) -> P:
     """Where a save into ``path`` is written before it is complete (hidden, so never listed as a checkpoint)."""
     return _hidden(path, "tmp")
 
 
-def previous_path(path: Path) -> Path:
+def previous_path(path: P) -> P:
     """Where the checkpoint being overwritten waits while the new one is renamed into place."""
     return _hidden(path, "old")
 
 
-def trash_path(path: Path) -> Path:
+def trash_path(path: P) -> P:
     """Where a checkpoint is renamed before it is deleted, so a half-deleted one is never loaded."""
     return _hidden(path, "trash")
 
@@ -111,18 +120,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def is_sharded_checkpoint(path: PathLike) -> bool:
-    """True when ``path`` is a complete sharded checkpoint directory."""
-    return _read_format(Path(path)) is not None
+def is_sharded_checkpoint(path: PathLike | Location) -> bool:
+    """True when ``path`` (a local path or any fsspec URL) is a complete sharded checkpoint directory."""
+    return _read_format(ckpt_io.location(path)) is not None
 
 
-def _read_format(path: Path) -> dict[str, Any] | None:
+def _read_format(path: Location) -> dict[str, Any] | None:
     marker = path / METADATA_FILE
-    if not (path.is_dir() and marker.is_file()):
+    if path.local:
+        if not (path.as_path().is_dir() and marker.as_path().is_file()):
+            return None
+    elif not marker.is_file():
         return None
     try:
-        with open(marker) as f:
-            meta = json.load(f)
+        with marker.open("rb") as f:
+            meta = json.loads(f.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(
             f"{marker} is damaged (truncated or overwritten: {exc}); the checkpoint in {path} cannot be read. "
@@ -131,9 +143,9 @@ def _read_format(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT_NAME else None
 
 
-def read_metadata(path: PathLike) -> dict[str, Any]:
+def read_metadata(path: PathLike | Location) -> dict[str, Any]:
     """The metadata of the sharded checkpoint at ``path`` (resolved by :func:`resolve`)."""
-    meta = _read_format(Path(path))
+    meta = _read_format(ckpt_io.location(path))
     if meta is None:
         raise ValueError(f"{path} is not a complete lightning_zero sharded checkpoint (no {METADATA_FILE}).")
     if meta.get("version", 0) > FORMAT_VERSION:
@@ -155,24 +167,40 @@ def upgrade_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def write_metadata(path: Path, meta: dict[str, Any]) -> None:
-    """Write ``metadata.json`` durably (it is the completeness marker, so it goes last)."""
-    with open(path / METADATA_FILE, "w") as f:
-        json.dump(meta, f, indent=1)
+def lightning_file(meta: dict[str, Any]) -> str:
+    """Where ``lightning.pt`` is, relative to the checkpoint directory (on a store: under the save's
+    ``files-ID/`` prefix, see :mod:`~lightning_zero.checkpoint.store`)."""
+    return str(meta.get("lightning_file", LIGHTNING_FILE))
+
+
+def write_metadata(path: PathLike | Location, meta: dict[str, Any]) -> None:
+    """Write ``metadata.json`` durably (it is the completeness marker, so it goes last). On a store
+    it is one object, which a reader sees whole or not at all."""
+    path = ckpt_io.location(path)
+    data = json.dumps(meta, indent=1).encode()
+    if not path.local:
+        with (path / METADATA_FILE).open("wb") as f:
+            f.write(data)
+        return
+    with open(path.as_path() / METADATA_FILE, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def resolve(path: PathLike) -> Path | None:
-    """The sharded checkpoint directory that ``path`` names, or ``None`` when ``path`` is a plain file.
+def resolve(path: PathLike | Location) -> Location | None:
+    """The sharded checkpoint directory that ``path`` names, or ``None`` when ``path`` is a plain file
+    (or nothing).
 
-    Raises ``ValueError`` for a file inside a checkpoint directory and for a directory that is not a
-    complete checkpoint (a save that did not finish). When a save overwriting ``path`` was killed
-    between its two renames, the previous checkpoint is found under its temporary name and returned.
-    ``path`` may be a ``file://`` URL (:func:`~lightning_zero.checkpoint.io.local_path`; a URL of
-    another filesystem raises ``ValueError``).
+    Raises ``ValueError`` for a file inside a checkpoint directory and for a directory (a prefix, on
+    a store) that is not a complete checkpoint (a save that did not finish). When a local save
+    overwriting ``path`` was killed between its two renames, the previous checkpoint is found under
+    its temporary name and returned. ``path`` may be any fsspec URL
+    (:func:`~lightning_zero.checkpoint.io.location`).
     """
-    path = ckpt_io.local_path(path)
+    path = ckpt_io.location(path)
+    if not path.local:
+        path.refresh()  # another rank or process wrote it: no listing cached before counts
     if path.is_file():
         parent = path.parent
         if _read_format(parent) is not None or (parent / LIGHTNING_FILE).is_file():
@@ -181,16 +209,16 @@ def resolve(path: PathLike) -> Path | None:
                 f"itself: ckpt_path={str(parent)!r}."
             )
         return None
-    if path.is_dir():
-        if _read_format(path) is None:
-            raise ValueError(
-                f"{path} is a directory but not a complete lightning_zero checkpoint: it has no {METADATA_FILE}, "
-                "which is written last, so a save into it did not finish (or it is not a checkpoint). Load the "
-                "previous checkpoint instead."
-            )
+    if _read_format(path) is not None:
         return path
+    if path.is_dir():
+        raise ValueError(
+            f"{path} is a directory but not a complete lightning_zero checkpoint: it has no {METADATA_FILE}, "
+            "which is written last, so a save into it did not finish (or it is not a checkpoint). Load the "
+            "previous checkpoint instead."
+        )
     old = previous_path(path)
-    if _read_format(old) is not None:
+    if path.local and _read_format(old) is not None:
         warnings.warn(
             f"{path} does not exist, but {old} does: a save overwriting {path} was interrupted after moving "
             f"the previous checkpoint aside. Loading that previous checkpoint; rename it to {path} to keep it.",
@@ -200,21 +228,33 @@ def resolve(path: PathLike) -> Path | None:
     return None
 
 
-def check_rank_files(path: Path, meta: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming every rank whose shard file is missing or truncated."""
+def check_rank_files(path: Location, meta: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming every rank whose shard file is missing or truncated. On a store the
+    sizes come from one listing of the checkpoint's prefix, not one request per rank file."""
+    found = _sizes(path)
     problems = []
     for rank, (name, size) in enumerate(zip(meta["rank_files"], meta["rank_file_bytes"], strict=True)):
-        file = path / name
-        if not file.is_file():
+        actual = found(name)
+        if actual is None:
             problems.append(f"{name} (rank {rank}) is missing")
-        elif file.stat().st_size != size:
-            problems.append(f"{name} (rank {rank}) has {file.stat().st_size} bytes, expected {size}")
+        elif actual != size:
+            problems.append(f"{name} (rank {rank}) has {actual} bytes, expected {size}")
     if problems:
         raise ValueError(
             f"the sharded checkpoint {path} written by {meta['world_size']} ranks is incomplete: "
             + "; ".join(problems)
             + ". Copy the whole checkpoint directory (every rank's file) from where it was written."
         )
+
+
+def _sizes(path: Location) -> Callable[[str], int | None]:
+    """The size of file ``name`` under ``path`` (``None``: no such file)."""
+    if path.local:
+        return lambda name: (path.as_path() / name).stat().st_size if (path.as_path() / name).is_file() else None
+    path.refresh()
+    listing = path.fs.find(path.path, detail=True)
+    sizes = {posixpath.relpath(key, path.path): info.get("size") for key, info in listing.items()}
+    return lambda name: sizes.get(name)
 
 
 def crc32_of(file: Path, chunk: int = 16 << 20) -> int:
@@ -240,9 +280,22 @@ def verify_file(file: Path, expected_crc32: int | None, what: str) -> None:
         )
 
 
-def load_file(file: Path, expected_crc32: int | None = None, what: str = "checkpoint file", **kwargs: Any) -> Any:
+def load_file(file: Location, expected_crc32: int | None = None, what: str = "checkpoint file", **kwargs: Any) -> Any:
     """``torch.load`` of one checkpoint file: weights only, memory-mapped, onto the CPU; its CRC-32
-    checked first when given. A file torch cannot read raises ``ValueError`` naming it."""
+    checked first when given. A file torch cannot read raises ``ValueError`` naming it.
+
+    A file on another filesystem than the local one is first copied by fsspec into the local
+    temporary directory (``TMPDIR``), checked, memory-mapped and unlinked (the mapping stays valid),
+    so a reader holds no whole shard in memory on a store either."""
+    if file.local:
+        return _load_local(file.as_path(), expected_crc32, what, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="lightning-zero-read-") as tmp:
+        local = Path(tmp) / posixpath.basename(file.path)
+        file.fs.get_file(file.path, str(local))
+        return _load_local(local, expected_crc32, f"{what}, read from {file}", **kwargs)
+
+
+def _load_local(file: Path, expected_crc32: int | None, what: str, **kwargs: Any) -> Any:
     verify_file(file, expected_crc32, what)
     options = {"map_location": "cpu", "weights_only": True, "mmap": True, **kwargs}
     try:

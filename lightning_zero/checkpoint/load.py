@@ -17,7 +17,6 @@ created the train loader's iterator (see the strategy and the README, "Exact res
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +24,9 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng
+from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, Split
 from lightning_zero.checkpoint.pieces import PartitionedParam, non_partitioned_state_dict, partitioned_params
 from lightning_zero.checkpoint.reader import FullReader, ShardedReader
@@ -50,7 +51,7 @@ class SavedStateDict(MutableMapping[str, Any]):
     rank files when it is asked for (not kept), so callbacks that read the saved weights (an EMA
     callback's ``on_load_checkpoint``) see them and nothing is read when none does."""
 
-    def __init__(self, directory: Path, saved: dict[str, Any], keys: list[str]) -> None:
+    def __init__(self, directory: Location, saved: dict[str, Any], keys: list[str]) -> None:
         self._directory = directory
         self._saved = saved
         self._keys = list(dict.fromkeys([*keys, *saved]))
@@ -89,7 +90,7 @@ def reader_for(checkpoint: Mapping[str, Any]) -> ShardedReader | FullReader:
         saved = checkpoint["state_dict"]
         # the tensors Lightning's file holds (the partitioned ones come from the rank files)
         held = saved._saved if isinstance(saved, SavedStateDict) else saved
-        return ShardedReader(Path(checkpoint[SHARDED_KEY]), held)
+        return ShardedReader(ckpt_io.location(checkpoint[SHARDED_KEY]), held)
     return FullReader(checkpoint["state_dict"])
 
 
@@ -107,7 +108,7 @@ def load_checkpoint(
     # weights_only=None means torch's default (True): Lightning's state is plain containers; pass
     # weights_only=False to Trainer.fit only for a trusted checkpoint with arbitrary hyperparameters.
     checkpoint = fmt.load_file(
-        directory / fmt.LIGHTNING_FILE,
+        directory / fmt.lightning_file(meta),
         meta.get("lightning_file_crc32"),
         "Lightning's state, written by rank 0",
         weights_only=True if weights_only is None else weights_only,

@@ -11,12 +11,13 @@ time. :class:`FullReader` offers the same over a plain state dict of whole tenso
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_zero.checkpoint import format as fmt
+from lightning_zero.checkpoint import io as ckpt_io
+from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Split
 
 
@@ -31,8 +32,8 @@ class ShardedReader:
     """Reads a sharded checkpoint by state-dict key: whole tensors, or ranges of a flattened tensor
     or of one tensor-parallel part of it (any tensor-parallel size, whatever the saved one was)."""
 
-    def __init__(self, path: Path, state_dict: Mapping[str, Any]) -> None:
-        self.path = path
+    def __init__(self, path: fmt.PathLike | Location, state_dict: Mapping[str, Any]) -> None:
+        self.path = path = ckpt_io.location(path)
         self.meta = fmt.read_metadata(path)
         fmt.check_rank_files(path, self.meta)
         self.state_dict = state_dict

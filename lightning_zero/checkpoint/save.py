@@ -15,6 +15,11 @@ temporary directory. Every rank writes under the path rank 0 resolved, on a file
 share; a rank that cannot see it is named in a ``ValueError`` before any file is written
 (:mod:`~lightning_zero.checkpoint.io`).
 
+On any other fsspec filesystem (``s3://``, ``gs://``, ``az://``: no rename) the same three agreements
+publish by writing ``metadata.json`` last into ``PATH`` itself, the rank files under a prefix new for
+each save (:mod:`~lightning_zero.checkpoint.store`); each rank streams its file through the
+filesystem's writer, so no more than one write buffer of it is in memory.
+
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
 ``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
@@ -27,6 +32,7 @@ import os
 import shutil
 import threading
 import traceback
+import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +47,8 @@ from torch.utils._pytree import tree_map_only
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
-from lightning_zero.checkpoint import rng
+from lightning_zero.checkpoint import rng, store
+from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, merge_reports
 from lightning_zero.checkpoint.pieces import overrides, param_names, rank_payload, rank_report
 from lightning_zero.layout import ParallelLayout
@@ -88,29 +95,38 @@ def _guarded(fn: Callable[[], Any]) -> tuple[bool, Any]:
 
 
 class _Checksummed:
-    """A file object that computes the CRC-32 of what is written through it."""
+    """A file object that computes the CRC-32 and the size of what is written through it."""
 
     def __init__(self, f: Any) -> None:
         self.f = f
         self.crc32 = 0
+        self.size = 0
 
     def write(self, data: Any) -> int:
         self.crc32 = zlib.crc32(data, self.crc32)
+        self.size += memoryview(data).nbytes
         return int(self.f.write(data))
 
     def flush(self) -> None:
         self.f.flush()
 
 
-def _write(obj: Any, file: Path) -> tuple[int, int]:
-    """``torch.save`` and fsync (the rename that publishes the checkpoint must not overtake the
-    data). Returns the file's size and the CRC-32 of its bytes, computed while writing."""
-    with open(file, "wb") as f:
+def _write(obj: Any, file: Location) -> tuple[int, int]:
+    """``torch.save``, streamed: locally with fsync (the rename that publishes the checkpoint must not
+    overtake the data), on a store through fsspec's writer (one buffer in memory, uploaded part by
+    part; the object exists once closed). Returns the file's size and the CRC-32 of its bytes,
+    computed while writing."""
+    if not file.local:
+        with file.open("wb") as f:
+            out = _Checksummed(f)
+            torch.save(obj, out)  # type: ignore[arg-type]  # a write()/flush() object is all torch.save uses
+        return out.size, out.crc32
+    with open(file.as_path(), "wb") as f:
         out = _Checksummed(f)
-        torch.save(obj, out)  # type: ignore[arg-type]  # a write()/flush() object is all torch.save uses
+        torch.save(obj, out)  # type: ignore[arg-type]  # as above
         f.flush()
         os.fsync(f.fileno())
-    return file.stat().st_size, out.crc32
+    return file.as_path().stat().st_size, out.crc32
 
 
 def _clear(path: Path) -> None:
@@ -158,7 +174,7 @@ def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict
 
 
 def _write_files(
-    tmp: Path, rank: int, payload: dict[str, Any], lightning_bytes: bytes | None
+    tmp: Location, rank: int, payload: dict[str, Any], lightning_bytes: bytes | None
 ) -> tuple[int, int, int | None]:
     """Write this rank's file (rank 0 also ``lightning.pt``) into ``tmp``; the rank file's size and
     CRC-32, and ``lightning.pt``'s CRC-32 (rank 0)."""
@@ -166,10 +182,11 @@ def _write_files(
     lightning_crc = None
     if lightning_bytes is not None:
         file = tmp / fmt.LIGHTNING_FILE
-        with open(file, "wb") as f:
+        with file.open("wb") as f:
             f.write(lightning_bytes)
-            f.flush()
-            os.fsync(f.fileno())
+            if file.local:
+                f.flush()
+                os.fsync(f.fileno())
         lightning_crc = zlib.crc32(lightning_bytes)
     return size, crc, lightning_crc
 
@@ -186,10 +203,13 @@ class PendingSave:
     """A save whose files are written by a background thread (``save_sharded(background=True)``);
     published by :func:`commit_save` once every rank's thread has finished."""
 
-    path: Path
+    path: Location
     """The checkpoint directory (rank 0's resolution)."""
-    tmp: Path
-    """The hidden temporary directory the rank files are written into."""
+    tmp: Location
+    """Where the rank files are written: locally the hidden temporary directory, on a store the
+    save's ``files-ID`` prefix (:mod:`~lightning_zero.checkpoint.store`)."""
+    marker: Location | None
+    """On a store, the pending marker rank 0 wrote (``None`` locally)."""
     rank: int
     group: comm.ProcessGroup
     meta: Callable[[list[tuple[int, int, int | None]]], dict[str, Any]]
@@ -215,6 +235,17 @@ class PendingSave:
             self.thread.join()
 
 
+def _discard(rank: int, tmp: Location, marker: Location | None) -> None:
+    """Rank 0: remove a failed save's files (locally its temporary directory ``tmp``; on a store its
+    prefix ``tmp`` and ``marker``). Other ranks: nothing."""
+    if rank != 0:
+        return
+    if marker is not None:
+        store.abort(tmp, marker)
+    else:
+        _clear(tmp.as_path())
+
+
 def commit_save(pending: PendingSave) -> None:
     """Wait for this rank's writer, agree on every rank's outcome and (rank 0) write ``metadata.json``
     and rename the directory into place; a failed write on any rank raises on every rank, naming it,
@@ -227,13 +258,15 @@ def commit_save(pending: PendingSave) -> None:
     except RuntimeError:
         # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
         # previous checkpoint at ``path`` was never touched).
-        if pending.rank == 0:
-            _clear(tmp)
+        _discard(pending.rank, tmp, pending.marker)
         raise
 
     def finish() -> None:
+        if pending.marker is not None:
+            store.commit(path, pending.marker, pending.meta(written))
+            return
         fmt.write_metadata(tmp, pending.meta(written))
-        _publish(tmp, path)
+        _publish(tmp.as_path(), path.as_path())
 
     ok = _guarded(finish) if pending.rank == 0 else (True, None)
     _agree(ok, pending.group, f"publishing the sharded checkpoint {path}")
@@ -274,26 +307,36 @@ def save_sharded(
     group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
     placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
     rank, world_size = placement.rank, placement.layout.world_size
-    mine = ckpt_io.local_path(filepath)  # raises for a non-local URL on every rank alike, before any work
+    mine = ckpt_io.location(filepath)  # an unknown protocol raises on every rank alike, before any work
+    save_id = uuid.uuid4().hex[:12] if rank == 0 else ""
 
-    def prepare() -> tuple[str | None, dict[str, Any]]:
+    def prepare() -> tuple[tuple[str, str] | None, dict[str, Any]]:
         if rank == 0:
-            tmp = fmt.temporary_path(mine)
-            _clear(tmp)
-            tmp.mkdir(parents=True)
-        return (str(mine) if rank == 0 else None), rank_report(module, engine, optimizers, placement)
+            if mine.local:
+                tmp = fmt.temporary_path(mine.as_path())
+                _clear(tmp)
+                tmp.mkdir(parents=True)
+            else:
+                store.begin(mine, save_id)
+        return ((mine.path, save_id) if rank == 0 else None), rank_report(module, engine, optimizers, placement)
 
-    prepared = _agree(_guarded(prepare), group, f"creating the temporary directory of {mine}")
-    path = Path(prepared[0][0])  # rank 0's resolution: one directory whatever each rank's working directory
-    tmp = fmt.temporary_path(path)
+    prepared = _agree(_guarded(prepare), group, f"starting the save of {mine}")
+    # rank 0's resolution: one directory whatever each rank's working directory
+    path = ckpt_io.same_place(mine, prepared[0][0][0])
+    save_id = prepared[0][0][1]
+    marker = None if path.local else fmt.temporary_path(path)
+    tmp = fmt.temporary_path(path) if path.local else store.files_dir(path, save_id)
     merged = merge_reports([report for _, report in prepared])
     has_optimizer_states = "optimizer_states" in checkpoint
+    rank_files = [fmt.rank_file(r) if path.local else f"{tmp.name}/{fmt.rank_file(r)}" for r in range(world_size)]
 
-    blind = [r for r, seen in enumerate(comm.all_gather_object(tmp.is_dir(), group)) if not seen]
+    seen = marker if marker is not None else tmp
+    if not path.local:
+        path.refresh()
+    blind = [r for r, ok in enumerate(comm.all_gather_object(seen.exists(), group)) if not ok]
     if blind:
-        if rank == 0:
-            _clear(tmp)
-        raise ckpt_io.not_visible_error(path, tmp, blind, world_size)
+        _discard(rank, tmp, marker)
+        raise ckpt_io.not_visible_error(path, seen, blind, world_size)
 
     facts: dict[str, Any] = {}
 
@@ -331,18 +374,19 @@ def save_sharded(
             "precision": precision,
             "has_optimizer_states": has_optimizer_states,
             "mid_window": facts.get("mid_window", False),  # the same on every rank: windows end together
-            "rank_files": [fmt.rank_file(r) for r in range(world_size)],
+            "rank_files": rank_files,
             "rank_file_bytes": [size for size, _, _ in written],
             # CRC-32 of every file, checked by each reader before it trusts a file's bytes
             "rank_file_crc32": [crc for _, crc, _ in written],
             "lightning_file_crc32": written[0][2],
+            **({} if path.local else {"lightning_file": f"{tmp.name}/{fmt.LIGHTNING_FILE}"}),
             "state_dict_keys": merged["state_dict_keys"],
             "params": merged["params"],
             "torch_version": torch.__version__,
             "lightning_version": lightning.__version__,
         }
 
-    pending = PendingSave(path=path, tmp=tmp, rank=rank, group=group, meta=meta)
+    pending = PendingSave(path=path, tmp=tmp, marker=marker, rank=rank, group=group, meta=meta)
     if not background:
         pending.outcome = _guarded(lambda: _write_files(tmp, rank, *snapshot()))
         commit_save(pending)
@@ -351,8 +395,7 @@ def save_sharded(
     try:
         _agree(_guarded(lambda: taken.append(_detach(snapshot()))), group, f"copying the shards of {path} to host")
     except RuntimeError:
-        if rank == 0:
-            _clear(tmp)
+        _discard(rank, tmp, marker)
         raise
     pending.start(lambda: _write_files(tmp, rank, *taken.pop()))
     return pending
@@ -365,7 +408,17 @@ def remove_sharded(filepath: fmt.PathLike) -> None:
     leaves a partial directory under a checkpoint's name. A directory that is not a lightning_zero
     checkpoint is refused.
     """
-    path = ckpt_io.local_path(filepath)
+    where = ckpt_io.location(filepath)
+    if not where.local:
+        where.refresh()
+        if where.is_file():
+            where.fs.rm(where.path)
+        elif where.exists():
+            if not fmt.is_sharded_checkpoint(where):
+                raise ValueError(f"refusing to delete {where}: it is not a lightning_zero sharded checkpoint.")
+            store.remove(where)
+        return
+    path = where.as_path()
     if path.is_symlink() or path.is_file():
         path.unlink()
         return

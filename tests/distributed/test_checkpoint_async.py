@@ -34,7 +34,7 @@ class _SaveAt(pl.Callback):
         if trainer.global_step == 4 and trainer.global_rank == self.failing:
 
             def failing_write(obj, file: Path) -> int:
-                file.write_bytes(b"partial")
+                Path(file).write_bytes(b"partial")
                 raise OSError(28, "No space left on device", str(file))
 
             save._write = failing_write

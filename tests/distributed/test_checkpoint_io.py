@@ -1,7 +1,8 @@
 """Where checkpoints go (issue 24), on 2 spawned CPU/gloo ranks: one path for all ranks whatever their
 working directories, file:// URLs through fsspec (save, ModelCheckpoint, resume), a save that fails on
 one rank (every rank raises, none hangs, the previous checkpoint stays, no temporary directory is left),
-a rank that cannot see rank 0's directory (ValueError naming it), and non-local filesystems refused.
+a rank that cannot see rank 0's directory (ValueError naming it), and a memory:// filesystem (one per
+process) found by the same check. Object stores: test_checkpoint_store.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _worker(rank: int, tmp: str) -> dict:
     real_write = save._write
 
     def failing_write(obj, file: Path) -> int:
-        file.write_bytes(b"partial")
+        Path(file).write_bytes(b"partial")
         raise OSError(28, "No space left on device", str(file))
 
     if rank == 1:
@@ -68,12 +69,23 @@ def _worker(rank: int, tmp: str) -> dict:
     blind = _error(lambda: trainer.save_checkpoint("ck/final.ckpt"))
     save.fmt.temporary_path = real_tmp
     remote = _error(lambda: trainer.save_checkpoint("memory://bucket/final.ckpt"))
+
+    # At setup, before any step: rank 1 looks for rank 0's marker in another directory (a node-local disk).
+    from lightning_zero.checkpoint import io as ckpt_io
+
+    real_same = ckpt_io.same_place
+    if rank == 1:
+        ckpt_io.same_place = lambda mine, path: real_same(mine, path.replace(tmp, f"{tmp}/node1"))
+    steps = ModelCheckpoint(dirpath=f"{tmp}/setup_ck", every_n_train_steps=1)
+    at_setup = _error(lambda: _fit(ZERO2, 2, rank, 8, callbacks=[steps]))
+    ckpt_io.same_place = real_same
     return {
         "full": full.losses,
         "resumed": resumed.losses,
         "failed": failed,
         "blind": blind,
         "remote": remote,
+        "at_setup": at_setup,
         "url_saved": os.path.isfile(f"{tmp}/url.ckpt/metadata.json"),
         "listing": sorted(os.listdir(f"{tmp}/node{rank}")),
         "ck_listing": sorted(os.listdir(f"{tmp}/node{rank}/ck")) if os.path.isdir(f"{tmp}/node{rank}/ck") else None,
@@ -90,8 +102,17 @@ def test_paths_urls_and_failed_saves(tmp_path):
         torch.testing.assert_close(torch.tensor(res["resumed"]), torch.tensor(res["full"][4:]), rtol=1e-6, atol=0)
         assert "writing the sharded checkpoint" in res["failed"] and "rank 1" in res["failed"], res["failed"]
         assert "No space left on device" in res["failed"]
-        assert res["blind"].startswith("ValueError: ranks [1] (of 2) cannot see the directory"), res["blind"]
-        assert "ValueError" in res["remote"] and "'memory'" in res["remote"], res["remote"]
+        assert res["blind"].startswith("ValueError: ranks [1] (of 2) cannot see "), res["blind"]
+        assert ".zero-tmp-" in res["blind"] and "NFS" in res["blind"], res["blind"]
+        # memory:// lives in one process: rank 1 does not see the marker rank 0 wrote there
+        assert res["remote"].startswith("ValueError: ranks [1] (of 2) cannot see memory://"), res["remote"]
+    for res in results:
+        assert res["at_setup"].startswith("ValueError: ranks [1] (of 2) cannot see the checkpoint directory"), res
+        assert f"directory {tmp_path}/setup_ck:" in res["at_setup"] and "Two ways out" in res["at_setup"], res[
+            "at_setup"
+        ]
+    # no checkpoint (no step ran), no directory created, the marker (in its parent) removed
+    assert not (tmp_path / "setup_ck").exists() and not list(tmp_path.glob(".zero-visible-*"))
     # Rank 0's directory holds the one checkpoint; rank 1's working directory got nothing.
     assert results[0]["url_saved"]
     assert results[0]["ck_listing"] == ["final.ckpt"]  # no .zero-tmp-* left by the failed saves

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint.consolidate import _StorageRef, _TensorRef, stream_save
+from lightning_zero.checkpoint.io import location
 from lightning_zero.checkpoint.save import remove_sharded
 from lightning_zero.cli import main
 
@@ -24,7 +25,7 @@ def _fake_checkpoint(path):
 
 def test_resolve(tmp_path):
     ckpt = _fake_checkpoint(tmp_path / "a.ckpt")
-    assert fmt.resolve(ckpt) == ckpt
+    assert fmt.resolve(ckpt) == location(ckpt)
     plain = tmp_path / "plain.ckpt"
     plain.write_bytes(b"x")
     assert fmt.resolve(plain) is None
@@ -41,7 +42,7 @@ def test_resolve_finds_checkpoint_moved_aside_by_interrupted_save(tmp_path):
     aside = _fake_checkpoint(fmt.previous_path(target))
     assert "last" not in aside.name  # ModelCheckpoint looks for "last" in names
     with pytest.warns(UserWarning, match="interrupted"):
-        assert fmt.resolve(target) == aside
+        assert fmt.resolve(target) == location(aside)
 
 
 def test_remove_sharded(tmp_path):

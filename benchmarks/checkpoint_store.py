@@ -1,0 +1,183 @@
+"""Sharded checkpoint throughput: local disk against its own bandwidth, and an S3 store against local disk (issue 24).
+
+    python benchmarks/checkpoint_store.py [--layers 8] [--width 2048] [--repeats 2] [--no-s3] [--json out.json]
+
+Two CPU/gloo ranks train one step of a stack of ``--layers`` Linear(width, width) layers with ZeRO
+stage 2 and AdamW (fp32 master + 2 states sharded: 12 bytes per parameter / 2 ranks in each rank's
+file), then, ``--repeats`` times each, with a barrier before and after (the slower rank's time counts):
+
+- *disk write*: one file of the rank file's size written and fsynced by each rank at once;
+  *disk read*: that file read back (from the page cache when it fits, as the checkpoint's own
+  files are: the same conditions for both);
+- *save*: ``trainer.save_checkpoint`` into a local directory (every rank writes and fsyncs its file,
+  rank 0 publishes); *load*: ``strategy.load_checkpoint`` + ``load_model_state_dict`` +
+  ``load_optimizer_state_dict`` from it, as a resume does (CRC-32 of every file read checked);
+- the same save and load through s3fs against a local S3 server (moto's ``ThreadedMotoServer`` on
+  127.0.0.1, started by this script; it keeps objects in its own process's memory).
+
+The ratio column is the save/load bandwidth over the disk's (target >= 0.8) and the S3 time over the
+local one (target <= 2). Each rank's file bytes are in the table; the run's best times are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import lightning.pytorch as pl
+import torch
+from checkpoint_async import Stack
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _timed(fn: Any) -> float:
+    """Seconds of ``fn()`` on the slowest rank: barriers around it."""
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    fn()
+    torch.distributed.barrier()
+    seconds = torch.tensor([time.perf_counter() - start])
+    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    return float(seconds)
+
+
+def _write(file: Path, data: Any) -> None:
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read(file: Path) -> None:
+    with open(file, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def _load(trainer: pl.Trainer, path: str) -> None:
+    strategy = trainer.strategy
+    checkpoint = strategy.load_checkpoint(path)
+    strategy.load_model_state_dict(checkpoint)
+    strategy.load_optimizer_state_dict(checkpoint)
+
+
+def _worker(rank: int, args: argparse.Namespace, directory: str, bucket: str | None) -> dict:
+    from lightning_zero import ZeroStrategy
+
+    common.ensure_process_group()
+    pl.seed_everything(3, verbose=False)
+    model = Stack(args.layers, args.width)
+    loader = DataLoader(TensorDataset(torch.randn(4, args.width)), batch_size=4)
+    trainer = common.make_trainer(ZeroStrategy(stage=2), "32-true", 1, [])
+    trainer.fit(model, train_dataloaders=loader)
+    targets = {"local": f"{directory}/ck"}
+    if bucket is not None:
+        targets["s3"] = f"s3://{bucket}/ck"
+    times: dict[str, list[float]] = {}
+    nbytes = 12 * sum(p.numel() for p in model.parameters()) // common.WORLD_SIZE
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()  # written through the buffer, no copy
+    probe = Path(directory) / f"probe-{rank}"
+    for _ in range(args.repeats):
+        times.setdefault("disk write", []).append(_timed(lambda: _write(probe, data)))
+        times.setdefault("disk read", []).append(_timed(lambda: _read(probe)))
+        probe.unlink()
+        for where, path in targets.items():
+            times.setdefault(f"{where} save", []).append(_timed(lambda path=path: trainer.save_checkpoint(path)))
+            times.setdefault(f"{where} load", []).append(_timed(lambda path=path: _load(trainer, path)))
+    file_bytes = (Path(directory) / "ck" / f"rank-{rank:05d}.pt").stat().st_size
+    return {"times": {k: min(v) for k, v in times.items()}, "file_bytes": file_bytes, "probe_bytes": nbytes}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_s3() -> tuple[Any, str]:
+    """A moto S3 server on a free port, reached by s3fs in the ranks through the AWS variables."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+    from s3fs import S3FileSystem
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(
+        # moto assembles a multipart upload in its own (Python) process when it completes; for a GiB
+        # that can outlast botocore's default 60 s read timeout on a loaded machine, and a retried
+        # completion then fails. (fsspec reads FSSPEC_S3 as the S3 filesystem's keyword arguments.)
+        FSSPEC_S3=json.dumps({"config_kwargs": {"read_timeout": 1800, "connect_timeout": 60}}),
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    S3FileSystem().mkdir("bench")
+    return server, "bench"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-s3", action="store_true", help="local disk only")
+    parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    server, bucket = (None, None) if args.no_s3 else _start_s3()
+    directory = tempfile.mkdtemp(prefix="ckpt-store-bench-", dir=args.dir)
+    try:
+        results = common.run_ranks(_worker, args, directory, bucket)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        if server is not None:
+            server.stop()
+    res = results[0]  # the times are the slower rank's already
+    t = res["times"]
+    mib = res["file_bytes"] / 2**20
+    probe_mib = res["probe_bytes"] / 2**20
+
+    def rate(seconds: float, size: float = mib) -> str:
+        return f"{size / seconds:.0f}"
+
+    rows = [
+        ["disk write (fsync)", f"{probe_mib:.0f}", f"{t['disk write']:.2f}", rate(t["disk write"], probe_mib), "1.00"],
+        ["sync save, local", f"{mib:.0f}", f"{t['local save']:.2f}", rate(t["local save"]), ""],
+        ["disk read", f"{probe_mib:.0f}", f"{t['disk read']:.2f}", rate(t["disk read"], probe_mib), "1.00"],
+        ["load (resume), local", f"{mib:.0f}", f"{t['local load']:.2f}", rate(t["local load"]), ""],
+    ]
+    rows[1][4] = f"{(mib / t['local save']) / (probe_mib / t['disk write']):.2f} x disk write"
+    rows[3][4] = f"{(mib / t['local load']) / (probe_mib / t['disk read']):.2f} x disk read"
+    if "s3 save" in t:
+        local, remote = t["local save"] + t["local load"], t["s3 save"] + t["s3 load"]
+        rows += [
+            ["save, s3fs + moto", f"{mib:.0f}", f"{t['s3 save']:.2f}", rate(t["s3 save"]), ""],
+            ["load, s3fs + moto", f"{mib:.0f}", f"{t['s3 load']:.2f}", rate(t["s3 load"]), ""],
+            ["save + load, s3 / local", "", f"{remote:.2f} / {local:.2f}", "", f"{remote / local:.2f} x local"],
+        ]
+        rows[-3][4] = f"{t['s3 save'] / t['local save']:.2f} x local"
+        rows[-2][4] = f"{t['s3 load'] / t['local load']:.2f} x local"
+    print(common.machine())
+    print(f"load average: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} (1/5/15 min)")
+    print(
+        f"{args.layers} x Linear({args.width}), ZeRO stage 2, AdamW, 2 ranks; best of {args.repeats}; "
+        "times of the slower rank"
+    )
+    print(common.format_table(["what (per rank)", "MiB", "seconds", "MiB/s", "ratio"], rows))
+    common.write_json(args.json, {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()
