@@ -25,6 +25,7 @@ found before any rank writes its file (:func:`not_visible_error`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import uuid
@@ -172,8 +173,12 @@ def check_shared(directories: list[PathLike], group: Any) -> None:
         mine.refresh()
         missing.append(not same_place(mine, path).exists())
     seen = comm.all_gather_object(missing, group)
-    for marker in markers:
-        marker.fs.rm(marker.path)
+    # Two directories may share a marker (the same dirpath in two callbacks, or two directories not
+    # made yet under one parent): remove each once.
+    for path in dict.fromkeys(m.path for m in markers):
+        marker = next(m for m in markers if m.path == path)
+        with contextlib.suppress(FileNotFoundError):
+            marker.fs.rm(marker.path)
     for index, directory in enumerate(directories):
         blind = [r for r, flags in enumerate(seen) if flags[index]]
         if blind:
