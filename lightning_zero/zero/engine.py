@@ -35,7 +35,7 @@ from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharde
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
-from lightning_zero.zero.publish import publish
+from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
@@ -235,8 +235,14 @@ class ZeroEngine:
         if update:
             overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
             if not overflow:
-                sharded.step()
-                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+                if self.config.offload.pipeline and sharded.pipelines:
+                    # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
+                    publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
+                    sharded.step(publisher.send)
+                    publisher.finish(sharded.buffers)
+                else:
+                    sharded.step()
+                    publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
         self.zero_grad(optimizer)
         return overflow
 
