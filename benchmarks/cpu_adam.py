@@ -1,11 +1,16 @@
 """CPU Adam step throughput against torch, DeepSpeed (if installed) and the memory bandwidth.
 
-    python benchmarks/cpu_adam.py [--sizes 100M,500M] [--threads 1,2,all] [--repeats 5] [--plot scaling.png]
+    python benchmarks/cpu_adam.py [--sizes 50M,100M] [--threads 1,2,all] [--repeats 5] [--plot scaling.png]
 
 Every table is measured once per thread count in ``--threads`` (``all`` = the cores in this
 process's affinity mask), then a thread-scaling table compares them: each row's "vs torch" is
-against torch's fused AdamW at the same thread count, and "x own 1T" is the speed-up over the
-same implementation at the first thread count listed.
+against torch's fused AdamW at the same thread count, "vs DS" against DeepSpeedCPUAdam at the same
+thread count (when deepspeed imports; it runs with ``DS_ACCELERATOR=cpu``, set here), "of bw" is
+the row's GB/s over the ``a += b`` bandwidth of the same size and thread count, and "x own 1T" is
+the speed-up over the same implementation at the first thread count listed. The 1-minute load
+average is printed beside every table: on a shared machine, numbers taken under load are not
+comparable (run it twice to see how stable they are). ``--plot`` needs matplotlib (the ``bench``
+extra; not a dependency): ms per step and GB/s against threads, with the bandwidth for reference.
 
 An Adam step is memory bound: it reads param, grad, exp_avg, exp_avg_sq (4 x 4 bytes) and writes
 param, exp_avg, exp_avg_sq (3 x 4 bytes): 28 bytes per parameter. GB/s below is those bytes over
@@ -26,8 +31,10 @@ import time
 
 import torch
 
-from lightning_zero.ops import functional as F
-from lightning_zero.ops._load import ISA_ENV, supported_isas
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeedCPUAdam's rows on a machine without a GPU
+
+from lightning_zero.ops import functional as F  # noqa: E402 (after DS_ACCELERATOR, read at deepspeed's import)
+from lightning_zero.ops._load import ISA_ENV, supported_isas  # noqa: E402
 
 ADAM_BYTES = 28
 FUSED_BYTES = 30
@@ -160,12 +167,19 @@ def thread_counts(spec: str) -> list[int]:
 def scaling(records: list[dict]) -> list[str]:
     """The thread-scaling table: one line per (size, implementation, threads)."""
     first = {(r["size"], r["what"]): r["ms"] for r in records if r["threads"] == records[0]["threads"]}
-    lines = [f"{'size':>6} {'what':<34} {'threads':>7} {'ms':>9} {'vs torch':>9} {'x own 1T':>9}"]
+    ds = {(r["size"], r["threads"]): r["ms"] for r in records if r["what"] == "DeepSpeedCPUAdam"}
+    lines = [
+        f"{'size':>6} {'what':<34} {'threads':>7} {'ms':>9} {'GB/s':>7} {'of bw':>6} {'vs torch':>9} "
+        f"{'vs DS':>7} {'x own 1T':>9} {'load':>5}"
+    ]
     keep = [r for r in records if r["ms"] is not None and not r["what"].startswith("torch AdamW foreach")]
     for r in sorted(keep, key=lambda r: (r["size"], r["what"], r["threads"])):
         own = first[(r["size"], r["what"])] / r["ms"]
+        versus_ds = ds.get((r["size"], r["threads"]))
+        vs_ds = f"{versus_ds / r['ms']:6.2f}x" if versus_ds and not r["what"].startswith("fused") else ""
         lines.append(
-            f"{r['size']:>6} {r['what']:<34} {r['threads']:>7} {r['ms']:9.1f} {r['vs_torch']:8.2f}x {own:8.2f}x"
+            f"{r['size']:>6} {r['what']:<34} {r['threads']:>7} {r['ms']:9.1f} {r['gbs']:7.1f} {r['of_bandwidth']:6.2f} "
+            f"{r['vs_torch']:8.2f}x {vs_ds:>7} {own:8.2f}x {r['load']:5.2f}"
         )
     return lines
 
@@ -181,12 +195,19 @@ def plot(records: list[dict], path: str) -> None:
     except ImportError:
         print(f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)")
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    keep = [r for r in records if r["ms"] is not None and not r["what"].startswith("torch AdamW foreach")]
+    fig, (ax, ax_bw) = plt.subplots(1, 2, figsize=(14, 5))
+    keep = [r for r in records if not r["what"].startswith("torch AdamW foreach")]
     for key in sorted({(r["size"], r["what"]) for r in keep}):
         rows = sorted((r for r in keep if (r["size"], r["what"]) == key), key=lambda r: r["threads"])
-        ax.plot([r["threads"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"{key[0]} {key[1]}")
+        threads, label = [r["threads"] for r in rows], f"{key[0]} {key[1]}"
+        if rows[0]["ms"] is not None:
+            ax.plot(threads, [r["ms"] for r in rows], marker="o", label=label)
+        style = "k--" if rows[0]["ms"] is None else "-"
+        ax_bw.plot(threads, [r["gbs"] for r in rows], style, marker="o", label=label)
     ax.set(xlabel="threads", ylabel="ms per step (lower is better)", title="CPU Adam step: thread scaling")
+    ax_bw.set(xlabel="threads", ylabel="GB/s (dashed: a += b bandwidth)", title="achieved bandwidth")
+    for axis in (ax, ax_bw):
+        axis.set_xticks(sorted({r["threads"] for r in keep}))
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"plot written to {path}")
@@ -194,7 +215,7 @@ def plot(records: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="100M,500M", help="comma-separated, M = 1e6 parameters")
+    parser.add_argument("--sizes", default="50M,100M", help="comma-separated, M = 1e6 parameters")
     parser.add_argument("--threads", default="1,2,all", help="comma-separated thread counts; 'all' = affinity mask")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--plot", default=None, help="write the thread-scaling plot to this PNG (needs matplotlib)")
@@ -203,10 +224,14 @@ def main() -> None:
     records = []
     for threads in counts:
         torch.set_num_threads(threads)
-        print(f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__}")
+        load = os.getloadavg()[0]
+        print(
+            f"threads={torch.get_num_threads()} isas={supported_isas()} torch={torch.__version__} "
+            f"load average (1 min) before={load:.2f}"
+        )
         print(f"{'size':>6} {'what':<34} {'ms':>9} {'GB/s':>7} {'vs torch fused':>15} {'of bandwidth':>13}")
         for r in measure(args.sizes, args.repeats):
-            records.append(dict(r, threads=threads))
+            records.append(dict(r, threads=threads, load=load))
             if r["ms"] is None:
                 print(f"{r['size']:>6} {r['what']:<34} {'':>9} {r['gbs']:7.1f}")
             else:
