@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -40,29 +41,36 @@ ADAM_BYTES = 28
 FUSED_BYTES = 30
 
 
-def timed(fn, repeats: int) -> float:
-    """Best of ``repeats`` (after one warm-up): the least disturbed by the rest of the machine."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Best of ``repeats`` for each of ``fns`` (after one warm-up each), run round-robin: on a shared
+    machine a busy moment then hits every implementation alike, and the best time of each is the
+    least disturbed one."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
-def bandwidth(n: int, repeats: int) -> float:
+def bandwidth_step(n: int) -> Callable[[], None]:
+    """The STREAM-like reference: ``a += b`` over ``n`` fp32 elements (12 bytes per element)."""
     a, b = torch.ones(n), torch.ones(n)
-    return 12 * n / timed(lambda: a.add_(b), repeats) / 1e9
+    return lambda: a.add_(b)
 
 
-def ours(n, p, g, repeats, isa, fused_pass=False):
-    os.environ[ISA_ENV] = isa
+def ours(p, g, isa, fused_pass=False) -> Callable[[], None]:
+    """One step of our kernel on ``isa`` (states of its own; ``p`` and ``g`` shared)."""
+    n = p.numel()
     m, v = torch.zeros(n), torch.zeros(n)
     copy = torch.empty(n, dtype=torch.bfloat16) if fused_pass else None
     state = {"step": 0}
 
     def step():
+        os.environ[ISA_ENV] = isa  # read at every call: the implementations take turns
         state["step"] += 1
         F.cpu_adam_step(
             p,
@@ -79,10 +87,10 @@ def ours(n, p, g, repeats, isa, fused_pass=False):
             param_copy=copy,
         )
 
-    return timed(step, repeats)
+    return step
 
 
-def torch_adamw(p, g, repeats, fused_pass=False, **kw):
+def torch_adamw(p, g, fused_pass=False, **kw) -> Callable[[], None]:
     param = torch.nn.Parameter(p)
     opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **kw)
     copy = torch.empty(p.numel(), dtype=torch.bfloat16) if fused_pass else None
@@ -95,27 +103,46 @@ def torch_adamw(p, g, repeats, fused_pass=False, **kw):
         if fused_pass:
             copy.copy_(param.detach())
 
-    return timed(step, repeats)
+    return step
 
 
-def deepspeed_adam(p, g, repeats):
+def deepspeed_adam(p, g) -> Callable[[], None] | None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception:  # noqa: BLE001 - optional, and its import can fail in many ways
         return None
     param = torch.nn.Parameter(p)
     param.grad = g
-    opt = DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01)
-    return timed(opt.step, repeats)
+    return DeepSpeedCPUAdam([param], lr=1e-4, weight_decay=0.01).step
 
 
 def measure(sizes: str, repeats: int) -> list[dict]:
-    """Every row of the table as ``{"size", "what", "ms", "gbs", "vs_torch", "of_bandwidth"}``."""
+    """Every row of the table as ``{"size", "what", "ms", "gbs", "vs_torch", "of_bandwidth"}``.
+
+    Two groups per size, each run round-robin (:func:`timed`) with the bandwidth reference: the
+    Adam steps (torch fused, DeepSpeedCPUAdam, ours per ISA; sharing one param and grad, each with
+    its own states) and the fused passes; torch's foreach AdamW (~10x slower) is timed on its own."""
     records = []
     for size in sizes.split(","):
         n = int(float(size.rstrip("M")) * 1e6)
-        bw = bandwidth(n, repeats)
         p, g = torch.randn(n), torch.randn(n) * 1e-3
+        adam = {"memory bandwidth (a += b)": bandwidth_step(n), "torch AdamW fused=True": torch_adamw(p, g, fused=True)}
+        ds = deepspeed_adam(p, g)
+        if ds is not None:
+            adam["DeepSpeedCPUAdam"] = ds
+        for isa in supported_isas():
+            adam[f"ours {isa}"] = ours(p, g, isa)
+        times = timed(adam, repeats)
+        del adam, ds
+        times["torch AdamW foreach=True"] = timed({"": torch_adamw(p, g, foreach=True)}, repeats)[""]
+        fused = {"memory bandwidth (a += b)": bandwidth_step(n)}
+        fused["fused pass: torch (3 passes)"] = torch_adamw(p, g, fused_pass=True, fused=True)
+        for isa in supported_isas():
+            fused[f"fused pass: ours {isa} (1 pass)"] = ours(p, g, isa, fused_pass=True)
+        fused_times = timed(fused, repeats)
+        del fused
+        # the better of the two bandwidth readings (each taken among its group's steps)
+        bw = 12 * n / min(times.pop("memory bandwidth (a += b)"), fused_times.pop("memory bandwidth (a += b)")) / 1e9
         records.append(
             {
                 "size": size,
@@ -126,26 +153,25 @@ def measure(sizes: str, repeats: int) -> list[dict]:
                 "of_bandwidth": 1.0,
             }
         )
-        base = torch_adamw(p.clone(), g, repeats, fused=True)
-        timings = [
-            ("torch AdamW fused=True", base, ADAM_BYTES),
-            ("torch AdamW foreach=True", torch_adamw(p.clone(), g, repeats, foreach=True), ADAM_BYTES),
-        ]
-        ds = deepspeed_adam(p.clone(), g, repeats)
-        if ds is not None:
-            timings.append(("DeepSpeedCPUAdam", ds, ADAM_BYTES))
-        for isa in supported_isas():
-            timings.append((f"ours {isa}", ours(n, p.clone(), g, repeats, isa), ADAM_BYTES))
-        fused_base = torch_adamw(p.clone(), g, repeats, fused_pass=True, fused=True)
-        timings.append(("fused pass: torch (3 passes)", fused_base, FUSED_BYTES))
-        for isa in supported_isas():
-            t = ours(n, p.clone(), g, repeats, isa, fused_pass=True)
-            timings.append((f"fused pass: ours {isa} (1 pass)", t, FUSED_BYTES))
-        for what, t, nbytes in timings:
-            ref = fused_base if what.startswith("fused pass") else base
-            gbs = nbytes * n / t / 1e9
+        base, fused_base = times["torch AdamW fused=True"], fused_times["fused pass: torch (3 passes)"]
+        order = ["torch AdamW fused=True", "torch AdamW foreach=True", *times]  # the table's row order
+        for what in dict.fromkeys(order):
+            t = times[what]
+            gbs = ADAM_BYTES * n / t / 1e9
             records.append(
-                {"size": size, "what": what, "ms": t * 1e3, "gbs": gbs, "vs_torch": ref / t, "of_bandwidth": gbs / bw}
+                {"size": size, "what": what, "ms": t * 1e3, "gbs": gbs, "vs_torch": base / t, "of_bandwidth": gbs / bw}
+            )
+        for what, t in fused_times.items():
+            gbs = FUSED_BYTES * n / t / 1e9
+            records.append(
+                {
+                    "size": size,
+                    "what": what,
+                    "ms": t * 1e3,
+                    "gbs": gbs,
+                    "vs_torch": fused_base / t,
+                    "of_bandwidth": gbs / bw,
+                }
             )
         del p, g
     os.environ.pop(ISA_ENV, None)
