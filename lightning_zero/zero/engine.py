@@ -13,7 +13,9 @@ Per micro-step and optimizer step (the precision plugin, the pipeline runner and
     step(opt, before_update=...)
                             reduced slices become master.grad (unscaled); ``before_update`` runs the
                             user's hooks and clipping (grad_norm, clip_grad_norm); then the optimizer
-                            on the slices, publish, and the gradients are dropped
+                            on the slices, publish (pipelined with the kernels: each buffer's all-gather
+                            starts as soon as it is stepped, ``OffloadConfig.pipeline``), and the
+                            gradients are dropped
 
 Checkpoints and reports: :meth:`held_params`, :meth:`local_pieces`, :meth:`load_pieces`,
 :meth:`load_optimizer_pieces`, :meth:`publish`, :meth:`param_groups`, :meth:`memory_tensors`.
