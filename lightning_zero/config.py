@@ -357,11 +357,19 @@ class OffloadConfig:
     nvme: NvmeConfig | None = None
     """The disk tier's path and I/O knobs; required when either tier is "nvme"."""
 
+    pipeline: bool = True
+    """DeepSpeed's pipelined offload: when the compiled kernels step the slices, each bucket's 16-bit
+    copy-back (on a GPU: its host-to-device copy, on a side stream) and all-gather start as soon as
+    it is stepped, while the next bucket steps; False steps every bucket first, then publishes.
+    Same numbers either way (bitwise)."""
+
     def __post_init__(self) -> None:
         optimizer_tier = _tier("offload_optimizer", self.offload_optimizer)
         parameter_tier = _tier("offload_parameters", self.offload_parameters)
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False.")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"offload_pipeline={self.pipeline!r} must be True or False.")
         if parameter_tier and not optimizer_tier:
             raise ValueError(
                 f"offload_parameters={self.offload_parameters!r} needs offload_optimizer=True: parameter shards off "

@@ -47,6 +47,7 @@ def strategy_config(
     offload_optimizer: bool | str = False,
     offload_parameters: bool | str = False,
     pin_memory: bool = True,
+    offload_pipeline: bool = True,
     nvme_path: str | None = None,
     nvme_config: dict[str, Any] | None = None,
     timeout: timedelta | float | None = None,
@@ -88,6 +89,7 @@ def strategy_config(
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             pin_memory=pin_memory,
+            pipeline=offload_pipeline,
             nvme=nvme_config_from(None if nvme_path is None else str(nvme_path), nvme_config),
         ),
         tensor=TensorParallelConfig(

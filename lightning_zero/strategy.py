@@ -96,6 +96,8 @@ class ZeroStrategy(DDPStrategy):
         nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
             ``buffer_count``, ``direct_io`` (see :class:`~lightning_zero.config.NvmeConfig`).
         pin_memory: page-lock host buffers on GPU machines.
+        offload_pipeline: DeepSpeed's pipelined offload: each bucket's copy-back and all-gather start
+            while the next bucket is stepped (False: step all, then publish; same numbers).
         loss_scale: dynamic loss-scaling options for "16-mixed".
         timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
             rank that dies is noticed at once on gloo; see :mod:`lightning_zero.failures`.
@@ -148,6 +150,7 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
         pin_memory: bool = True,
+        offload_pipeline: bool = True,
         nvme_path: str | None = None,
         nvme_config: dict[str, Any] | None = None,
         loss_scale: LossScaleConfig | None = None,
@@ -189,6 +192,7 @@ class ZeroStrategy(DDPStrategy):
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             pin_memory=pin_memory,
+            offload_pipeline=offload_pipeline,
             nvme_path=nvme_path,
             nvme_config=nvme_config,
             timeout=timeout,
@@ -335,7 +339,9 @@ class ZeroStrategy(DDPStrategy):
             threads.apply_threads(self.num_processes)
         # The precision plugin may carry its own offload options (OffloadPrecision given by the
         # user): the engine's config takes them, checked against the stage like the strategy's.
-        config = dataclasses.replace(self.config, offload=precision.offload)
+        # (offload_pipeline is the strategy's option: it says how the engine steps, not where tensors live)
+        offload = dataclasses.replace(precision.offload, pipeline=self.config.offload.pipeline)
+        config = dataclasses.replace(self.config, offload=offload)
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             self._check_nvme_space(config)
             # Ranks that cannot see a checkpoint directory are found now, not at the first save.

@@ -11,12 +11,17 @@
 // five to seven streams of one tile (~400 KiB) stay in L2 while a thread works on it; tiles are also
 // the unit of the LAMB norm reduction, which is summed tile by tile in a fixed order, so the norms
 // do not depend on the number of threads.
+// Tiles are handed out one at a time from an atomic counter (for_each_tile), not in one static block
+// per thread: on a shared host (other ranks, dataloader workers, other jobs) a preempted thread
+// would otherwise hold its whole block while the others wait at the end of the region; now they
+// take its remaining tiles. Which tile a thread runs does not change any result.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -29,6 +34,19 @@ namespace cpu {
 namespace {
 
 constexpr int64_t TILE = 16384;
+
+// fn(t) for every tile t in [0, tiles), on torch's thread pool, tiles taken dynamically (see the top).
+template <typename F>
+void for_each_tile(int64_t tiles, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tiles);
+  // one index per worker: each runs the take-a-tile loop (serially, one call drains them all)
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tiles;
+         t = next.fetch_add(1, std::memory_order_relaxed))
+      fn(t);
+  });
+}
 
 KernelTable select_table(const std::string& isa) {
   KernelTable tables[4];
@@ -145,9 +163,8 @@ void run_onestate(OneStateRangeFn fn, const at::Tensor& param, const at::Tensor&
   Buffers b = make_buffers(param, &grad, state, state, param_copy);
   b.exp_avg_sq = nullptr;  // one state only
   const int64_t n = param.numel();
-  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) fn(b, t * TILE, std::min(n, (t + 1) * TILE), h);
-  });
+  for_each_tile((n + TILE - 1) / TILE,
+                [&](int64_t t) { fn(b, t * TILE, std::min(n, (t + 1) * TILE), h); });
 }
 
 }  // namespace
@@ -192,9 +209,8 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, adamw_mode,
                              bias_correction, grad_scale, false);
   const int64_t n = param.numel();
-  at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) k.adam(b, t * TILE, std::min(n, (t + 1) * TILE), h);
-  });
+  for_each_tile((n + TILE - 1) / TILE,
+                [&](int64_t t) { k.adam(b, t * TILE, std::min(n, (t + 1) * TILE), h); });
 }
 
 at::Tensor cpu_lamb_moments(const at::Tensor& param, const at::Tensor& grad,
@@ -209,9 +225,8 @@ at::Tensor cpu_lamb_moments(const at::Tensor& param, const at::Tensor& grad,
                              grad_scale, true);
   const std::vector<Tile> tiles = segment_tiles(segment_offsets, param.numel());
   std::vector<double> partial(2 * tiles.size(), 0.0);
-  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      k.lamb_moments(b, tiles[t].begin, tiles[t].end, h, &partial[2 * t]);
+  for_each_tile(int64_t(tiles.size()), [&](int64_t t) {
+    k.lamb_moments(b, tiles[t].begin, tiles[t].end, h, &partial[2 * t]);
   });
   std::vector<double> sums(2 * (segment_offsets.numel() - 1), 0.0);
   for (size_t t = 0; t < tiles.size(); ++t) {
@@ -237,9 +252,8 @@ void cpu_lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg,
   const std::vector<Tile> tiles = segment_tiles(segment_offsets, param.numel());
   check_flat(trust_ratio, "trust_ratio", segment_offsets.numel() - 1, at::kFloat);
   const float* trust = trust_ratio.data_ptr<float>();
-  at::parallel_for(0, int64_t(tiles.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      k.lamb_apply(b, tiles[t].begin, tiles[t].end, h, float(lr) * trust[tiles[t].segment]);
+  for_each_tile(int64_t(tiles.size()), [&](int64_t t) {
+    k.lamb_apply(b, tiles[t].begin, tiles[t].end, h, float(lr) * trust[tiles[t].segment]);
   });
 }
 

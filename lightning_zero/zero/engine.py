@@ -13,7 +13,9 @@ Per micro-step and optimizer step (the precision plugin, the pipeline runner and
     step(opt, before_update=...)
                             reduced slices become master.grad (unscaled); ``before_update`` runs the
                             user's hooks and clipping (grad_norm, clip_grad_norm); then the optimizer
-                            on the slices, publish, and the gradients are dropped
+                            on the slices, publish (pipelined with the kernels: each buffer's all-gather
+                            starts as soon as it is stepped, ``OffloadConfig.pipeline``), and the
+                            gradients are dropped
 
 Checkpoints and reports: :meth:`held_params`, :meth:`local_pieces`, :meth:`load_pieces`,
 :meth:`load_optimizer_pieces`, :meth:`publish`, :meth:`param_groups`, :meth:`memory_tensors`.
@@ -35,7 +37,7 @@ from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharde
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
-from lightning_zero.zero.publish import publish
+from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
@@ -236,8 +238,14 @@ class ZeroEngine:
         if update:
             overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
             if not overflow:
-                sharded.step()
-                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+                if self.config.offload.pipeline and sharded.pipelines:
+                    # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
+                    publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
+                    sharded.step(publisher.send)
+                    publisher.finish(sharded.buffers)
+                else:
+                    sharded.step()
+                    publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
         self.zero_grad(optimizer)
         return overflow
 

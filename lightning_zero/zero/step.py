@@ -25,7 +25,7 @@ import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.step_kernels import KernelStep
+from lightning_zero.zero.step_kernels import KernelStep, Stepped
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -234,16 +234,25 @@ class ShardedOptimizer:
             if b.master.grad is not None:
                 b.master.grad.clamp_(-clip_value, clip_value)
 
-    def step(self) -> None:
+    def step(self, stepped: Stepped | None = None) -> None:
         """Update the master slices and write them into the parameter slices (the kernels do both in
-        one pass; after torch's step the cast copy is a second one)."""
+        one pass; after torch's step the cast copy is a second one). ``stepped`` (pipelined, kernels
+        only): called with each buffer once it is updated (:class:`~lightning_zero.zero.publish.Publisher`);
+        torch's own ``step()`` updates all buffers at once, so there it is called after it."""
         if self.kernel is not None:
-            self.kernel.step(self.tensor_parallel_group)
+            self.kernel.step(self.tensor_parallel_group, stepped)
             return
         with self.masters():
             self.optimizer.step()
         for b in self.buffers:
             b.params_from_master()
+            if stepped is not None:
+                stepped(b, None)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether :meth:`step` can hand out each buffer as soon as it is updated (the kernels)."""
+        return self.kernel is not None
 
     def release_grads(self) -> None:
         for b in self.buffers:

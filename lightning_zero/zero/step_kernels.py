@@ -16,6 +16,13 @@ Two cases use it instead of the user's ``optimizer.step()``:
   of :mod:`lightning_zero.zero.step` does; replicated parameters keep tensor-parallel rank 0's
   sums, so every rank applies the same ratio to its replica.
 
+**Pipelined** (``OffloadConfig.pipeline``, the default; DeepSpeed's pipelined offload): ``step`` is
+given a ``stepped`` callback (the engine's :class:`~lightning_zero.zero.publish.Publisher`) called
+with each flat buffer (a bucket under stages 1/2, a sub-group) as soon as its update and 16-bit
+copy-back are issued, so that buffer's all-gather (and on a GPU its host-to-device copy, on a side
+stream: :mod:`lightning_zero.offload.copy_back`) runs while the next buffer is stepped. Each buffer's
+arithmetic is the same as unpipelined, so the results are bitwise equal.
+
 With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
 swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
 ``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind.
@@ -26,14 +33,19 @@ States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lightning_zero import comm
+from lightning_zero.offload.copy_back import CopyBack
 from lightning_zero.offload.host import host_empty
 from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.zero.flat import FlatBuffer
+
+#: called with each buffer once its step and copy-back are issued, and the event that copy recorded
+Stepped = Callable[[FlatBuffer, "torch.cuda.Event | None"], None]
 
 
 def _adam_family() -> tuple[type, ...]:
@@ -106,6 +118,7 @@ class KernelStep:
         #: "adam", or "adagrad"/"lion": the one-state kernels (functional.cpu_adagrad_step/cpu_lion_step)
         self.kind = "adam" if lamb else (_one_state_kind(optimizer) or "adam")
         self._copy_out: dict[int, torch.Tensor] = {}
+        self.copy_back = CopyBack()
         #: LAMB with masters on a GPU: the multi-tensor kernels over one view per segment (the CPU
         #: kernels take segment offsets instead). Either computes the same numbers.
         self.fused = any(b.master.device.type != "cpu" for b in buffers)
@@ -183,16 +196,30 @@ class KernelStep:
             self._copy_out[id(b)] = host_empty(b.layout.shard_numel, b.param_shard.dtype)
         return self._copy_out[id(b)]
 
-    def _write_back(self, b: FlatBuffer, copy: torch.Tensor | None) -> None:
+    def _write_back(self, b: FlatBuffer, copy: torch.Tensor | None, stepped: Stepped | None) -> None:
+        """The updated 16-bit slice into ``b.param_shard``; pipelined, then ``stepped(b, event)``."""
+        ready = None
         if copy is not None and copy.data_ptr() == b.param_shard.data_ptr():
-            return  # the kernel wrote the parameter slice itself
-        if not b.offloaded:
+            pass  # the kernel wrote the parameter slice itself
+        elif not b.offloaded:
             b.params_from_master()
-            return
-        source = b.master if copy is None else copy
-        if source.data_ptr() != b.param_shard.data_ptr():
-            # non_blocking: from pinned memory the host does not wait for the transfer
-            b.param_shard.copy_(source, non_blocking=True)
+        else:
+            source = b.master if copy is None else copy
+            if source.data_ptr() == b.param_shard.data_ptr():
+                pass
+            elif stepped is not None:
+                ready = self.copy_back.copy(b.param_shard, source)  # side stream: overlaps the next step
+            else:
+                # non_blocking: from pinned memory the host does not wait for the transfer
+                b.param_shard.copy_(source, non_blocking=True)
+        if stepped is not None:
+            stepped(b, ready)
+
+    def _before_kernel(self, b: FlatBuffer, copy: torch.Tensor | None) -> None:
+        """Pipelined on a GPU: the host waits for last step's copy out of the tensors it now rewrites."""
+        self.copy_back.before_write(b.master)
+        if copy is not None:
+            self.copy_back.before_write(copy)
 
     def swapped(self, index: int) -> list[Swapped]:
         """The tensors of ``self.buffers[index]`` that the disk tier holds: master and moments."""
@@ -202,16 +229,25 @@ class KernelStep:
             (f"{index}.{key}", state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
         ]
 
-    def step(self, tensor_parallel_group: comm.ProcessGroup = None) -> None:
+    def step(self, tensor_parallel_group: comm.ProcessGroup = None, stepped: Stepped | None = None) -> None:
         """One optimizer step on every buffer. ``tensor_parallel_group``: the group over which
         parameters marked ``tensor_parallel`` are split (``None``: no tensor parallelism; LAMB only).
-        Call on all ranks."""
+        ``stepped``: pipelined, called with each buffer (in the same order on every rank) once its
+        step and copy-back are issued. Call on all ranks."""
+        if self.lamb:
+            self._lamb_step(tensor_parallel_group, stepped)
+        elif self.kind != "adam":
+            self._one_state_step(stepped)
+        else:
+            self._adam_step(stepped)
+        if stepped is not None:
+            self.copy_back.end()
+        # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
+
+    def _adam_step(self, stepped: Stepped | None) -> None:
         from lightning_zero.ops import functional as F
 
-        if self.lamb:
-            return self._lamb_step(tensor_parallel_group)
-        if self.kind != "adam":
-            return self._one_state_step()
         order = [
             (index, b)
             for g_index in range(len(self.optimizer.param_groups))
@@ -234,6 +270,7 @@ class KernelStep:
             state = self._state(b.master)
             state["step"] += 1
             copy = self._param_copy(b)
+            self._before_kernel(b, copy)
             F.cpu_adam_step(
                 b.master,
                 b.master.grad.contiguous(),
@@ -243,17 +280,20 @@ class KernelStep:
                 param_copy=copy,
                 **hyper,
             )
-            self._write_back(b, copy)
+            self._write_back(b, copy, stepped)
             if swap is not None:
                 swap.evict(self.swapped(index))  # written behind; freed below once the next one is stepped
                 if position:
-                    swap.release(self.swapped(order[position - 1][0]))
+                    self._release(swap, order[position - 1][0])
         if swap is not None and order:
-            swap.release(self.swapped(order[-1][0]))
-        # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
+            self._release(swap, order[-1][0])
 
-    def _one_state_step(self) -> None:
+    def _release(self, swap: SwapStore, index: int) -> None:
+        # a pipelined copy-back from an fp32 master may still read it: done before its memory goes
+        self.copy_back.before_write(self.buffers[index].master)
+        swap.release(self.swapped(index))
+
+    def _one_state_step(self, stepped: Stepped | None) -> None:
         """Adagrad or Lion: one compiled pass per master slice (grad, state, param, 16-bit copy)."""
         from lightning_zero.ops import functional as F
 
@@ -264,14 +304,14 @@ class KernelStep:
                     continue
                 state = self._state(b.master)
                 copy = self._param_copy(b)
+                self._before_kernel(b, copy)
                 grad = b.master.grad.contiguous()
                 if self.kind == "adagrad":
                     state["step"] += 1
                     F.cpu_adagrad_step(b.master, grad, state["sum"], step=int(state["step"]), param_copy=copy, **hyper)
                 else:
                     F.cpu_lion_step(b.master, grad, state["exp_avg"], param_copy=copy, **hyper)
-                self._write_back(b, copy)
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
+                self._write_back(b, copy, stepped)
 
     # -- LAMB on shards ---------------------------------------------------------------------------
 
@@ -316,7 +356,13 @@ class KernelStep:
         return F.cpu_lamb_moments(b.master, grad, state["exp_avg"], state["exp_avg_sq"], offsets, step=step, **phase1)
 
     def _lamb_apply(
-        self, b: FlatBuffer, state: dict[str, Any], ratio: torch.Tensor, step: int, hyper: dict[str, Any]
+        self,
+        b: FlatBuffer,
+        state: dict[str, Any],
+        ratio: torch.Tensor,
+        step: int,
+        hyper: dict[str, Any],
+        stepped: Stepped | None,
     ) -> None:
         from lightning_zero.ops import functional as F
 
@@ -330,9 +376,12 @@ class KernelStep:
             trust = ratio[owners.to(ratio.device)].contiguous()
             F.fused_lamb_apply(params, exp_avgs, exp_avg_sqs, trust, step=step, param_copies=copies, **hyper)
             if not direct:
-                self._write_back(b, None)
+                self._write_back(b, None, stepped)
+            elif stepped is not None:
+                stepped(b, None)  # written on the masters' device, in stream order
             return
         copy = self._param_copy(b)
+        self._before_kernel(b, copy)
         F.cpu_lamb_apply(
             b.master,
             state["exp_avg"],
@@ -343,7 +392,7 @@ class KernelStep:
             param_copy=copy,
             **hyper,
         )
-        self._write_back(b, copy)
+        self._write_back(b, copy, stepped)
 
     def _whole_norms(self, sums: torch.Tensor, tensor_parallel_group: comm.ProcessGroup) -> torch.Tensor:
         """Per-parameter squared norms (num_params + 1, 2) of this rank's pieces -> of whole parameters."""
@@ -358,7 +407,7 @@ class KernelStep:
             comm.all_reduce(on_comm, tensor_parallel_group)
         return on_comm
 
-    def _lamb_step(self, tensor_parallel_group: comm.ProcessGroup) -> None:
+    def _lamb_step(self, tensor_parallel_group: comm.ProcessGroup, stepped: Stepped | None) -> None:
         from lightning_zero.ops import functional as F
 
         live = [b for b in self.buffers if b.master.grad is not None]
@@ -376,5 +425,4 @@ class KernelStep:
             sums.index_add_(0, owners, self._lamb_moments(b, state, steps[id(b)], hyper).to(device))
         ratio = F.lamb_trust_ratio(self._whole_norms(sums, tensor_parallel_group)).to(device)
         for b in live:
-            self._lamb_apply(b, self.optimizer.state[b.master], ratio, steps[id(b)], hypers[id(b)])
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
+            self._lamb_apply(b, self.optimizer.state[b.master], ratio, steps[id(b)], hypers[id(b)], stepped)
