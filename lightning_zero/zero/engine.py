@@ -37,11 +37,13 @@ from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
 from lightning_zero.zero.publish import publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
+from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
     HeldParam,
     LocalPiece,
     ModelParallelContext,
+    OptimizerPiece,
     OptimizerPieceReader,
     ParamGroup,
     PieceReader,
@@ -114,27 +116,39 @@ class ZeroEngine:
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
         if config.zero.stage == 3:
-            per_optimizer, self._frozen = build_sharded(module, optimizers, owners, ctx)
+            built = build_sharded(module, optimizers, owners, ctx)
         else:
             # Every rank starts from rank 0's weights, as DDP does when it wraps a module.
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group)
-            per_optimizer = build_bucketed(optimizers, ctx)
+            built = build_bucketed(optimizers, owners, ctx)
+        self._frozen = built.frozen
         elsewhere = frozenset(id(t.param) for t in parallel.tied if not t.counted_here)
         self._optimizers = optimizers
         self._sharded: dict[int, ShardedOptimizer] = {}
-        self._buffers: list[FlatBuffer] = []
-        for optimizer, buffers in zip(optimizers, per_optimizer, strict=True):
-            self._buffers.extend(buffers)
+        self._buffers: list[FlatBuffer] = []  # each once, also those several optimizers hold
+        holders: dict[int, int] = {}  # id(buffer) -> how many optimizers hold it
+        for optimizer, buffers, group_of in zip(optimizers, built.per_optimizer, built.group_of, strict=True):
+            self._buffers.extend(b for b in buffers if id(b) not in holders)
+            holders.update({id(b): holders.get(id(b), 0) + 1 for b in buffers})
             self._sharded[id(optimizer)] = ShardedOptimizer(
                 optimizer,
                 buffers,
+                group_of=group_of,
                 group=group,
                 tensor_parallel_group=parallel.tensor,
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
             )
+        #: gradients of the parameters several optimizers hold, as DDP's one param.grad (zero/shared.py)
+        self._shared = SharedGrads([b for b in self._buffers if holders[id(b)] > 1], group)
         #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
         self.swap: EngineSwap | None = None
+        if config.offload.optimizer_tier == "nvme" and self._shared.accumulated:
+            raise ValueError(
+                f"{len(self._shared.accumulated)} flat buffers hold parameters given to several optimizers, which "
+                'offload_optimizer="nvme" does not support (its swap files hold one optimizer\'s states per '
+                'master); give each parameter to one optimizer, or use offload_optimizer="cpu".'
+            )
         if config.offload.optimizer_tier == "nvme" and optimizers:
             assert config.offload.nvme is not None  # OffloadConfig requires it
             self.swap = EngineSwap(list(self._sharded.values()), config.offload.nvme, comm.rank(None))
@@ -237,7 +251,7 @@ class ZeroEngine:
             if not overflow:
                 sharded.step()
                 publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
-        self.zero_grad(optimizer)
+        self._drop_grads(optimizer)  # (a shared parameter's accumulated gradient stays: zero_grad clears it)
         return overflow
 
     def add_param_groups(self) -> None:
@@ -293,13 +307,21 @@ class ZeroEngine:
             self._reducer.reduce_for_step(sharded.buffers)
             self._reducer.wait_host_copies()
             self._reducer.add_tied(sharded.buffers)
-            sharded.prepare(inv_scale)
+            self._shared.take(sharded.buffers, self._reducer, inv_scale)
+            sharded.prepare(inv_scale, given=self._shared.grads(sharded.buffers))
             self._prepared.add(key)
         return sharded
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Forget every gradient of ``optimizer``'s slices since its last step: what
-        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point."""
+        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point;
+        also the accumulated gradient of parameters it shares with other optimizers, as DDP's
+        ``zero_grad`` clears their one ``param.grad``."""
+        self._drop_grads(optimizer)
+        self._shared.clear(self._get(optimizer).buffers, set_to_none)
+
+    def _drop_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients held in ``optimizer``'s flat buffers back to zero (after its step)."""
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
         self._reducer.wait_host_copies()  # an offloaded copy in flight must not land after the drop
@@ -317,7 +339,7 @@ class ZeroEngine:
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(set_to_none)
-            self.zero_grad(optimizer)
+            self.zero_grad(optimizer, set_to_none)
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # an instance attribute, removed at close
         self._routed.append(optimizer)
@@ -364,11 +386,13 @@ class ZeroEngine:
             try:
                 for b in buffers:
                     grad = b.master.grad
-                    assert grad is not None  # _prepare exposed every buffer's slice
+                    if grad is None:  # a shared parameter without a gradient on any rank (zero/shared.py)
+                        grad = torch.zeros_like(b.master)
+                    got = self._reducer.got_gradient if b not in self._shared else self._shared.with_grad(b)
                     full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
                     comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
                     for param, slot in zip(b.params, b.layout.slots, strict=True):
-                        if id(param) in ids and id(param) in self._reducer.got_gradient:
+                        if id(param) in ids and id(param) in got:
                             piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                             param.grad = piece.to(param.dtype)
                             assigned.append(param)
@@ -383,7 +407,10 @@ class ZeroEngine:
         return self._buffers + self._frozen
 
     def _describe(self) -> list[HeldParam]:
-        optimizer_of = {id(b): o for o, opt in enumerate(self._optimizers) for b in self._sharded[id(opt)].buffers}
+        optimizers_of: dict[int, tuple[int, ...]] = {}
+        for o, opt in enumerate(self._optimizers):
+            for b in self._sharded[id(opt)].buffers:
+                optimizers_of[id(b)] = optimizers_of.get(id(b), ()) + (o,)
         out = []
         for b_index, b in enumerate(self._all_buffers()):
             local = {s.param_index: (s.param_offset, s.shard_offset, s.numel) for s in b.shards}
@@ -397,7 +424,7 @@ class ZeroEngine:
                     shape=slot.shape,
                     dtype=b.param_shard.dtype,
                     saved_dtype=b.master.dtype,
-                    optimizer=optimizer_of.get(id(b)),
+                    optimizers=optimizers_of.get(id(b), ()),
                     buffer=b_index,
                     pieces=tuple(pieces.get(index, ())),
                     local=local.get(index),
@@ -438,17 +465,22 @@ class ZeroEngine:
         if self.config.zero.absorb_param_edits:
             for b in buffers:
                 b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
-        copies: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]] = []
-        owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
+        # per buffer: the master's host copy and, per optimizer holding it, its states' copies
+        copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
         for b in buffers:
-            raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
-            slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
-            scalars = {
-                k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                for k, v in raw.items()
-                if not self._is_slice(v, b)
-            }
-            copies.append((_host_copy(b.master, own), slices, scalars))
+            states = {}
+            for o_index, optimizer in enumerate(self._optimizers):
+                if all(b is not mine for mine in self._sharded[id(optimizer)].buffers):
+                    continue
+                raw = optimizer.state.get(b.master, {})
+                slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+                scalars = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for k, v in raw.items()
+                    if not self._is_slice(v, b)
+                }
+                states[o_index] = (slices, scalars)
+            copies.append((_host_copy(b.master, own), states))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
@@ -456,8 +488,12 @@ class ZeroEngine:
                 continue
             _, shard_offset, numel = held.local
             window = slice(shard_offset, shard_offset + numel)
-            master, slices, scalars = copies[held.buffer]
-            out.append(LocalPiece(master[window], {k: v[window] for k, v in slices.items()}, scalars))
+            master, states = copies[held.buffer]
+            pieces = {
+                o_index: OptimizerPiece({k: v[window] for k, v in slices.items()}, scalars)
+                for o_index, (slices, scalars) in states.items()
+            }
+            out.append(LocalPiece(master[window], pieces))
         return out
 
     @staticmethod
@@ -487,7 +523,7 @@ class ZeroEngine:
         buffers = self._all_buffers()
         state: dict[int, dict[str, Any]] = {}
         for held in self._held:
-            if held.optimizer != index or held.local is None:
+            if index not in held.optimizers or held.local is None:
                 continue
             param_offset, shard_offset, numel = held.local
             piece = read(held, param_offset, numel)
