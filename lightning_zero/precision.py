@@ -196,6 +196,8 @@ class OffloadPrecision(HalfPrecision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's takes Module
         if self._pipelined:
             return tensor  # the schedule already ran backward (and its hooks) in training_step
+        if self._engine is not None:
+            self._engine.release_window()  # autograd must not add into exposed .grad (expose_param_grads)
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
@@ -210,6 +212,8 @@ class OffloadPrecision(HalfPrecision):
             return tensor
         if self._engine is not None:
             self._engine.backward_done()
+            if self._engine.config.zero.expose_param_grads and not module.automatic_optimization:
+                self._engine.expose_window(module, 1.0 / self.loss_scale)
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
@@ -227,7 +231,7 @@ class OffloadPrecision(HalfPrecision):
             optimizer,
             inv_scale=1.0 / self.loss_scale,
             check_overflow=self.scaler is not None or policy != "ignore",
-            before_update=lambda: self._after_closure(model, optimizer),
+            before_update=lambda: self._before_update(model, optimizer),
             update=not skipped_backward,
         )
         if skipped_backward:
@@ -237,6 +241,15 @@ class OffloadPrecision(HalfPrecision):
         elif overflow:
             self._nonfinite(model, policy)
         return closure_result
+
+    def _before_update(self, model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """The user's ``on_before_optimizer_step`` hooks and clipping; with ``expose_param_grads``
+        inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP."""
+        assert self._engine is not None
+        if not self._engine.config.zero.expose_param_grads:
+            return self._after_closure(model, optimizer)
+        with self._engine.full_gradients(model, 1.0 / self.loss_scale):
+            self._after_closure(model, optimizer)
 
     def _nonfinite(self, model: pl.LightningModule, policy: str) -> None:
         """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""

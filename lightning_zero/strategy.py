@@ -88,6 +88,9 @@ class ZeroStrategy(DDPStrategy):
         absorb_param_edits: in-place edits of whole parameters in hooks and callbacks (weight
             clipping, an EMA swapped in) reach the fp32 master before the next step and checkpoint,
             as under DDP (see :class:`~lightning_zero.config.ZeroConfig`).
+        expose_param_grads: ``param.grad`` as under DDP in ``on_before_optimizer_step`` and
+            ``configure_gradient_clipping``, and after ``manual_backward`` (stages 1/2); off by
+            default: it costs the full-size gradients (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -145,6 +148,7 @@ class ZeroStrategy(DDPStrategy):
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
+        expose_param_grads: bool = False,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
         pin_memory: bool = True,
@@ -186,6 +190,7 @@ class ZeroStrategy(DDPStrategy):
                 allow_untested_optimizer=allow_untested_optimizer,
                 on_nonfinite=on_nonfinite,
                 absorb_param_edits=absorb_param_edits,
+                expose_param_grads=expose_param_grads,
             ),
             offload=OffloadConfig(
                 offload_optimizer=offload_optimizer,

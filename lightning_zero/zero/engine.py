@@ -35,6 +35,7 @@ from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharde
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.shared import SharedGrads
@@ -164,6 +165,8 @@ class ZeroEngine:
         if config.zero.stage == 3:
             self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
         self._norms: dict[int, torch.Tensor] = {}
+        self._exposed: ExposedGrads | None = None  # inside full_gradients
+        self._window: ExposedGrads | None = None  # manual optimization: expose_window
         self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
         self._routed: list[torch.optim.Optimizer] = []
         if parallel.pipeline is None:
@@ -194,10 +197,14 @@ class ZeroEngine:
             self._coordinator.end_pass()
 
     @contextmanager
-    def gathered_parameters(self, module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    def gathered_parameters(
+        self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
+    ) -> Iterator[None]:
         """Full parameters of ``module`` inside the block (stage 3; a no-op otherwise). Edits made by
         group rank ``modifier_rank`` are scattered back into every rank's shards and fp32 masters.
-        Call on all ranks."""
+        With grad enabled and ``for_backward``, they stay gathered until the end of the pass (a
+        backward may need them); False releases them at exit (the step follows: a buffer kept
+        gathered across it would hold the weights from before the step). Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
         # Whole parameters (stage 1/2, small ones under stage 3) are edited in place as well.
         persistent = [b for b in self._buffers if b.persistent and any(id(p) in ids for p in b.params)]
@@ -210,7 +217,7 @@ class ZeroEngine:
                 scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self._coordinator is not None:
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and for_backward:
                     self._coordinator.pin(sharded)
                 self._coordinator.drop(sharded)
 
@@ -293,6 +300,7 @@ class ZeroEngine:
         self.add_param_groups()
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
+        self.release_window()
         if key not in self._prepared:
             if self._reducer.unfinished():
                 raise RuntimeError(
@@ -317,6 +325,7 @@ class ZeroEngine:
         ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point;
         also the accumulated gradient of parameters it shares with other optimizers, as DDP's
         ``zero_grad`` clears their one ``param.grad``."""
+        self.release_window()
         self._drop_grads(optimizer)
         self._shared.clear(self._get(optimizer).buffers, set_to_none)
 
@@ -349,6 +358,9 @@ class ZeroEngine:
         window until the step. Call on all ranks."""
         sharded = self._prepare(optimizer, inv_scale)
         key = id(sharded.optimizer)
+        if self._exposed is not None:
+            self._sync_exposed()
+            self._norms.pop(key, None)  # .grad may have been edited since
         if key not in self._norms:
             self._norms[key] = sharded.grad_norm()
         return self._norms[key]
@@ -360,46 +372,89 @@ class ZeroEngine:
         norm = self.grad_norm(optimizer, inv_scale)
         self._get(optimizer).clip_grad_norm(max_norm, norm)
         self._norms.pop(id(_unwrap(optimizer)), None)  # clipped: the next norm is another one
+        self._refresh_exposed()
         return norm
 
     def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float, inv_scale: float = 1.0) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_value, clip_value]``."""
-        self._prepare(optimizer, inv_scale).clip_grad_value(clip_value)
+        sharded = self._prepare(optimizer, inv_scale)
+        self._sync_exposed()
+        sharded.clip_grad_value(clip_value)
         self._norms.pop(id(_unwrap(optimizer)), None)
+        self._refresh_exposed()
 
     @contextmanager
     def full_gradients(self, module: nn.Module, inv_scale: float = 1.0) -> Iterator[None]:
         """Inside the block every trainable parameter of ``module`` that received a gradient in the
         current window has ``.grad``: the full reduced, unscaled gradient, as DDP's ``param.grad``
-        (in the parameter's dtype; the others keep ``None``, as under DDP);
-        under stage 3 the parameters are gathered too. Valid where :meth:`grad_norm` is (after the
-        window's last backward, until the step). Costs one all-gather of the module's gradient slices
-        and a full-size gradient per parameter while inside; the ``.grad`` are dropped at exit. Call
-        on all ranks."""
+        (in the parameter's dtype; the others keep ``None``, as under DDP); under stage 3 the
+        parameters are gathered too. Elementwise edits of those ``.grad`` (``clamp_``, ``mul_``, a
+        replaced tensor) are written into this rank's slices at exit, so the step uses them, as under
+        DDP; :meth:`grad_norm` and the clipping methods called inside see them too (and their
+        clipping shows in ``.grad``). Valid where :meth:`grad_norm` is (after the window's last
+        backward, until the step). Costs one all-gather of the module's gradient slices (another
+        after each clipping inside) and a full-size gradient per parameter while inside
+        (:mod:`lightning_zero.zero.grads`); the ``.grad`` are dropped at exit. Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
         for sharded in self._sharded.values():
             if any(b in buffers for b in sharded.buffers):
                 self._prepare(sharded.optimizer, inv_scale)
-        assigned: list[nn.Parameter] = []
-        with self.gathered_parameters(module):
+        slices = {id(b): b.master.grad for b in buffers if b.master.grad is not None}
+        got = set(self._reducer.got_gradient)
+        for b in buffers:
+            if b in self._shared:  # (taken out of the reducer's record: zero/shared.py)
+                got |= self._shared.with_grad(b)
+        exposed = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        outer, self._exposed = self._exposed, exposed
+        with self.gathered_parameters(module, for_backward=False):
             try:
-                for b in buffers:
-                    grad = b.master.grad
-                    if grad is None:  # a shared parameter without a gradient on any rank (zero/shared.py)
-                        grad = torch.zeros_like(b.master)
-                    got = self._reducer.got_gradient if b not in self._shared else self._shared.with_grad(b)
-                    full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
-                    comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
-                    for param, slot in zip(b.params, b.layout.slots, strict=True):
-                        if id(param) in ids and id(param) in got:
-                            piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                            param.grad = piece.to(param.dtype)
-                            assigned.append(param)
+                exposed.gather()
                 yield
+                exposed.write_back()
             finally:
-                for param in assigned:
-                    param.grad = None
+                exposed.release()
+                self._exposed = outer
+
+    def expose_window(self, module: nn.Module, inv_scale: float = 1.0) -> None:
+        """Manual optimization with ``expose_param_grads``, stages 1/2: after a backward, the
+        trainable parameters of ``module`` that received a gradient in the window get ``.grad``, the
+        full averaged, unscaled gradient so far (DDP's value after ``manual_backward``), until the
+        next backward, step or ``zero_grad`` (:meth:`release_window`). Read-only: edits are not
+        applied (clip with ``self.clip_gradients``). Stage 3: nothing (its parameters are shards
+        here; use ``strategy.full_gradients`` before the step). Call on all ranks."""
+        self.release_window()
+        if self.config.zero.stage == 3 or self._prepared:
+            return
+        ids = {id(p) for p in module.parameters()}
+        buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
+        slices = {}
+        for b in buffers:
+            piece = window_slice(b, self.config.zero.stage, self.group, inv_scale)
+            held = self._shared.accumulated.get(id(b))
+            slices[id(b)] = piece if held is None else piece.add_(held)
+        got = set(self._reducer.got_gradient)
+        for b in buffers:
+            if b in self._shared:
+                got |= self._shared.with_grad(b)
+        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        self._window.gather()
+
+    def release_window(self) -> None:
+        """The ``.grad`` of :meth:`expose_window` back to None (before a backward, step or zero_grad)."""
+        if self._window is not None:
+            self._window.release()
+            self._window = None
+
+    def _sync_exposed(self) -> None:
+        """Inside :meth:`full_gradients`: the user's edits of ``.grad`` into the slices first."""
+        if self._exposed is not None:
+            self._exposed.write_back()
+
+    def _refresh_exposed(self) -> None:
+        """Inside :meth:`full_gradients`, after clipping the slices: ``.grad`` shows the clipped values."""
+        if self._exposed is not None:
+            self._exposed.gather()
 
     # -- the state other layers read and write ------------------------------------------------------
 
