@@ -12,6 +12,11 @@ are on the meta device (built in ``LightningModule.configure_model`` under stage
 here, one module at a time: its tensors are allocated on the device, its ``reset_parameters()``
 initializes them, rank 0's values are broadcast, the rank keeps its slice and the full tensors are
 freed before the next module, so no rank ever holds more than its shards plus one module.
+
+A parameter given to several optimizers (a GAN's shared embedding) goes, at every stage, into a
+buffer holding only parameters with the same set of holders; the buffer is in each holder's list,
+with the holder's own group index (:class:`Built`), so each optimizer keeps its own state of the
+one master slice (gradients: :mod:`lightning_zero.zero.shared`).
 """
 
 from __future__ import annotations
