@@ -283,7 +283,8 @@ class ZeroEngine:
                     if id(p) in known:
                         raise ValueError(
                             f"optimizer.add_param_group() gave a parameter of shape {tuple(p.shape)} that an optimizer "
-                            "already holds; ZeRO keeps one master per parameter: give each parameter to one group."
+                            "already holds; a parameter joins several optimizers only at setup (its flat buffer is "
+                            "built for all of them): give it to each of them in configure_optimizers."
                         )
                     known.add(id(p))
                 new.extend(self._ctx.buckets(params, g_index))
