@@ -244,11 +244,12 @@ class OffloadPrecision(HalfPrecision):
 
     def _before_update(self, model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         """The user's ``on_before_optimizer_step`` hooks and clipping; with ``expose_param_grads``
-        inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP."""
+        inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP
+        (the parameters of the optimizer stepping; another optimizer's keep None)."""
         assert self._engine is not None
         if not self._engine.config.zero.expose_param_grads:
             return self._after_closure(model, optimizer)
-        with self._engine.full_gradients(model, 1.0 / self.loss_scale):
+        with self._engine.full_gradients(model, 1.0 / self.loss_scale, optimizer=optimizer):
             self._after_closure(model, optimizer)
 
     def _nonfinite(self, model: pl.LightningModule, policy: str) -> None:

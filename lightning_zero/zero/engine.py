@@ -385,7 +385,9 @@ class ZeroEngine:
         self._refresh_exposed()
 
     @contextmanager
-    def full_gradients(self, module: nn.Module, inv_scale: float = 1.0) -> Iterator[None]:
+    def full_gradients(
+        self, module: nn.Module, inv_scale: float = 1.0, optimizer: torch.optim.Optimizer | None = None
+    ) -> Iterator[None]:
         """Inside the block every trainable parameter of ``module`` that received a gradient in the
         current window has ``.grad``: the full reduced, unscaled gradient, as DDP's ``param.grad``
         (in the parameter's dtype; the others keep ``None``, as under DDP); under stage 3 the
@@ -395,11 +397,17 @@ class ZeroEngine:
         clipping shows in ``.grad``). Valid where :meth:`grad_norm` is (after the window's last
         backward, until the step). Costs one all-gather of the module's gradient slices (another
         after each clipping inside) and a full-size gradient per parameter while inside
-        (:mod:`lightning_zero.zero.grads`); the ``.grad`` are dropped at exit. Call on all ranks."""
+        (:mod:`lightning_zero.zero.grads`); the ``.grad`` are dropped at exit. With ``optimizer``
+        only its parameters get ``.grad`` (the hooks around its step: exposing another optimizer's
+        would end that one's window before its last backward). Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
+        if optimizer is not None:
+            ids &= {id(p) for b in self._get(optimizer).buffers for p in b.params}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
         for sharded in self._sharded.values():
-            if any(b in buffers for b in sharded.buffers):
+            if any(b in buffers for b in sharded.buffers) and (
+                optimizer is None or _unwrap(optimizer) is sharded.optimizer
+            ):
                 self._prepare(sharded.optimizer, inv_scale)
         slices = {id(b): b.master.grad for b in buffers if b.master.grad is not None}
         got = set(self._reducer.got_gradient)
