@@ -44,6 +44,7 @@ def strategy_config(
     on_nonfinite: str = "error",
     absorb_param_edits: bool = True,
     host_mmap_threshold: int | None = 1 << 20,
+    expose_param_grads: bool = False,
     offload_optimizer: bool | str = False,
     offload_parameters: bool | str = False,
     pin_memory: bool = True,
@@ -84,6 +85,7 @@ def strategy_config(
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,
             host_mmap_threshold=host_mmap_threshold,
+            expose_param_grads=expose_param_grads,
         ),
         offload=OffloadConfig(
             offload_optimizer=offload_optimizer,

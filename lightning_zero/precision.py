@@ -196,6 +196,8 @@ class OffloadPrecision(HalfPrecision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]  # Lightning's takes Module
         if self._pipelined:
             return tensor  # the schedule already ran backward (and its hooks) in training_step
+        if self._engine is not None:
+            self._engine.release_window()  # autograd must not add into exposed .grad (expose_param_grads)
         tensor = super().pre_backward(tensor, module)
         return tensor * self.scaler.scale if self.scaler is not None else tensor
 
@@ -210,6 +212,8 @@ class OffloadPrecision(HalfPrecision):
             return tensor
         if self._engine is not None:
             self._engine.backward_done()
+            if self._engine.config.zero.expose_param_grads and not module.automatic_optimization:
+                self._engine.expose_window(module, 1.0 / self.loss_scale)
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
@@ -225,7 +229,7 @@ class OffloadPrecision(HalfPrecision):
         self.zero_step(
             optimizer,
             step=model.trainer.global_step,
-            before_update=lambda: self._after_closure(model, optimizer),
+            before_update=lambda: self._before_update(model, optimizer),
             update=not skipped_backward,
         )
         return closure_result
@@ -256,6 +260,16 @@ class OffloadPrecision(HalfPrecision):
             self.scaler.update(overflow)
         elif overflow:
             self._nonfinite(step, policy)
+
+    def _before_update(self, model: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """The user's ``on_before_optimizer_step`` hooks and clipping; with ``expose_param_grads``
+        inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP
+        (the parameters of the optimizer stepping; another optimizer's keep None)."""
+        assert self._engine is not None
+        if not self._engine.config.zero.expose_param_grads:
+            return self._after_closure(model, optimizer)
+        with self._engine.full_gradients(model, 1.0 / self.loss_scale, optimizer=optimizer):
+            self._after_closure(model, optimizer)
 
     def _nonfinite(self, step: int, policy: str) -> None:
         """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""

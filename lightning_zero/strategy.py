@@ -87,6 +87,9 @@ class ZeroStrategy(DDPStrategy):
         host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
             bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
             live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
+        expose_param_grads: ``param.grad`` as under DDP in ``on_before_optimizer_step`` and
+            ``configure_gradient_clipping``, and after ``manual_backward`` (stages 1/2); off by
+            default: it costs the full-size gradients (see :class:`~lightning_zero.config.ZeroConfig`).
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -147,6 +150,7 @@ class ZeroStrategy(DDPStrategy):
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
         host_mmap_threshold: int | None = 1 << 20,
+        expose_param_grads: bool = False,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
         pin_memory: bool = True,
@@ -189,6 +193,7 @@ class ZeroStrategy(DDPStrategy):
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,
             host_mmap_threshold=host_mmap_threshold,
+            expose_param_grads=expose_param_grads,
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             pin_memory=pin_memory,

@@ -191,7 +191,7 @@ def to_lightning_checkpoint(
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     checkpoint["state_dict"] = {k: _cast(reader.full(k), dtype) for k in keys}
     states = []
-    for saved in checkpoint.get("optimizer_states", []):
+    for o_index, saved in enumerate(checkpoint.get("optimizer_states", [])):
         if saved.get("format") != SHARDED_OPTIMIZER_MARKER:
             states.append(saved)
             continue
@@ -201,9 +201,12 @@ def to_lightning_checkpoint(
             entry = {k: v for k, v in group.items() if k != "param_names"}
             entry["params"] = list(range(index, index + len(group["param_names"])))
             for name in group["param_names"]:
-                found = reader.has(name) and reader.primary(name) in reader.params and reader.optimizer_entry(name)
+                found = (
+                    reader.has(name) and reader.primary(name) in reader.params and reader.optimizer_entry(name, o_index)
+                )
                 if found:
-                    state = {k: reader.full(name, state_key=k) for k in found["slices"]}
+                    # this optimizer's own state (a parameter several optimizers hold has one per optimizer)
+                    state = {k: reader.full(name, state_key=k, optimizer=o_index) for k in found["slices"]}
                     # Cloned: pieces of one flat buffer share one "step" tensor, which Adam
                     # increments in place, once per parameter.
                     scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in found["scalars"].items()}

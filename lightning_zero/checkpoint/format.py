@@ -37,6 +37,11 @@ and ``metadata.json`` says where each piece starts::
                       "partition_dim": d (or null), "tensor_parallel_size": T (1: saved whole),
                       "pieces": [[rank, tp_rank, offset, numel], ...]}}
 
+A parameter that several optimizers hold (the same tensor in two ``configure_optimizers``
+optimizers) has each one's state under that optimizer's index in ``optim`` and, in its entry,
+``"optimizers": [indices]`` (``"optimizer"`` is the first of them); a reader asks for the state of
+the optimizer it is loading or consolidating.
+
 ``offset`` counts elements of the flattened part ``tp_rank`` (of the whole tensor when it is not
 split). Who writes what: a partitioned (ZeRO) parameter's pieces come from the data-parallel ranks
 that own them; the other tensors (frozen parameters, buffers) whole from data-parallel rank 0; a

@@ -247,6 +247,7 @@ def load_model(
 
 def _load_sharded_optimizer(
     reader: ShardedReader,
+    index: int,
     optimizer: torch.optim.Optimizer,
     engine: ZeroEngine,
     saved: dict[str, Any],
@@ -263,25 +264,26 @@ def _load_sharded_optimizer(
             f"the checkpoint's {saved['class']} has {len(there)} parameter groups but {type(optimizer).__name__} "
             f"here has {len(here)}; load it into the same model and configure_optimizers that wrote it."
         )
-    for index, (mine, saved_names) in enumerate(zip(here, there, strict=True)):
+    for g_index, (mine, saved_names) in enumerate(zip(here, there, strict=True)):
         outside = [
             p.name for p in mine if (key := _match(p, keys)) is not None and reader.primary(key) not in saved_names
         ]
         if outside:
             raise ValueError(
-                f"parameter group {index} of {type(optimizer).__name__} holds {outside[:5]}, which the checkpoint's "
+                f"parameter group {g_index} of {type(optimizer).__name__} holds {outside[:5]}, which the checkpoint's "
                 f"{saved['class']} had in another group; load it into the same configure_optimizers that wrote it."
             )
 
     def read(held: HeldParam, param_offset: int, numel: int) -> OptimizerPiece | None:
         p = by_param[id(held.param)]
         key = _match(p, keys)
-        entry = None if key is None else reader.optimizer_entry(key)
+        entry = None if key is None else reader.optimizer_entry(key, index)
         if key is None or entry is None:
             return None
         split = placement.split(p.partition_dim)
         slices = {
-            k: reader.read(key, param_offset, numel, k, split=split).to(dtype) for k, dtype in entry["slices"].items()
+            k: reader.read(key, param_offset, numel, k, split=split, optimizer=index).to(dtype)
+            for k, dtype in entry["slices"].items()
         }
         return OptimizerPiece(slices=slices, scalars=entry["scalars"])
 
@@ -306,12 +308,12 @@ def load_optimizers(
     params = partitioned_params(module, engine)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
-    for optimizer, saved in zip(optimizers, states, strict=True):
+    for index, (optimizer, saved) in enumerate(zip(optimizers, states, strict=True)):
         if engine is None or not engine.manages(optimizer):
             optimizer.load_state_dict(saved)
         elif saved.get("format") == SHARDED_OPTIMIZER_MARKER:
             assert isinstance(reader, ShardedReader)
-            _load_sharded_optimizer(reader, optimizer, engine, saved, params, placement)
+            _load_sharded_optimizer(reader, index, optimizer, engine, saved, params, placement)
         elif placement.layout.tensor > 1:
             raise ValueError(
                 f"a consolidated (single-file) optimizer state cannot be split for tensor_parallel_size="

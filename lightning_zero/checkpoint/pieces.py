@@ -144,8 +144,8 @@ def local_shards(
         if piece is None:
             continue
         values[p.name] = piece.master
-        if p.optimizer is not None:
-            optim[p.optimizer][p.name] = {"slices": piece.slices, "scalars": piece.scalars}
+        for o_index, state in piece.states.items():  # several for a parameter several optimizers hold
+            optim[o_index][p.name] = {"slices": state.slices, "scalars": state.scalars}
     return values, optim
 
 
@@ -196,6 +196,8 @@ def rank_report(
             saved_dtype=saved,
             optimizer=p.optimizer,
             piece=piece,
+            # only for a parameter several optimizers hold (each has its state under its index in "optim")
+            **({"optimizers": list(p.held.optimizers)} if len(p.held.optimizers) > 1 else {}),
         )
     names = tensor_names(module)
     skip = state_dict_keys(params)

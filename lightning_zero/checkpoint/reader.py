@@ -79,9 +79,21 @@ class ShardedReader:
             else Split(entry["partition_dim"], 0, entry["tensor_parallel_size"])
         )
 
-    def _read_shard(self, name: str, tp_rank: int, start: int, numel: int, state_key: str | None) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of saved part ``tp_rank`` of ``name``, flattened."""
+    def holders(self, name: str) -> list[int]:
+        """Indices of the optimizers that saved a state of parameter ``name`` (several when the same
+        parameter was given to several optimizers; ``"optimizers"`` in the metadata then)."""
+        entry = self.params[self._primary.get(name, name)]
+        if "optimizers" in entry:
+            return list(entry["optimizers"])
+        return [] if entry["optimizer"] is None else [entry["optimizer"]]
+
+    def _read_shard(
+        self, name: str, tp_rank: int, start: int, numel: int, state_key: str | None, optimizer: int | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of saved part ``tp_rank`` of ``name``, flattened
+        (of optimizer ``optimizer``'s state ``state_key``: default its first optimizer's)."""
         entry = self.params[name]
+        optimizer = entry["optimizer"] if optimizer is None else optimizer
         out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))
         for rank, tp, offset, count in entry["pieces"]:
             lo, hi = max(start, offset), min(start + numel, offset + count)
@@ -91,23 +103,25 @@ class ShardedReader:
             if state_key is None:
                 piece = data["params"][name]
             else:
-                piece = data["optim"][entry["optimizer"]][name]["slices"][state_key]
+                piece = data["optim"][optimizer][name]["slices"][state_key]
             if out.dtype != piece.dtype:
                 out = out.to(piece.dtype)
             out[lo - start : hi - start] = piece[lo - offset : hi - offset]
         return out
 
-    def _part(self, name: str, split: Split | None, state_key: str | None) -> torch.Tensor:
+    def _part(
+        self, name: str, split: Split | None, state_key: str | None, optimizer: int | None = None
+    ) -> torch.Tensor:
         """The whole tensor ``name`` (``split`` ``None``) or one part of it, assembled from the saved
         parts that overlap it. The last one is kept: a load reads one parameter after another."""
-        cache_key = (name, split, state_key)
+        cache_key = (name, split, state_key, optimizer)
         cached_key, cached = self._block
         if cached_key == cache_key and cached is not None:
             return cached
         full = torch.Size(self.params[name]["shape"])
         saved = self._saved(name)
         if saved is None:
-            part = _narrow(self._read_shard(name, 0, 0, full.numel(), state_key).view(full), split, name)
+            part = _narrow(self._read_shard(name, 0, 0, full.numel(), state_key, optimizer).view(full), split, name)
         else:
             shard = torch.Size(saved.local_shape(full, name))
             numel = shard.numel()
@@ -116,7 +130,7 @@ class ShardedReader:
             for t in range(saved.size):
                 lo, hi = max(start, t * shard[saved.dim]), min(start + length, (t + 1) * shard[saved.dim])
                 if lo < hi:
-                    whole = self._read_shard(name, t, 0, numel, state_key).view(shard)
+                    whole = self._read_shard(name, t, 0, numel, state_key, optimizer).view(shard)
                     pieces.append(whole.narrow(saved.dim, lo - t * shard[saved.dim], hi - lo))
             part = torch.cat(pieces, dim=saved.dim)
             if split is not None and split.dim != saved.dim:
@@ -126,38 +140,50 @@ class ShardedReader:
         return part
 
     def read(
-        self, key: str, start: int, numel: int, state_key: str | None = None, split: Split | None = None
+        self,
+        key: str,
+        start: int,
+        numel: int,
+        state_key: str | None = None,
+        split: Split | None = None,
+        optimizer: int | None = None,
     ) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of the flattened tensor ``key`` (or of its optimizer state
-        ``state_key``), or of its part ``split`` under tensor parallelism, as saved (the master dtype).
-        When the saved layout is the requested one, opens only the rank files that overlap."""
+        """Elements ``[start, start + numel)`` of the flattened tensor ``key`` (or of optimizer
+        ``optimizer``'s state ``state_key``, default its first optimizer's), or of its part ``split``
+        under tensor parallelism, as saved (the master dtype). When the saved layout is the requested
+        one, opens only the rank files that overlap."""
         if key not in self._primary:
             return _narrow(self.state_dict[key], split, key).reshape(-1)[start : start + numel]
         name = self._primary[key]
         saved = self._saved(name)
         if saved is None and split is None:
-            return self._read_shard(name, 0, start, numel, state_key)
+            return self._read_shard(name, 0, start, numel, state_key, optimizer)
         if saved is not None and split is not None and (saved.dim, saved.size) == (split.dim, split.size):
-            return self._read_shard(name, split.rank, start, numel, state_key)
-        return self._part(name, split, state_key).reshape(-1)[start : start + numel]
+            return self._read_shard(name, split.rank, start, numel, state_key, optimizer)
+        return self._part(name, split, state_key, optimizer).reshape(-1)[start : start + numel]
 
-    def full(self, key: str, split: Split | None = None, state_key: str | None = None) -> Any:
+    def full(
+        self, key: str, split: Split | None = None, state_key: str | None = None, optimizer: int | None = None
+    ) -> Any:
         """The whole value of ``key`` (or its part ``split``): a tensor, or a non-tensor entry as saved."""
         if key not in self._primary:
             value = self.state_dict[key]
             return _narrow(value, split, key) if torch.is_tensor(value) else value
-        return self._part(self._primary[key], split, state_key)
+        return self._part(self._primary[key], split, state_key, optimizer)
 
-    def optimizer_entry(self, key: str) -> dict[str, Any] | None:
-        """``{"slices": {state_key: dtype}, "scalars": {...}}`` of parameter ``key``, or None without state."""
+    def optimizer_entry(self, key: str, optimizer: int | None = None) -> dict[str, Any] | None:
+        """``{"slices": {state_key: dtype}, "scalars": {...}}`` of parameter ``key`` in optimizer
+        ``optimizer``'s state (default: its first optimizer's), or None without state."""
         name = self._primary[key]
         entry = self.params[name]
-        if entry["optimizer"] is None or not entry["pieces"]:
+        holders = self.holders(name)
+        optimizer = holders[0] if optimizer is None and holders else optimizer
+        if optimizer not in holders or not entry["pieces"]:
             return None
         saved = self.rank_data(entry["pieces"][0][0])["optim"]
         if not saved:
             return None
-        state = saved[entry["optimizer"]].get(name)
+        state = saved[optimizer].get(name)
         if state is None:
             return None
         return {"slices": {k: v.dtype for k, v in state["slices"].items()}, "scalars": state["scalars"]}

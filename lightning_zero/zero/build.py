@@ -12,6 +12,11 @@ are on the meta device (built in ``LightningModule.configure_model`` under stage
 here, one module at a time: its tensors are allocated on the device, its ``reset_parameters()``
 initializes them, rank 0's values are broadcast, the rank keeps its slice and the full tensors are
 freed before the next module, so no rank ever holds more than its shards plus one module.
+
+A parameter given to several optimizers (a GAN's shared embedding) goes, at every stage, into a
+buffer holding only parameters with the same set of holders; the buffer is in each holder's list,
+with the holder's own group index (:class:`Built`), so each optimizer keeps its own state of the
+one master slice (gradients: :mod:`lightning_zero.zero.shared`).
 """
 
 from __future__ import annotations
@@ -77,42 +82,64 @@ class BuildContext:
         return [self.buffer([params[i] for i in run], group, persistent=True) for run in runs]
 
 
-def optimizer_owners(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple[int, int]]:
-    """``id(param) -> (optimizer index, group index)`` of every trainable parameter; rejects duplicates
-    and unsupported dtypes with a ValueError before anything is allocated."""
-    owners: dict[int, tuple[int, int]] = {}
+Holders = tuple[tuple[int, int], ...]
+"""``((optimizer index, group index), ...)``: every optimizer parameter group holding one parameter
+(more than one when the same parameter is given to several optimizers, e.g. a GAN's shared embedding)."""
+
+
+def optimizer_owners(optimizers: list[torch.optim.Optimizer]) -> dict[int, Holders]:
+    """``id(param) -> holders`` of every trainable parameter, in optimizer order; rejects
+    unsupported dtypes with a ValueError before anything is allocated. (torch itself refuses a
+    parameter in two groups of one optimizer.)"""
+    owners: dict[int, Holders] = {}
     for o_index, optimizer in enumerate(optimizers):
         for g_index, param_group in enumerate(optimizer.param_groups):
             for param in param_group["params"]:
                 if not param.requires_grad:
                     continue
-                if id(param) in owners:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(param.shape)} appears in two optimizers or parameter groups "
-                        f"(optimizer {owners[id(param)][0]} group {owners[id(param)][1]} and optimizer {o_index} group "
-                        f"{g_index}). ZeRO keeps one fp32 master and one gradient slice per parameter, so it cannot be "
-                        "stepped by two optimizers: give each parameter to exactly one (for other hyperparameters, "
-                        "use a parameter group of its own)."
-                    )
                 if param.dtype not in _SUPPORTED_PARAM_DTYPES:
                     raise ValueError(
                         f"a parameter of shape {tuple(param.shape)} has dtype {param.dtype}; ZeRO supports "
                         f"{[str(d) for d in _SUPPORTED_PARAM_DTYPES]}. Convert the model or freeze the parameter."
                     )
-                owners[id(param)] = (o_index, g_index)
+                owners[id(param)] = owners.get(id(param), ()) + ((o_index, g_index),)
     return owners
 
 
-def build_bucketed(optimizers: list[torch.optim.Optimizer], ctx: BuildContext) -> list[list[FlatBuffer]]:
-    """Stages 1 and 2: per optimizer, its buffers."""
-    out = []
-    for optimizer in optimizers:
-        buffers = []
+@dataclass
+class Built:
+    """What the build gives the engine: per optimizer its buffers and, per buffer, the optimizer's
+    parameter group it joins (a buffer of shared parameters is in every holder's list)."""
+
+    per_optimizer: list[list[FlatBuffer]]
+    group_of: list[dict[int, int]]
+    """Per optimizer: ``id(buffer) -> group index``."""
+    frozen: list[FlatBuffer]
+
+    def add(self, holders: Holders, buffer: FlatBuffer) -> None:
+        for o_index, g_index in holders:
+            self.per_optimizer[o_index].append(buffer)
+            self.group_of[o_index][id(buffer)] = g_index
+
+
+def build_bucketed(optimizers: list[torch.optim.Optimizer], owners: dict[int, Holders], ctx: BuildContext) -> Built:
+    """Stages 1 and 2: per optimizer, its buffers. Parameters held by several optimizers get buckets
+    of their own (one per set of holders), after their first holder's own buckets."""
+    built = Built([[] for _ in optimizers], [{} for _ in optimizers], [])
+    for o_index, optimizer in enumerate(optimizers):
         for g_index, param_group in enumerate(optimizer.param_groups):
-            params = [p for p in reversed(param_group["params"]) if p.requires_grad]
-            buffers.extend(ctx.buckets(params, g_index))
-        out.append(buffers)
-    return out
+            trainable = [p for p in reversed(param_group["params"]) if p.requires_grad]
+            exclusive = [p for p in trainable if len(owners[id(p)]) == 1]
+            for buffer in ctx.buckets(exclusive, g_index):
+                built.add(((o_index, g_index),), buffer)
+            shared: dict[Holders, list[nn.Parameter]] = {}
+            for p in trainable:
+                if owners[id(p)][0] == (o_index, g_index) and len(owners[id(p)]) > 1:
+                    shared.setdefault(owners[id(p)], []).append(p)
+            for holders, params in shared.items():
+                for buffer in ctx.buckets(params, g_index):
+                    built.add(holders, buffer)
+    return built
 
 
 def materialize(name: str, module: nn.Module, device: torch.device, recordings: tuple[Recording, ...] = ()) -> None:
@@ -162,12 +189,13 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
 
 
 def build_sharded(
-    module: nn.Module, optimizers: list[torch.optim.Optimizer], owners: dict[int, tuple[int, int]], ctx: BuildContext
-) -> tuple[list[list[FlatBuffer]], list[FlatBuffer]]:
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], owners: dict[int, Holders], ctx: BuildContext
+) -> Built:
     """Stage 3: per optimizer its buffers (sharded units in reverse module order, then persistent
-    buckets), and the sharded buffers of frozen parameters."""
-    sharded: list[list[FlatBuffer]] = [[] for _ in optimizers]
-    persistent: dict[tuple[int, int], list[nn.Parameter]] = {}
+    buckets), and the sharded buffers of frozen parameters. A module's parameters held by several
+    optimizers form a unit of their own, in every holder's list."""
+    units_in_order: list[tuple[Holders, FlatBuffer]] = []
+    persistent: dict[Holders, list[nn.Parameter]] = {}
     frozen: list[FlatBuffer] = []
     claimed: set[int] = set()
     threshold = ctx.config.param_persistence_threshold
@@ -178,7 +206,7 @@ def build_sharded(
         # Every rank must start from the same weights (rank 0's), as DDP does; module by module so
         # that only one module is ever whole.
         comm.broadcast_tensors([p.data for p in own] + [b for b in sub._buffers.values() if b is not None], ctx.group)
-        units: dict[tuple[int, int] | None, list[nn.Parameter]] = {}
+        units: dict[Holders | None, list[nn.Parameter]] = {}
         for param in own:
             key = owners.get(id(param))
             if not param.is_floating_point():
@@ -189,9 +217,15 @@ def build_sharded(
                 continue  # small frozen parameters stay whole and untouched
             units.setdefault(key, []).append(param)
         for key, params in units.items():
-            buffer = ctx.buffer(params, None if key is None else key[1], persistent=False)
-            (frozen if key is None else sharded[key[0]]).append(buffer)
-    out = [list(reversed(buffers)) for buffers in sharded]
-    for (o_index, g_index), params in persistent.items():
-        out[o_index].extend(ctx.buckets(list(reversed(params)), g_index))
-    return out, frozen
+            buffer = ctx.buffer(params, None if key is None else key[0][1], persistent=False)
+            if key is None:
+                frozen.append(buffer)
+            else:
+                units_in_order.append((key, buffer))
+    built = Built([[] for _ in optimizers], [{} for _ in optimizers], frozen)
+    for key, buffer in reversed(units_in_order):
+        built.add(key, buffer)
+    for key, params in persistent.items():
+        for buffer in ctx.buckets(list(reversed(params)), key[0][1]):
+            built.add(key, buffer)
+    return built

@@ -37,13 +37,16 @@ from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharde
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
+from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
     HeldParam,
     LocalPiece,
     ModelParallelContext,
+    OptimizerPiece,
     OptimizerPieceReader,
     ParamGroup,
     PieceReader,
@@ -116,27 +119,39 @@ class ZeroEngine:
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
         if config.zero.stage == 3:
-            per_optimizer, self._frozen = build_sharded(module, optimizers, owners, ctx)
+            built = build_sharded(module, optimizers, owners, ctx)
         else:
             # Every rank starts from rank 0's weights, as DDP does when it wraps a module.
             comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), group)
-            per_optimizer = build_bucketed(optimizers, ctx)
+            built = build_bucketed(optimizers, owners, ctx)
+        self._frozen = built.frozen
         elsewhere = frozenset(id(t.param) for t in parallel.tied if not t.counted_here)
         self._optimizers = optimizers
         self._sharded: dict[int, ShardedOptimizer] = {}
-        self._buffers: list[FlatBuffer] = []
-        for optimizer, buffers in zip(optimizers, per_optimizer, strict=True):
-            self._buffers.extend(buffers)
+        self._buffers: list[FlatBuffer] = []  # each once, also those several optimizers hold
+        holders: dict[int, int] = {}  # id(buffer) -> how many optimizers hold it
+        for optimizer, buffers, group_of in zip(optimizers, built.per_optimizer, built.group_of, strict=True):
+            self._buffers.extend(b for b in buffers if id(b) not in holders)
+            holders.update({id(b): holders.get(id(b), 0) + 1 for b in buffers})
             self._sharded[id(optimizer)] = ShardedOptimizer(
                 optimizer,
                 buffers,
+                group_of=group_of,
                 group=group,
                 tensor_parallel_group=parallel.tensor,
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
             )
+        #: gradients of the parameters several optimizers hold, as DDP's one param.grad (zero/shared.py)
+        self._shared = SharedGrads([b for b in self._buffers if holders[id(b)] > 1], group)
         #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
         self.swap: EngineSwap | None = None
+        if config.offload.optimizer_tier == "nvme" and self._shared.accumulated:
+            raise ValueError(
+                f"{len(self._shared.accumulated)} flat buffers hold parameters given to several optimizers, which "
+                'offload_optimizer="nvme" does not support (its swap files hold one optimizer\'s states per '
+                'master); give each parameter to one optimizer, or use offload_optimizer="cpu".'
+            )
         if config.offload.optimizer_tier == "nvme" and optimizers:
             assert config.offload.nvme is not None  # OffloadConfig requires it
             self.swap = EngineSwap(list(self._sharded.values()), config.offload.nvme, comm.rank(None))
@@ -153,6 +168,8 @@ class ZeroEngine:
         if config.zero.stage == 3:
             self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
         self._norms: dict[int, torch.Tensor] = {}
+        self._exposed: ExposedGrads | None = None  # inside full_gradients
+        self._window: ExposedGrads | None = None  # manual optimization: expose_window
         self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
         self._routed: list[torch.optim.Optimizer] = []
         if parallel.pipeline is None:
@@ -183,10 +200,14 @@ class ZeroEngine:
             self._coordinator.end_pass()
 
     @contextmanager
-    def gathered_parameters(self, module: nn.Module, modifier_rank: int | None = None) -> Iterator[None]:
+    def gathered_parameters(
+        self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
+    ) -> Iterator[None]:
         """Full parameters of ``module`` inside the block (stage 3; a no-op otherwise). Edits made by
         group rank ``modifier_rank`` are scattered back into every rank's shards and fp32 masters.
-        Call on all ranks."""
+        With grad enabled and ``for_backward``, they stay gathered until the end of the pass (a
+        backward may need them); False releases them at exit (the step follows: a buffer kept
+        gathered across it would hold the weights from before the step). Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
         # Whole parameters (stage 1/2, small ones under stage 3) are edited in place as well.
         persistent = [b for b in self._buffers if b.persistent and any(id(p) in ids for p in b.params)]
@@ -199,7 +220,7 @@ class ZeroEngine:
                 scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self._coordinator is not None:
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and for_backward:
                     self._coordinator.pin(sharded)
                 self._coordinator.drop(sharded)
 
@@ -246,7 +267,7 @@ class ZeroEngine:
                 else:
                     sharded.step()
                     publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
-        self.zero_grad(optimizer)
+        self._drop_grads(optimizer)  # (a shared parameter's accumulated gradient stays: zero_grad clears it)
         return overflow
 
     def add_param_groups(self) -> None:
@@ -271,7 +292,8 @@ class ZeroEngine:
                     if id(p) in known:
                         raise ValueError(
                             f"optimizer.add_param_group() gave a parameter of shape {tuple(p.shape)} that an optimizer "
-                            "already holds; ZeRO keeps one master per parameter: give each parameter to one group."
+                            "already holds; a parameter joins several optimizers only at setup (its flat buffer is "
+                            "built for all of them): give it to each of them in configure_optimizers."
                         )
                     known.add(id(p))
                 new.extend(self._ctx.buckets(params, g_index))
@@ -288,6 +310,7 @@ class ZeroEngine:
         self.add_param_groups()
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
+        self.release_window()
         if key not in self._prepared:
             if self._reducer.unfinished():
                 raise RuntimeError(
@@ -302,13 +325,22 @@ class ZeroEngine:
             self._reducer.reduce_for_step(sharded.buffers)
             self._reducer.wait_host_copies()
             self._reducer.add_tied(sharded.buffers)
-            sharded.prepare(inv_scale)
+            self._shared.take(sharded.buffers, self._reducer, inv_scale)
+            sharded.prepare(inv_scale, given=self._shared.grads(sharded.buffers))
             self._prepared.add(key)
         return sharded
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         """Forget every gradient of ``optimizer``'s slices since its last step: what
-        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point."""
+        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point;
+        also the accumulated gradient of parameters it shares with other optimizers, as DDP's
+        ``zero_grad`` clears their one ``param.grad``."""
+        self.release_window()
+        self._drop_grads(optimizer)
+        self._shared.clear(self._get(optimizer).buffers, set_to_none)
+
+    def _drop_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients held in ``optimizer``'s flat buffers back to zero (after its step)."""
         sharded = self._get(optimizer)
         key = id(sharded.optimizer)
         self._reducer.wait_host_copies()  # an offloaded copy in flight must not land after the drop
@@ -326,7 +358,7 @@ class ZeroEngine:
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(set_to_none)
-            self.zero_grad(optimizer)
+            self.zero_grad(optimizer, set_to_none)
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # an instance attribute, removed at close
         self._routed.append(optimizer)
@@ -336,6 +368,9 @@ class ZeroEngine:
         window until the step. Call on all ranks."""
         sharded = self._prepare(optimizer, inv_scale)
         key = id(sharded.optimizer)
+        if self._exposed is not None:
+            self._sync_exposed()
+            self._norms.pop(key, None)  # .grad may have been edited since
         if key not in self._norms:
             self._norms[key] = sharded.grad_norm()
         return self._norms[key]
@@ -347,44 +382,97 @@ class ZeroEngine:
         norm = self.grad_norm(optimizer, inv_scale)
         self._get(optimizer).clip_grad_norm(max_norm, norm)
         self._norms.pop(id(_unwrap(optimizer)), None)  # clipped: the next norm is another one
+        self._refresh_exposed()
         return norm
 
     def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float, inv_scale: float = 1.0) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_value, clip_value]``."""
-        self._prepare(optimizer, inv_scale).clip_grad_value(clip_value)
+        sharded = self._prepare(optimizer, inv_scale)
+        self._sync_exposed()
+        sharded.clip_grad_value(clip_value)
         self._norms.pop(id(_unwrap(optimizer)), None)
+        self._refresh_exposed()
 
     @contextmanager
-    def full_gradients(self, module: nn.Module, inv_scale: float = 1.0) -> Iterator[None]:
+    def full_gradients(
+        self, module: nn.Module, inv_scale: float = 1.0, optimizer: torch.optim.Optimizer | None = None
+    ) -> Iterator[None]:
         """Inside the block every trainable parameter of ``module`` that received a gradient in the
         current window has ``.grad``: the full reduced, unscaled gradient, as DDP's ``param.grad``
-        (in the parameter's dtype; the others keep ``None``, as under DDP);
-        under stage 3 the parameters are gathered too. Valid where :meth:`grad_norm` is (after the
-        window's last backward, until the step). Costs one all-gather of the module's gradient slices
-        and a full-size gradient per parameter while inside; the ``.grad`` are dropped at exit. Call
-        on all ranks."""
+        (in the parameter's dtype; the others keep ``None``, as under DDP); under stage 3 the
+        parameters are gathered too. Elementwise edits of those ``.grad`` (``clamp_``, ``mul_``, a
+        replaced tensor) are written into this rank's slices at exit, so the step uses them, as under
+        DDP; :meth:`grad_norm` and the clipping methods called inside see them too (and their
+        clipping shows in ``.grad``). Valid where :meth:`grad_norm` is (after the window's last
+        backward, until the step). Costs one all-gather of the module's gradient slices (another
+        after each clipping inside) and a full-size gradient per parameter while inside
+        (:mod:`lightning_zero.zero.grads`); the ``.grad`` are dropped at exit. With ``optimizer``
+        only its parameters get ``.grad`` (the hooks around its step: exposing another optimizer's
+        would end that one's window before its last backward). Call on all ranks."""
         ids = {id(p) for p in module.parameters()}
+        if optimizer is not None:
+            ids &= {id(p) for b in self._get(optimizer).buffers for p in b.params}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
         for sharded in self._sharded.values():
-            if any(b in buffers for b in sharded.buffers):
+            if any(b in buffers for b in sharded.buffers) and (
+                optimizer is None or _unwrap(optimizer) is sharded.optimizer
+            ):
                 self._prepare(sharded.optimizer, inv_scale)
-        assigned: list[nn.Parameter] = []
-        with self.gathered_parameters(module):
+        slices = {id(b): b.master.grad for b in buffers if b.master.grad is not None}
+        got = set(self._reducer.got_gradient)
+        for b in buffers:
+            if b in self._shared:  # (taken out of the reducer's record: zero/shared.py)
+                got |= self._shared.with_grad(b)
+        exposed = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        outer, self._exposed = self._exposed, exposed
+        with self.gathered_parameters(module, for_backward=False):
             try:
-                for b in buffers:
-                    grad = b.master.grad
-                    assert grad is not None  # _prepare exposed every buffer's slice
-                    full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
-                    comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
-                    for param, slot in zip(b.params, b.layout.slots, strict=True):
-                        if id(param) in ids and id(param) in self._reducer.got_gradient:
-                            piece = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                            param.grad = piece.to(param.dtype)
-                            assigned.append(param)
+                exposed.gather()
                 yield
+                exposed.write_back()
             finally:
-                for param in assigned:
-                    param.grad = None
+                exposed.release()
+                self._exposed = outer
+
+    def expose_window(self, module: nn.Module, inv_scale: float = 1.0) -> None:
+        """Manual optimization with ``expose_param_grads``, stages 1/2: after a backward, the
+        trainable parameters of ``module`` that received a gradient in the window get ``.grad``, the
+        full averaged, unscaled gradient so far (DDP's value after ``manual_backward``), until the
+        next backward, step or ``zero_grad`` (:meth:`release_window`). Read-only: edits are not
+        applied (clip with ``self.clip_gradients``). Stage 3: nothing (its parameters are shards
+        here; use ``strategy.full_gradients`` before the step). Call on all ranks."""
+        self.release_window()
+        if self.config.zero.stage == 3 or self._prepared:
+            return
+        ids = {id(p) for p in module.parameters()}
+        buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
+        slices = {}
+        for b in buffers:
+            piece = window_slice(b, self.config.zero.stage, self.group, inv_scale)
+            held = self._shared.accumulated.get(id(b))
+            slices[id(b)] = piece if held is None else piece.add_(held)
+        got = set(self._reducer.got_gradient)
+        for b in buffers:
+            if b in self._shared:
+                got |= self._shared.with_grad(b)
+        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        self._window.gather()
+
+    def release_window(self) -> None:
+        """The ``.grad`` of :meth:`expose_window` back to None (before a backward, step or zero_grad)."""
+        if self._window is not None:
+            self._window.release()
+            self._window = None
+
+    def _sync_exposed(self) -> None:
+        """Inside :meth:`full_gradients`: the user's edits of ``.grad`` into the slices first."""
+        if self._exposed is not None:
+            self._exposed.write_back()
+
+    def _refresh_exposed(self) -> None:
+        """Inside :meth:`full_gradients`, after clipping the slices: ``.grad`` shows the clipped values."""
+        if self._exposed is not None:
+            self._exposed.gather()
 
     # -- the state other layers read and write ------------------------------------------------------
 
@@ -392,7 +480,10 @@ class ZeroEngine:
         return self._buffers + self._frozen
 
     def _describe(self) -> list[HeldParam]:
-        optimizer_of = {id(b): o for o, opt in enumerate(self._optimizers) for b in self._sharded[id(opt)].buffers}
+        optimizers_of: dict[int, tuple[int, ...]] = {}
+        for o, opt in enumerate(self._optimizers):
+            for b in self._sharded[id(opt)].buffers:
+                optimizers_of[id(b)] = optimizers_of.get(id(b), ()) + (o,)
         out = []
         for b_index, b in enumerate(self._all_buffers()):
             local = {s.param_index: (s.param_offset, s.shard_offset, s.numel) for s in b.shards}
@@ -406,7 +497,7 @@ class ZeroEngine:
                     shape=slot.shape,
                     dtype=b.param_shard.dtype,
                     saved_dtype=b.master.dtype,
-                    optimizer=optimizer_of.get(id(b)),
+                    optimizers=optimizers_of.get(id(b), ()),
                     buffer=b_index,
                     pieces=tuple(pieces.get(index, ())),
                     local=local.get(index),
@@ -447,17 +538,22 @@ class ZeroEngine:
         if self.config.zero.absorb_param_edits:
             for b in buffers:
                 b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
-        copies: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]] = []
-        owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
+        # per buffer: the master's host copy and, per optimizer holding it, its states' copies
+        copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
         for b in buffers:
-            raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
-            slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
-            scalars = {
-                k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                for k, v in raw.items()
-                if not self._is_slice(v, b)
-            }
-            copies.append((_host_copy(b.master, own), slices, scalars))
+            states = {}
+            for o_index, optimizer in enumerate(self._optimizers):
+                if all(b is not mine for mine in self._sharded[id(optimizer)].buffers):
+                    continue
+                raw = optimizer.state.get(b.master, {})
+                slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+                scalars = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for k, v in raw.items()
+                    if not self._is_slice(v, b)
+                }
+                states[o_index] = (slices, scalars)
+            copies.append((_host_copy(b.master, own), states))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
@@ -465,8 +561,12 @@ class ZeroEngine:
                 continue
             _, shard_offset, numel = held.local
             window = slice(shard_offset, shard_offset + numel)
-            master, slices, scalars = copies[held.buffer]
-            out.append(LocalPiece(master[window], {k: v[window] for k, v in slices.items()}, scalars))
+            master, states = copies[held.buffer]
+            pieces = {
+                o_index: OptimizerPiece({k: v[window] for k, v in slices.items()}, scalars)
+                for o_index, (slices, scalars) in states.items()
+            }
+            out.append(LocalPiece(master[window], pieces))
         return out
 
     @staticmethod
@@ -496,7 +596,7 @@ class ZeroEngine:
         buffers = self._all_buffers()
         state: dict[int, dict[str, Any]] = {}
         for held in self._held:
-            if held.optimizer != index or held.local is None:
+            if index not in held.optimizers or held.local is None:
                 continue
             param_offset, shard_offset, numel = held.local
             piece = read(held, param_offset, numel)

@@ -101,7 +101,10 @@ class ShardedOptimizer:
 
     Args:
         optimizer: the user's optimizer (its groups are rewired in place).
-        buffers: the flat buffers of its parameters.
+        buffers: the flat buffers of its parameters (a buffer of parameters several optimizers
+            hold is in each one's list; each keeps its own state for the same master slice).
+        group_of: ``id(buffer) -> index of this optimizer's parameter group`` the buffer joins
+            (default: the buffer's own ``optimizer_group``).
         group: the data-parallel group.
         tensor_parallel_group: parameters marked ``tensor_parallel`` hold different shards on its
             ranks; the others are replicas, counted on tensor-parallel rank 0 only (``None``: none).
@@ -114,6 +117,7 @@ class ShardedOptimizer:
         optimizer: torch.optim.Optimizer,
         buffers: list[FlatBuffer],
         *,
+        group_of: dict[int, int] | None = None,
         group: comm.ProcessGroup,
         tensor_parallel_group: comm.ProcessGroup = None,
         pipeline_parallel_group: comm.ProcessGroup = None,
@@ -126,6 +130,11 @@ class ShardedOptimizer:
             )
         self.optimizer = optimizer
         self.buffers = buffers
+        self.group_of = (
+            dict(group_of)
+            if group_of is not None
+            else {id(b): b.optimizer_group for b in buffers if b.optimizer_group is not None}
+        )
         self.group = group
         self.rank = comm.rank(group)
         self.tensor_parallel_group = tensor_parallel_group
@@ -133,13 +142,13 @@ class ShardedOptimizer:
         self.counted_elsewhere = counted_elsewhere
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
         self.master_params = [
-            [b.master for b in buffers if b.optimizer_group == g_index]
+            [b.master for b in buffers if self.group_of[id(b)] == g_index]
             for g_index in range(len(optimizer.param_groups))
         ]
         optimizer.state.clear()
         if isinstance(optimizer, torch.optim.Adagrad):
             _adagrad_init_state(optimizer)
-        self.kernel = KernelStep.for_optimizer(optimizer, buffers, group)
+        self.kernel = KernelStep.for_optimizer(optimizer, buffers, group, self.group_of)
 
     @contextmanager
     def masters(self) -> Iterator[None]:
@@ -161,10 +170,11 @@ class ShardedOptimizer:
         """Take the parameter groups added to the optimizer since setup (``add_param_group`` during
         fit), whose parameters ``buffers`` now hold (stages 1/2: :meth:`ZeroEngine.add_param_groups`)."""
         self.buffers.extend(buffers)
+        self.group_of.update({id(b): b.optimizer_group for b in buffers if b.optimizer_group is not None})
         for g_index in range(len(self.master_params), len(self.optimizer.param_groups)):
             self.master_params.append([b.master for b in buffers if b.optimizer_group == g_index])
             self.original_params.append(list(self.optimizer.param_groups[g_index]["params"]))
-        self.kernel = KernelStep.for_optimizer(self.optimizer, self.buffers, self.group)
+        self.kernel = KernelStep.for_optimizer(self.optimizer, self.buffers, self.group, self.group_of)
 
     def check_groups(self) -> None:
         """Refuse parameter groups added after setup, naming what to do instead."""
@@ -180,10 +190,15 @@ class ShardedOptimizer:
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def prepare(self, inv_scale: float) -> None:
-        """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``)."""
+    def prepare(self, inv_scale: float, given: dict[int, torch.Tensor | None] | None = None) -> None:
+        """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``); the buffers
+        in ``given`` (``id(buffer) -> gradient``, shared parameters) get that one, None: skipped."""
         self.check_groups()
+        given = given or {}
         for b in self.buffers:
+            if id(b) in given:
+                b.master.grad = given[id(b)]
+                continue
             grad = b.grad_for_step()
             if inv_scale != 1.0:
                 grad.mul_(inv_scale)

@@ -107,10 +107,21 @@ class KernelStep:
     """Steps one rewired optimizer's master slices with the ops kernels (see the module docstring)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup, lamb: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        buffers: list[FlatBuffer],
+        group: comm.ProcessGroup,
+        lamb: bool,
+        group_of: dict[int, int] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.buffers = buffers
+        #: ``id(buffer) -> this optimizer's parameter group`` (a shared buffer joins a group of each holder)
+        self.group_of = (
+            group_of
+            if group_of is not None
+            else {id(b): b.optimizer_group for b in buffers if b.optimizer_group is not None}
+        )
         self.group = group
         self.lamb = lamb
         #: the disk tier holding masters and moments between steps (``offload_optimizer="nvme"``)
@@ -127,31 +138,38 @@ class KernelStep:
 
     @staticmethod
     def for_optimizer(
-        optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup
+        optimizer: torch.optim.Optimizer,
+        buffers: list[FlatBuffer],
+        group: comm.ProcessGroup,
+        group_of: dict[int, int] | None = None,
     ) -> KernelStep | None:
-        """The kernel step ``optimizer`` needs under ZeRO, or None when its own ``step()`` is right."""
+        """The kernel step ``optimizer`` needs under ZeRO, or None when its own ``step()`` is right.
+        ``group_of``: ``id(buffer) -> parameter group`` (default: each buffer's ``optimizer_group``)."""
         if isinstance(optimizer, _lamb_family()):
-            return KernelStep(optimizer, buffers, group, lamb=True)
+            return KernelStep(optimizer, buffers, group, lamb=True, group_of=group_of)
         if not any(b.offloaded for b in buffers):
-            return KernelStep._for_host_masters(optimizer, buffers, group)
+            return KernelStep._for_host_masters(optimizer, buffers, group, group_of)
         # Offloaded: the compiled kernel for exactly Adam/AdamW, Adagrad or ops.Lion (a subclass may
         # add to step(), so it steps itself), else the user's optimizer runs its own step() on the host masters, as
         # DeepSpeed does with zero_force_ds_cpu_optimizer=False.
         if _one_state_kind(optimizer) is not None:
             if any(g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
                 return None
-            return KernelStep(optimizer, buffers, group, lamb=False)
+            return KernelStep(optimizer, buffers, group, lamb=False, group_of=group_of)
         if type(optimizer) not in _adam_family() or any(
             g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups
         ):
             return None
         for param_group in optimizer.param_groups:
             _hyper(optimizer, param_group)  # reject amsgrad/maximize before training starts
-        return KernelStep(optimizer, buffers, group, lamb=False)
+        return KernelStep(optimizer, buffers, group, lamb=False, group_of=group_of)
 
     @staticmethod
     def _for_host_masters(
-        optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], group: comm.ProcessGroup
+        optimizer: torch.optim.Optimizer,
+        buffers: list[FlatBuffer],
+        group: comm.ProcessGroup,
+        group_of: dict[int, int] | None,
     ) -> KernelStep | None:
         """Without offload, torch's Adam/AdamW on fp32 masters in host memory (CPU training) also runs
         the compiled kernel: one pass instead of torch's several over the slice (measured ~50 ms ->
@@ -165,7 +183,7 @@ class KernelStep:
             return None
         if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
             return None
-        return KernelStep(optimizer, buffers, group, lamb=False)
+        return KernelStep(optimizer, buffers, group, lamb=False, group_of=group_of)
 
     # -- per step ----------------------------------------------------------------------------------
 
@@ -252,7 +270,7 @@ class KernelStep:
             (index, b)
             for g_index in range(len(self.optimizer.param_groups))
             for index, b in enumerate(self.buffers)
-            if b.optimizer_group == g_index and b.master.grad is not None
+            if self.group_of[id(b)] == g_index and b.master.grad is not None
         ]
         swap, ahead = self.swap, 0 if self.swap is None else self.swap.config.buffer_count - 1
         if swap is not None:
@@ -265,8 +283,8 @@ class KernelStep:
                 if position + ahead < len(order):
                     swap.fetch(self.swapped(order[position + ahead][0]))  # read ahead while this one steps
             # only buffers of this optimizer with a gradient this step are in order
-            assert b.optimizer_group is not None and b.master.grad is not None
-            hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
+            assert b.master.grad is not None
+            hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             state = self._state(b.master)
             state["step"] += 1
             copy = self._param_copy(b)
@@ -300,7 +318,7 @@ class KernelStep:
         for g_index, param_group in enumerate(self.optimizer.param_groups):
             hyper = _one_state_hyper(self.kind, param_group)
             for b in self.buffers:
-                if b.optimizer_group != g_index or b.master.grad is None:
+                if self.group_of[id(b)] != g_index or b.master.grad is None:
                     continue
                 state = self._state(b.master)
                 copy = self._param_copy(b)
@@ -415,8 +433,7 @@ class KernelStep:
         sums = torch.zeros(self.num_params + 1, 2, dtype=torch.float32, device=device)
         hypers, steps = {}, {}
         for b in live:
-            assert b.optimizer_group is not None  # buffers of an optimizer (frozen ones are never stepped)
-            hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
+            hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             hyper.pop("adamw_mode")
             state = self._state(b.master)
             state["step"] += 1

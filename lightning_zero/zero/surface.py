@@ -62,15 +62,31 @@ class HeldParam:
     """The compute dtype (of the parameter in the module)."""
     saved_dtype: torch.dtype
     """The dtype of its master slice (fp32 under mixed precision): what a checkpoint stores."""
-    optimizer: int | None
-    """Index of its optimizer in the list the engine was built with; ``None`` for a frozen
-    parameter that stage 3 partitions without an optimizer."""
+    optimizers: tuple[int, ...]
+    """Indices of the optimizers holding it in the list the engine was built with: usually one;
+    several for a parameter given to several optimizers (each with its own state of the same
+    master); none for a frozen parameter that stage 3 partitions without an optimizer."""
     buffer: int
     """Index of its flat buffer (pieces of one buffer share one copy when saved)."""
     pieces: tuple[tuple[int, int, int], ...]
     """``(rank, param_offset, numel)`` of its piece on every data-parallel rank holding one."""
     local: tuple[int, int, int] | None
     """``(param_offset, shard_offset, numel)`` of its piece in this rank's slice, if any."""
+
+    @property
+    def optimizer(self) -> int | None:
+        """Its first optimizer's index, ``None`` when frozen."""
+        return self.optimizers[0] if self.optimizers else None
+
+
+@dataclass(frozen=True)
+class OptimizerPiece:
+    """One optimizer's state of one piece."""
+
+    slices: dict[str, torch.Tensor]
+    """States with one element per parameter element (``exp_avg``), each (numel,)."""
+    scalars: dict[str, Any]
+    """The other states (``step``), shared by the pieces of one flat buffer."""
 
 
 @dataclass(frozen=True)
@@ -79,18 +95,8 @@ class LocalPiece:
 
     master: torch.Tensor
     """(numel,) the piece of the master slice (dtype :attr:`HeldParam.saved_dtype`)."""
-    slices: dict[str, torch.Tensor]
-    """Optimizer states with one element per parameter element (``exp_avg``), each (numel,)."""
-    scalars: dict[str, Any]
-    """The other optimizer states (``step``), shared by the pieces of one flat buffer."""
-
-
-@dataclass(frozen=True)
-class OptimizerPiece:
-    """Optimizer state read back for one piece: as :class:`LocalPiece` without the master."""
-
-    slices: dict[str, torch.Tensor]
-    scalars: dict[str, Any]
+    states: dict[int, OptimizerPiece]
+    """Per optimizer holding it (:attr:`HeldParam.optimizers`), that optimizer's state of the piece."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""``param.grad`` as DDP has it, for the user code that reads it: full gradients gathered from the
+ranks' reduced slices (the output of step 3, reduce) and written back into them after the user's code.
+
+Under ZeRO a gradient never stays in ``param.grad``: autograd's value goes into a bucket at once and
+each rank keeps only its reduced slice. Code written for DDP reads whole gradients, in
+``on_before_optimizer_step`` (Lightning's ``grad_norm(self, 2)`` utility, a check for NaNs), in
+``configure_gradient_clipping`` (``p.grad.clamp_``), or after ``manual_backward``. An
+:class:`ExposedGrads` all-gathers each flat buffer's slices into one full-size tensor and makes each
+parameter's ``.grad`` a view of it (a copy in the parameter's dtype under mixed precision: torch
+wants ``grad.dtype == param.dtype``). :meth:`ExposedGrads.write_back` puts elementwise edits back
+into this rank's slice, so that the step uses them, as DDP's step uses an edited ``param.grad``; an
+element is taken where it differs from the slice as the parameter's dtype rounds it (so an unedited
+16-bit copy never overwrites the fp32 gradient with its rounding).
+
+Cost while exposed: one all-gather of every exposed buffer's gradient slices, and their full size
+in the slice's dtype (fp32 under mixed precision: 4 bytes per parameter, plus 2 for the 16-bit
+copies): the memory that stage 2 saves. Used by :meth:`ZeroEngine.full_gradients` (and the
+``expose_param_grads`` option of :class:`~lightning_zero.config.ZeroConfig`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_zero import comm
+from lightning_zero.zero.flat import FlatBuffer
+
+
+class ExposedGrads:
+    """Full gradients of ``buffers`` as ``param.grad`` of the parameters in ``wanted``.
+
+    Args:
+        buffers: the flat buffers whose parameters get ``.grad``.
+        slices: ``id(buffer) -> this rank's gradient slice`` (shape ``(shard_numel,)``; ``master.grad``
+            at the step); a buffer without one has no gradient (its parameters keep None).
+        wanted: ids of the parameters that get ``.grad`` (those that received a gradient, as DDP).
+        group: the data-parallel group.
+        device: where the full gradients are gathered (the compute device).
+    """
+
+    def __init__(
+        self,
+        buffers: list[FlatBuffer],
+        slices: dict[int, torch.Tensor],
+        wanted: set[int],
+        group: comm.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.buffers = [b for b in buffers if id(b) in slices]
+        self.slices = slices
+        self.wanted = wanted
+        self.group = group
+        self.device = device
+        self.full: dict[int, torch.Tensor] = {}
+        self.assigned: list[tuple[FlatBuffer, int, nn.Parameter]] = []
+
+    def gather(self) -> None:
+        """All-gather every buffer's slices and set ``param.grad``. Call on all ranks."""
+        self.release()
+        for b in self.buffers:
+            grad = self.slices[id(b)]
+            full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
+            comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
+            self.full[id(b)] = full
+            for index, (param, slot) in enumerate(zip(b.params, b.layout.slots, strict=True)):
+                if id(param) in self.wanted:
+                    param.grad = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(param.dtype)
+                    self.assigned.append((b, index, param))
+
+    def write_back(self) -> None:
+        """Elementwise edits of the exposed ``param.grad`` (in place or a replaced tensor) into this
+        rank's slices. Local."""
+        with torch.no_grad():
+            for b, index, param in self.assigned:
+                full, slot = self.full[id(b)], b.layout.slots[index]
+                region = full[slot.offset : slot.offset + slot.numel]
+                if param.grad is not None and param.grad.data_ptr() != region.data_ptr():
+                    region.copy_(param.grad.reshape(-1))  # a cast copy (mixed precision) or a new tensor
+            for b in self.buffers:
+                start, end = b.layout.shard_range(b.rank)
+                own, grad = self.full[id(b)][start:end].to(self.slices[id(b)].device), self.slices[id(b)]
+                rounded = grad.to(b.dtype).to(grad.dtype)  # what an unedited copy in the parameter's dtype holds
+                torch.where(own != rounded, own, grad, out=grad)
+
+    def release(self) -> None:
+        """Every exposed ``param.grad`` back to None, the full tensors freed."""
+        for _, _, param in self.assigned:
+            param.grad = None
+        self.assigned.clear()
+        self.full.clear()
+
+
+def window_slice(buffer: FlatBuffer, stage: int, group: comm.ProcessGroup, inv_scale: float) -> torch.Tensor:
+    """This rank's slice of the window's averaged, unscaled gradients so far, between two backwards
+    (before the step exposes them as ``master.grad``), as a new tensor in the master's dtype:
+    stages 2/3 hold it reduced in ``grad_shard``; stage 1 holds unreduced sums in its kept bucket,
+    reduced here into a copy (one reduce-scatter). Call on all ranks."""
+    assert buffer.grad_shard is not None  # a trainable buffer
+    if stage == 1 and buffer.grad_bucket is not None:
+        bucket = buffer.grad_bucket.clone()
+        out = torch.empty_like(buffer.grad_shard)
+        comm.reduce_scatter(out, bucket, group, clobber_input=True, label="expose_param_grads")
+        out.div_(comm.world_size(group))
+    else:
+        out = buffer.grad_shard
+    return out.to(buffer.master.dtype, copy=True).mul_(inv_scale).to(buffer.master.device)
