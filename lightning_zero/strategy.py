@@ -65,6 +65,7 @@ from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import bytes_needed as swap_bytes_needed
+from lightning_zero.zero.swap import param_bytes_needed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -394,6 +395,12 @@ class ZeroStrategy(DDPStrategy):
         trainable = [p for p in module.parameters() if p.requires_grad]
         dp = comm.world_size(self.data_parallel_group)
         per_rank = swap_bytes_needed(-(-sum(p.numel() for p in trainable) // dp), len(trainable), nvme.block_size)
+        if config.offload.parameter_tier == "nvme":  # every parameter shard, in the compute dtype
+            every = list(module.parameters())
+            itemsize = PRECISIONS[self.precision_plugin.precision][0].itemsize
+            per_rank += param_bytes_needed(
+                -(-sum(p.numel() for p in every) // dp), len(every), nvme.block_size, itemsize
+            )
         check_free_space(nvme, per_rank * max(1, self.num_processes))
 
     def _route_lightning_optimizers(self) -> None:

@@ -89,8 +89,8 @@ def check_free_space(config: NvmeConfig, needed: int) -> None:
     free = shutil.disk_usage(probe).free
     if needed > free:
         raise ValueError(
-            f"nvme_path={config.path!r}: this run writes {needed} bytes ({needed / 2**30:.2f} GiB) of optimizer "
-            f"states but only {free} bytes ({free / 2**30:.2f} GiB) are free there; free space, choose another "
+            f"nvme_path={config.path!r}: this run writes {needed} bytes ({needed / 2**30:.2f} GiB) of swap files "
+            f"(optimizer states, and parameter shards under offload_parameters='nvme') but only {free} bytes ({free / 2**30:.2f} GiB) are free there; free space, choose another "
             "nvme_path, or use offload_optimizer=True (host memory)."
         )
 
@@ -188,6 +188,18 @@ class SwapStore:
         else:
             self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], o) for c, o in chunks], len(view))
             self.bytes_read += len(view)
+
+    def done(self, name: str) -> bool:
+        """Whether the I/O issued for ``name`` has completed (without waiting)."""
+        pending = self._pending.get(name)
+        return pending is None or all(future.done() for future in pending[1])
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Stop tracking ``names`` (waiting for their I/O): :meth:`fetch_all` and :meth:`close` leave
+        their tensors alone; their files are removed with the directory."""
+        for name in names:
+            if name in self._tensors:
+                self.wait([(name, self._tensors.pop(name))])
 
     def wait(self, items: Iterable[Swapped]) -> None:
         """Block until the reads/writes issued for ``items`` are done (I/O errors raise here)."""

@@ -21,6 +21,7 @@ Checkpoints and reports: :meth:`held_params`, :meth:`local_pieces`, :meth:`load_
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, StrategyConfig
+from lightning_zero.offload.nvme import SwapStore
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
@@ -46,7 +48,7 @@ from lightning_zero.zero.surface import (
     ParamGroup,
     PieceReader,
 )
-from lightning_zero.zero.swap import EngineSwap
+from lightning_zero.zero.swap import EngineSwap, ParamTier
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -135,9 +137,17 @@ class ZeroEngine:
             )
         #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
         self.swap: EngineSwap | None = None
-        if config.offload.optimizer_tier == "nvme" and optimizers:
-            assert config.offload.nvme is not None  # OffloadConfig requires it
-            self.swap = EngineSwap(list(self._sharded.values()), config.offload.nvme, comm.rank(None))
+        #: the parameter disk tier (offload_parameters="nvme", stage 3): parameter shards in files
+        self.param_tier: ParamTier | None = None
+        nvme = config.offload.nvme
+        sharded_buffers = [b for b in self._buffers + self._frozen if not b.persistent]
+        wants_params = config.offload.parameter_tier == "nvme" and bool(sharded_buffers)
+        if nvme is not None and ((config.offload.optimizer_tier == "nvme" and optimizers) or wants_params):
+            store = SwapStore(nvme, comm.rank(None))  # one directory per rank, shared by both tiers
+            if config.offload.optimizer_tier == "nvme" and optimizers:
+                self.swap = EngineSwap(list(self._sharded.values()), store)
+            if wants_params:
+                self.param_tier = ParamTier(sharded_buffers, store, nvme)
         self._reducer = GradReducer(
             self._buffers,
             stage=config.zero.stage,
@@ -148,7 +158,9 @@ class ZeroEngine:
         )
         self._coordinator: GatherCoordinator | None = None
         if config.zero.stage == 3:
-            self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
+            self._coordinator = GatherCoordinator(
+                module, self._buffers + self._frozen, config.zero, group, shard_tier=self.param_tier
+            )
         self._norms: dict[int, torch.Tensor] = {}
         self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
         self._routed: list[torch.optim.Optimizer] = []
@@ -193,7 +205,8 @@ class ZeroEngine:
         try:
             yield
             if modifier_rank is not None:
-                scatter_back(sharded + persistent, modifier_rank, self.group)
+                with self._resident():  # scatter_back writes the masters, which may be on disk
+                    scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self._coordinator is not None:
                 if torch.is_grad_enabled():
@@ -420,16 +433,18 @@ class ZeroEngine:
 
     @contextmanager
     def _resident(self) -> Iterator[None]:
-        """Swapped masters and states in host memory for the block (no-op without the disk tier)."""
-        if self.swap is None:
-            yield
-            return
-        with self.swap.resident():
+        """Swapped masters and states in host memory for the block (no-op without the disk tier);
+        under the parameter disk tier also the shards of frozen buffers (their own masters)."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident())
+            if self.param_tier is not None:
+                stack.enter_context(self.param_tier.resident_masters())
             yield
 
     def local_pieces(self) -> list[LocalPiece | None]:
         with self._resident():
-            return self._local_pieces(own=self.swap is not None)
+            return self._local_pieces(own=self.swap is not None or self.param_tier is not None)
 
     def _local_pieces(self, own: bool) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
@@ -516,7 +531,11 @@ class ZeroEngine:
         buffers = self._all_buffers()
         with self._resident():
             for buffer in buffers:
-                buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
+                if buffer.shard_tier is None or not buffer.separate_master:
+                    buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
+                    continue
+                with buffer.shard_tier.rewrite([buffer]):  # one shard in memory at a time
+                    buffer.params_from_master()
         publish(buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -548,17 +567,25 @@ class ZeroEngine:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
         whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
         self._reducer.remove_hooks()
+        if self._coordinator is not None and unshard:
+            # Before the files go: under the parameter disk tier the gathers read the shards from them.
+            for buffer in self._all_buffers():
+                buffer.unshard(self.group)
+        store = self.swap.store if self.swap is not None else None
+        if self.param_tier is not None:
+            store = self.param_tier.store
+            self.param_tier.close()
+            self.param_tier = None
         if self.swap is not None:
             # After a finished fit the states come back to host memory (a checkpoint after fit
             # still saves them); after a failure the files are simply removed.
             self.swap.close(bring_back=unshard)
             self.swap = None
+        elif store is not None:
+            store.close(bring_back=False)
         for optimizer in self._routed:
             optimizer.__dict__.pop("zero_grad", None)  # back to the class's zero_grad
         self._routed.clear()
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
-            if unshard:
-                for buffer in self._all_buffers():
-                    buffer.unshard(self.group)
             self._coordinator = None

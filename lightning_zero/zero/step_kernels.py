@@ -18,7 +18,9 @@ Two cases use it instead of the user's ``optimizer.step()``:
 
 With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
 swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
-``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind.
+``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind;
+with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
+(:class:`lightning_zero.zero.swap.ParamTier`).
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
 ``exp_avg_sq``), so checkpoints look the same with and without offload and load into each other.
@@ -233,6 +235,8 @@ class KernelStep:
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[b.optimizer_group])
             state = self._state(b.master)
             state["step"] += 1
+            if b.shard_tier is not None:
+                b.shard_tier.open_for_write(b)  # the parameter disk tier: memory for the 16-bit copy
             copy = self._param_copy(b)
             F.cpu_adam_step(
                 b.master,
@@ -244,12 +248,16 @@ class KernelStep:
                 **hyper,
             )
             self._write_back(b, copy)
+            if b.shard_tier is not None:
+                b.shard_tier.write_behind(b)
             if swap is not None:
                 swap.evict(self.swapped(index))  # written behind; freed below once the next one is stepped
                 if position:
                     swap.release(self.swapped(order[position - 1][0]))
         if swap is not None and order:
             swap.release(self.swapped(order[-1][0]))
+        for tier in {id(t): t for t in (b.shard_tier for _, b in order) if t is not None}.values():
+            tier.flush()
         # torch's LR schedulers warn unless they saw optimizer.step() run; this was the step.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's "optimizer stepped" flag for LR schedulers
 

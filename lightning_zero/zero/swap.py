@@ -1,10 +1,34 @@
-"""The engine's side of the disk tier (``offload_optimizer="nvme"``, :mod:`lightning_zero.offload.nvme`).
+"""The engine's side of the disk tier (:mod:`lightning_zero.offload.nvme`): optimizer states
+(``offload_optimizer="nvme"``, :class:`EngineSwap`) and stage-3 parameter shards
+(``offload_parameters="nvme"``, :class:`ParamTier`), both in the files of one :class:`SwapStore`.
 
 Between steps every offloaded buffer's fp32 master and Adam moments are in swap files; the step
 (:class:`~lightning_zero.zero.step_kernels.KernelStep`) streams them. Everything else that reads
 or writes them (checkpoint save and load, :meth:`ZeroEngine.publish`) runs inside
 :meth:`EngineSwap.resident`, which brings them into host memory for its duration and writes
 them back after.
+
+A sharded parameter buffer's ``param_shard`` ((shard_numel,), compute dtype) rests in its file
+``param<i>.swp`` with zero bytes of storage. Its life in one step, along the data path:
+
+* **gather** (forward, and again in backward): the gather hooks call :meth:`ParamTier.read_ahead`
+  with the buffers of the next modules of the recorded order, which starts their reads while the
+  current module computes, at most ``param_buffer_count`` shards in memory; the network prefetch
+  only gathers shards whose read is complete. :meth:`ParamTier.load` (from
+  :meth:`FlatBuffer.gather_start`) waits for the shard (or reads it now: first step, order
+  changed), the gather copies it into the full buffer, and :meth:`ParamTier.unload` frees it at
+  once: its file still holds the same values.
+* **step**: :meth:`ParamTier.open_for_write` gives the shard memory without reading it (the kernel
+  overwrites all of it with the cast master), :meth:`ParamTier.write_behind` writes it while the
+  next buffer steps, and the one before it is freed once written; :meth:`ParamTier.flush` frees
+  the last.
+* anything else that writes shards (:meth:`ZeroEngine.publish` after a checkpoint load,
+  ``gathered_parameters(modifier_rank=...)``) goes through :meth:`ParamTier.rewrite`, one buffer
+  at a time.
+
+While a parameter tier is active released parameters hold empty tensors (not views of their piece
+of the shard, which has no memory), so in-place edits of released parameters outside a forward do
+not reach the shards: edit them inside ``gathered_parameters``.
 """
 
 from __future__ import annotations
@@ -14,6 +38,7 @@ from contextlib import contextmanager
 
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
+from lightning_zero.zero.flat import FlatBuffer, ParamState
 from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.step_kernels import KernelStep
 
@@ -25,16 +50,21 @@ def bytes_needed(numel: int, tensors: int, block_size: int) -> int:
     return 3 * 4 * numel + 3 * block_size * tensors
 
 
+def param_bytes_needed(numel: int, tensors: int, block_size: int, itemsize: int) -> int:
+    """Bytes of parameter swap files for a rank whose shards hold ``numel`` elements of ``itemsize``
+    bytes, plus up to one ``block_size`` of padding for at most one buffer per parameter tensor."""
+    return itemsize * numel + block_size * tensors
+
+
 class EngineSwap:
     """Owns the :class:`SwapStore` of one engine and the kernels that stream through it.
 
     Args:
         sharded: the engine's sharded optimizers (each must step with the Adam kernel).
-        config: path and I/O knobs.
-        rank: global rank.
+        store: the rank's swap files (shared with the :class:`ParamTier`, if any).
     """
 
-    def __init__(self, sharded: list[ShardedOptimizer], config: NvmeConfig, rank: int) -> None:
+    def __init__(self, sharded: list[ShardedOptimizer], store: SwapStore) -> None:
         kernels: list[KernelStep] = []
         for s in sharded:
             if s.kernel is None or s.kernel.lamb or s.kernel.kind != "adam":
@@ -49,7 +79,7 @@ class EngineSwap:
                     # fp32 stage 3 without a separate master: the parameter shard *is* the master
                     # tensor. It must stay in memory for the forward, so it gets its own copy.
                     b.param_shard = b.master.detach().clone()
-        self.store = SwapStore(config, rank)
+        self.store = store
         self.kernels = kernels
         for kernel in kernels:
             kernel.swap = self.store
@@ -67,7 +97,9 @@ class EngineSwap:
     def resident(self) -> Iterator[None]:
         """Masters and states in host memory inside the block (blocking reads), back on disk after
         (new state tensors, e.g. from ``optimizer.load_state_dict``, take over their files)."""
-        self.store.fetch_all()
+        items = self._items()
+        self.store.fetch(items)
+        self.store.wait(items)
         try:
             yield
         finally:
@@ -78,3 +110,140 @@ class EngineSwap:
         for kernel in self.kernels:
             kernel.swap = None
         self.store.close(bring_back)
+
+
+class ParamTier:
+    """Stage-3 parameter shards in swap files (``offload_parameters="nvme"``); see the module docstring.
+
+    Args:
+        buffers: the sharded (non-persistent) buffers, trainable and frozen.
+        store: the rank's swap files.
+        config: ``param_buffer_count`` bounds the shards read ahead.
+    """
+
+    def __init__(self, buffers: list[FlatBuffer], store: SwapStore, config: NvmeConfig) -> None:
+        self.store = store
+        self.limit = config.param_buffer_count
+        self.buffers = buffers
+        self._names = {id(b): f"param{i}" for i, b in enumerate(buffers)}
+        self._in_memory: dict[int, FlatBuffer] = {}  # shards with storage: read ahead, being read or written
+        self._writing: list[FlatBuffer] = []  # written behind, freed once written
+        #: the most shards in memory at once so far (tests and benchmarks read it)
+        self.peak = 0
+        for b in buffers:
+            assert not b.persistent and b.state is ParamState.RELEASED
+            b.shard_tier = self
+            b.bind_released()  # empty tensors from now on: the shards are about to lose their memory
+        items = [self._item(b) for b in buffers]
+        store.evict(items)
+        store.release(items)
+
+    def _item(self, b: FlatBuffer) -> Swapped:
+        return self._names[id(b)], b.param_shard
+
+    def in_memory(self) -> int:
+        """How many shards hold memory now: at most ``param_buffer_count`` read ahead plus the one
+        being gathered; during the step two (the one stepped, the one written behind)."""
+        return len(self._in_memory)
+
+    # -- gather ----------------------------------------------------------------------------------
+
+    def read_ahead(self, upcoming: list[FlatBuffer]) -> None:
+        """Start reading the shards of ``upcoming`` (in order of use) that are released and on disk,
+        while fewer than ``param_buffer_count`` shards are in memory."""
+        for b in upcoming:
+            if len(self._in_memory) >= self.limit:
+                return
+            if b.shard_tier is not self or b.state is not ParamState.RELEASED or id(b) in self._in_memory:
+                continue
+            self.store.fetch([self._item(b)])
+            self._hold(b)
+
+    def ready(self, b: FlatBuffer) -> bool:
+        """Whether ``b``'s shard is in memory with its read complete (a gather would not wait on the disk)."""
+        return id(b) in self._in_memory and self.store.done(self._names[id(b)])
+
+    def load(self, b: FlatBuffer) -> None:
+        """``b.param_shard`` in memory with its values (blocking; a no-op wait when read ahead)."""
+        item = self._item(b)
+        if not SwapStore.resident(b.param_shard):
+            self.store.fetch([item])
+            self._hold(b)
+        self.store.wait([item])
+
+    def unload(self, b: FlatBuffer) -> None:
+        """The gather copied the shard: free its memory (its file holds the same values), unless it
+        is being written behind (:meth:`flush` frees it)."""
+        if any(b is w for w in self._writing):
+            return
+        self.store.release([self._item(b)])
+        self._in_memory.pop(id(b), None)
+
+    def end_pass(self) -> None:
+        """Free shards read ahead but not gathered (the order changed, or the pass ended)."""
+        for b in list(self._in_memory.values()):
+            self.unload(b)
+
+    # -- step and other writers ------------------------------------------------------------------
+
+    def open_for_write(self, b: FlatBuffer) -> None:
+        """Give ``b.param_shard`` memory for a writer that overwrites all of it (no read)."""
+        self.store.wait([self._item(b)])  # a read ahead still in flight
+        if not SwapStore.resident(b.param_shard):
+            b.param_shard.untyped_storage().resize_(b.param_shard.numel() * b.param_shard.element_size())
+        self._hold(b)
+
+    def _hold(self, b: FlatBuffer) -> None:
+        self._in_memory[id(b)] = b
+        self.peak = max(self.peak, len(self._in_memory))
+
+    def write_behind(self, b: FlatBuffer) -> None:
+        """Start writing ``b``'s new shard; free the one written before it once that write is done."""
+        self.store.evict([self._item(b)])
+        self._writing.append(b)
+        while len(self._writing) > 1:
+            self._free_written(self._writing.pop(0))
+
+    def flush(self) -> None:
+        """Wait for every write behind and free those shards."""
+        while self._writing:
+            self._free_written(self._writing.pop(0))
+
+    def _free_written(self, b: FlatBuffer) -> None:
+        self.store.release([self._item(b)])
+        self._in_memory.pop(id(b), None)
+
+    @contextmanager
+    def rewrite(self, buffers: list[FlatBuffer]) -> Iterator[None]:
+        """The shards of ``buffers`` (of this tier) writable in the block (not read), written after."""
+        mine = [b for b in buffers if b.shard_tier is self]
+        for b in mine:
+            self.open_for_write(b)
+        try:
+            yield
+        finally:
+            for b in mine:
+                self.write_behind(b)
+            self.flush()
+
+    @contextmanager
+    def resident_masters(self) -> Iterator[None]:
+        """Frozen buffers' shards (their own masters: checkpoints read and load them) in memory for the
+        block, written back after."""
+        frozen = [b for b in self.buffers if b.master is b.param_shard]
+        for b in frozen:
+            self.load(b)
+        try:
+            yield
+        finally:
+            for b in frozen:
+                self.write_behind(b)
+            self.flush()
+
+    def close(self) -> None:
+        """Stop tracking the shard files (the store removes them when closed); the shards keep no memory."""
+        self.flush()
+        for b in self.buffers:
+            b.shard_tier = None
+        self.store.forget([name for name, _ in map(self._item, self.buffers)])
+        self._in_memory.clear()

@@ -29,7 +29,19 @@ def _specs(nvme_path: str) -> list[tuple[str, dict]]:
         ("zero3_cpu", {"stage": 3, "offload_optimizer": True, **SMALL}),
         ("zero3_nvme", {"stage": 3, **nvme, **SMALL}),
         ("zero3_nvme_params_on_host", {"stage": 3, **nvme, "offload_parameters": True, **SMALL}),
+        ("zero3_nvme_params_on_disk", {**_params_on_disk(nvme_path), **SMALL}),
     ]
+
+
+def _params_on_disk(nvme_path: str, buffers: int = 2) -> dict:
+    knobs = {"block_size": 4096, "param_buffer_count": buffers}
+    return {
+        "stage": 3,
+        "offload_optimizer": "nvme",
+        "offload_parameters": "nvme",
+        "nvme_path": nvme_path,
+        **{"nvme_config": knobs},
+    }
 
 
 class _SwappedOut(Callback):
@@ -40,6 +52,8 @@ class _SwappedOut(Callback):
     def __init__(self) -> None:
         self.resting: list[bool] = []
         self.bytes_read = 0
+        self.params_resting: list[bool] = []
+        self.peak = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         swap = trainer.strategy._engine.swap  # reaches inside on purpose: a test of where the states are
@@ -48,6 +62,10 @@ class _SwappedOut(Callback):
         tensors = [t for kernel in swap.kernels for i in range(len(kernel.buffers)) for _, t in kernel.swapped(i)]
         self.resting.append(len(tensors) > 0 and all(t.untyped_storage().nbytes() == 0 for t in tensors))
         self.bytes_read = swap.store.bytes_read
+        tier = trainer.strategy._engine.param_tier
+        if tier is not None:  # the parameter shards too, between steps
+            self.params_resting.append(all(b.param_shard.untyped_storage().nbytes() == 0 for b in tier.buffers))
+            self.peak = tier.peak
 
 
 def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict:
@@ -62,6 +80,8 @@ def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict
             "state": state(model),
             "resting": probe.resting,
             "bytes_read": probe.bytes_read,
+            "params_resting": probe.params_resting,
+            "peak": probe.peak,
             # this rank's directory only: the other rank may still be cleaning up its own
             "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
         }
@@ -82,6 +102,10 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                     assert torch.equal(got["state"][key], value), (name, key)
                 assert got["resting"] and all(got["resting"]), (name, got["resting"])
                 assert got["bytes_read"] > 0, name
+                if name.endswith("params_on_disk"):
+                    assert got["params_resting"] and all(got["params_resting"]), got["params_resting"]
+                    # param_buffer_count=2 read ahead, plus the one being gathered (not read ahead)
+                    assert 1 <= got["peak"] <= 3, got["peak"]
                 assert not got["left"], name  # the rank directory was removed after fit
 
 
