@@ -8,6 +8,8 @@ loss and every weight must be bit-identical to offload_optimizer=True.
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 import pytest
 import torch
@@ -168,6 +170,46 @@ def test_swap_files_removed_after_a_failure(tmp_path):
     left = run_ranks(_failing_worker, str(tmp_path / "swap"))
     assert left == [False, False]  # the teardown on the failure path removed each rank's directory
     assert not list((tmp_path / "swap").iterdir())
+
+
+class _KillMidStep(Callback):
+    """SIGKILL this rank inside its second optimizer step (after backward, before the update): no
+    teardown, no ``finally`` runs, as when the OOM killer or a scheduler ends a rank."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_worker(rank: int, nvme_path: str) -> None:
+    fit({**_params_on_disk(nvme_path), **SMALL}, trainer_kwargs={"callbacks": [_KillMidStep()]})
+    raise AssertionError("the rank should have been killed")
+
+
+def _restart_worker(rank: int, nvme_path: str) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, model = fit({**_params_on_disk(nvme_path), **SMALL})
+    return {
+        "stale": [str(w.message) for w in caught if "stale swap directory" in str(w.message)],
+        "losses": model.losses,
+        "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
+    }
+
+
+def test_directory_of_a_killed_rank_is_cleaned_at_the_next_start(tmp_path):
+    swap = tmp_path / "swap"
+    with pytest.raises(AssertionError, match="exit codes \\[-9, -9\\]"):
+        run_ranks(_killed_worker, str(swap))
+    left = sorted(p.name for p in swap.iterdir())
+    assert left == ["lightning_zero-rank0", "lightning_zero-rank1"]  # no cleanup ran in the killed ranks
+    assert all(any((swap / name).glob("param*.swp")) for name in left)
+    reference = run_ranks(_restart_worker, str(tmp_path / "fresh"))  # same run on an empty nvme_path
+    for rank, res in enumerate(run_ranks(_restart_worker, str(swap))):
+        assert len(res["stale"]) == 1 and f"lightning_zero-rank{rank}" in res["stale"][0], res["stale"]
+        assert res["losses"] == reference[rank]["losses"]  # the stale files did not leak into the run
+        assert not res["left"]
+    assert not list(swap.iterdir())
 
 
 def _no_space_worker(rank: int, nvme_path: str) -> str:
