@@ -194,6 +194,18 @@ class SwapStore:
         pending = self._pending.get(name)
         return pending is None or all(future.done() for future in pending[1])
 
+    def mapped(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A read-only view of a swapped-out ``tensor``'s values, memory-mapped from its file
+        (``MAP_PRIVATE``: pages come from the page cache as they are read, and the kernel can drop
+        them again, so reading every file costs no anonymous memory); ``None`` when ``tensor`` is
+        not swapped out here. Valid until the file is next written (the next step)."""
+        name = next((n for n, t in self._tensors.items() if t is tensor), None)
+        if name is None or self.resident(tensor):
+            return None
+        self.wait([(name, tensor)])  # a write behind still in flight
+        path = str(self.directory / f"{name}.swp")
+        return torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype).view(tensor.shape)
+
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking ``names`` (waiting for their I/O): :meth:`fetch_all` and :meth:`close` leave
         their tensors alone; their files are removed with the directory."""

@@ -442,28 +442,52 @@ class ZeroEngine:
                 stack.enter_context(self.param_tier.resident_masters())
             yield
 
-    def local_pieces(self) -> list[LocalPiece | None]:
-        with self._resident():
-            return self._local_pieces(own=self.swap is not None or self.param_tier is not None)
+    def _store(self) -> SwapStore | None:
+        if self.swap is not None:
+            return self.swap.store
+        return self.param_tier.store if self.param_tier is not None else None
 
-    def _local_pieces(self, own: bool) -> list[LocalPiece | None]:
+    @contextmanager
+    def _buffer_resident(self, b: FlatBuffer) -> Iterator[None]:
+        """``b``'s master in host memory for the block when the disk tier holds it (one buffer at a
+        time: checkpoints stream through the tier), written back after."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident_buffer(b, master_only=True))
+            if self.param_tier is not None and b.master is b.param_shard:
+                stack.enter_context(self.param_tier.resident_one(b))
+            yield
+
+    def _snapshot(self, tensor: torch.Tensor, own: bool) -> torch.Tensor:
+        """A host copy of ``tensor``, or under the disk tier a memory map of its swap file."""
+        store = self._store()
+        mapped = store.mapped(tensor) if store is not None else None
+        return mapped if mapped is not None else _host_copy(tensor, own)
+
+    def local_pieces(self) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
-        host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
+        host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
+        tier the swapped masters and states are memory maps of their files, valid until the next step
+        (a save streams them from disk; nothing is brought into anonymous memory). Local."""
         buffers = self._all_buffers()
         if self.config.zero.absorb_param_edits:
             for b in buffers:
-                b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
+                if not b.separate_master or b.shard_tier is not None:
+                    continue  # nothing to absorb (see FlatBuffer.absorb_edits): no disk round trip
+                with self._buffer_resident(b):
+                    b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
+        own = self._store() is not None
         copies: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]] = []
         owner = {id(b): s for s in self._sharded.values() for b in s.buffers}
         for b in buffers:
             raw = owner[id(b)].optimizer.state.get(b.master, {}) if id(b) in owner else {}
-            slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+            slices = {k: self._snapshot(v, own) for k, v in raw.items() if self._is_slice(v, b)}
             scalars = {
                 k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                 for k, v in raw.items()
                 if not self._is_slice(v, b)
             }
-            copies.append((_host_copy(b.master, own), slices, scalars))
+            copies.append((self._snapshot(b.master, own), slices, scalars))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
@@ -484,14 +508,19 @@ class ZeroEngine:
         """Overwrite this rank's master pieces with ``read(param, param_offset, numel)`` (where it
         returns a tensor). Local: call :meth:`publish` afterwards."""
         buffers = self._all_buffers()
-        with torch.no_grad(), self._resident():
-            for held in self._held:
-                if held.local is None:
-                    continue
-                param_offset, shard_offset, numel = held.local
-                value = read(held, param_offset, numel)
-                if value is not None:
-                    buffers[held.buffer].master[shard_offset : shard_offset + numel].copy_(value)
+        by_buffer: dict[int, list[HeldParam]] = {}
+        for held in self._held:
+            if held.local is not None:
+                by_buffer.setdefault(held.buffer, []).append(held)
+        with torch.no_grad():
+            for index, pieces in by_buffer.items():
+                with self._buffer_resident(buffers[index]):  # the disk tier: one buffer in memory at a time
+                    for held in pieces:
+                        assert held.local is not None
+                        param_offset, shard_offset, numel = held.local
+                        value = read(held, param_offset, numel)
+                        if value is not None:
+                            buffers[index].master[shard_offset : shard_offset + numel].copy_(value)
 
     def load_optimizer_pieces(
         self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader
@@ -529,13 +558,14 @@ class ZeroEngine:
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""
         buffers = self._all_buffers()
-        with self._resident():
-            for buffer in buffers:
-                if buffer.shard_tier is None or not buffer.separate_master:
-                    buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
-                    continue
-                with buffer.shard_tier.rewrite([buffer]):  # one shard in memory at a time
-                    buffer.params_from_master()
+        for buffer in buffers:
+            if not buffer.separate_master:
+                continue  # the parameter slice is the master
+            with contextlib.ExitStack() as stack:  # the disk tier: one buffer in memory at a time
+                stack.enter_context(self._buffer_resident(buffer))
+                if buffer.shard_tier is not None:
+                    stack.enter_context(buffer.shard_tier.rewrite([buffer]))
+                buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
         publish(buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

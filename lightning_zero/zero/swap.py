@@ -85,6 +85,28 @@ class EngineSwap:
             kernel.swap = self.store
         self._write_all()
 
+    def items_of(self, buffer: FlatBuffer, master_only: bool = False) -> list[Swapped]:
+        """The swapped tensors of one flat buffer (its master first), ``[]`` for a buffer not stepped here."""
+        for kernel in self.kernels:
+            for index, b in enumerate(kernel.buffers):
+                if b is buffer:
+                    items = kernel.swapped(index)
+                    return items[:1] if master_only else items
+        return []
+
+    @contextmanager
+    def resident_buffer(self, buffer: FlatBuffer, master_only: bool = False) -> Iterator[None]:
+        """One buffer's master (and states unless ``master_only``) in host memory for the block,
+        written back and freed after: what checkpoints use to stream, one buffer at a time."""
+        items = self.items_of(buffer, master_only)
+        self.store.fetch(items)
+        self.store.wait(items)
+        try:
+            yield
+        finally:
+            self.store.evict(items)
+            self.store.release(items)
+
     def _items(self) -> list[Swapped]:
         return [item for k in self.kernels for index in range(len(k.buffers)) for item in k.swapped(index)]
 
@@ -238,6 +260,19 @@ class ParamTier:
         finally:
             for b in frozen:
                 self.write_behind(b)
+            self.flush()
+
+    @contextmanager
+    def resident_one(self, b: FlatBuffer) -> Iterator[None]:
+        """``b``'s shard in memory with its values for the block (read), written back after."""
+        if b.shard_tier is not self:
+            yield
+            return
+        self.load(b)
+        try:
+            yield
+        finally:
+            self.write_behind(b)
             self.flush()
 
     def close(self) -> None:

@@ -148,6 +148,45 @@ def test_checkpoint_round_trip_with_parameters_on_disk(tmp_path, direction):
     assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))  # both runs cleaned up
 
 
+class _SaveMidFit(Callback):
+    """Saves a checkpoint between two steps and records what the disk tier read meanwhile: a
+    streamed save maps the swap files and reads none of them into memory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fetched: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 2 or self.fetched or batch_idx % 2:
+            return  # once (accumulate=2: two batches per step)
+        engine = trainer.strategy._engine  # reaches inside on purpose: what was read
+        store = engine.param_tier.store
+        # Masters of persistent (whole, small) buffers are read to absorb in-place edits of their
+        # parameters; sharded buffers' parameters cannot be edited in place (they are empty).
+        self.persistent = {
+            n for b in engine._buffers if b.persistent for n, _ in engine.swap.items_of(b, master_only=True)
+        }
+        real = store.fetch
+        store.fetch = lambda items: (self.fetched.extend(n for n, _ in items), real(items))[1]
+        try:
+            trainer.save_checkpoint(self.path)
+        finally:
+            del store.fetch
+
+
+def _save_worker(rank: int, tmp: str) -> dict:
+    probe = _SaveMidFit(f"{tmp}/mid.ckpt")
+    fit({**_params_on_disk(f"{tmp}/swap"), **SMALL}, max_steps=3, trainer_kwargs={"callbacks": [probe]})
+    return {"fetched": probe.fetched, "persistent": probe.persistent, "saved": os.path.isdir(f"{tmp}/mid.ckpt")}
+
+
+def test_save_streams_from_the_swap_files(tmp_path):
+    for res in run_ranks(_save_worker, str(tmp_path)):
+        assert res["saved"]
+        # moments and sharded masters and shards stayed on disk, read only through memory maps
+        assert res["fetched"] and set(res["fetched"]) <= res["persistent"], (res["fetched"], res["persistent"])
+
+
 class _FailAtStep(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == 2:
