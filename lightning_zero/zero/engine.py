@@ -530,9 +530,13 @@ class ZeroEngine:
         index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
         buffers = self._all_buffers()
         state: dict[int, dict[str, Any]] = {}
+        current: FlatBuffer | None = None  # the buffer being filled (held params come buffer by buffer)
         for held in self._held:
             if held.optimizer != index or held.local is None:
                 continue
+            if self.swap is not None and current is not None and current is not buffers[held.buffer]:
+                self._adopt(current, state)  # the disk tier: one buffer's states in memory at a time
+            current = buffers[held.buffer]
             param_offset, shard_offset, numel = held.local
             piece = read(held, param_offset, numel)
             if piece is None:
@@ -545,8 +549,23 @@ class ZeroEngine:
                 if key not in target:
                     target[key] = torch.zeros(buffer.layout.shard_numel, dtype=value.dtype)
                 target[key][shard_offset : shard_offset + numel] = value
-        with self._resident():
+        if self.swap is not None and current is not None:
+            self._adopt(current, state)
+        if self.swap is None:
             self._get(optimizer).load_slices(state, saved_groups)
+            return
+        # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
+        # dtype and device); a state tensor that torch replaced anyway takes over its file.
+        self._get(optimizer).load_slices(state, saved_groups)
+        self.swap.settle()
+
+    def _adopt(self, buffer: FlatBuffer, state: dict[int, dict[str, Any]]) -> None:
+        assert self.swap is not None
+        slices = {
+            k: v for k, v in state.get(id(buffer), {}).items() if torch.is_tensor(v) and self._is_slice(v, buffer)
+        }
+        if slices and all(SwapStore.resident(v) for v in slices.values()):
+            self.swap.adopt(buffer, slices)
 
     def load_consolidated(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an unsharded optimizer state (a plain optimizer's); every rank keeps its slice. Local:

@@ -196,12 +196,17 @@ class KernelStep:
             # non_blocking: from pinned memory the host does not wait for the transfer
             b.param_shard.copy_(source, non_blocking=True)
 
+    @staticmethod
+    def swap_name(index: int, key: str) -> str:
+        """The swap file name of ``self.buffers[index]``'s ``key`` ("master", "exp_avg", ...)."""
+        return f"{index}.{key}"
+
     def swapped(self, index: int) -> list[Swapped]:
         """The tensors of ``self.buffers[index]`` that the disk tier holds: master and moments."""
         master = self.buffers[index].master
         state = self.optimizer.state.get(master, {})
-        return [(f"{index}.master", master)] + [
-            (f"{index}.{key}", state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
+        return [(self.swap_name(index, "master"), master)] + [
+            (self.swap_name(index, key), state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
         ]
 
     def step(self, tensor_parallel_group: comm.ProcessGroup = None) -> None:

@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.zero.flat import FlatBuffer, ParamState
@@ -83,7 +85,7 @@ class EngineSwap:
         self.kernels = kernels
         for kernel in kernels:
             kernel.swap = self.store
-        self._write_all()
+        self.settle()
 
     def items_of(self, buffer: FlatBuffer, master_only: bool = False) -> list[Swapped]:
         """The swapped tensors of one flat buffer (its master first), ``[]`` for a buffer not stepped here."""
@@ -107,11 +109,25 @@ class EngineSwap:
             self.store.evict(items)
             self.store.release(items)
 
+    def adopt(self, buffer: FlatBuffer, state: dict[str, torch.Tensor]) -> None:
+        """Write a buffer's loaded state slices (``exp_avg``, ...; host tensors about to be given to
+        ``optimizer.load_state_dict``) into their swap files and free their memory, so that loading
+        an optimizer holds one buffer's states at a time. torch keeps the tensor objects (same dtype
+        and device), which then rest on disk like the ones they replace."""
+        for kernel in self.kernels:
+            for index, b in enumerate(kernel.buffers):
+                if b is buffer:
+                    items = [(kernel.swap_name(index, key), value) for key, value in state.items()]
+                    self.store.evict(items)
+                    self.store.release(items)
+                    return
+
     def _items(self) -> list[Swapped]:
         return [item for k in self.kernels for index in range(len(k.buffers)) for item in k.swapped(index)]
 
-    def _write_all(self) -> None:
-        items = self._items()
+    def settle(self) -> None:
+        """Write every swapped tensor that has memory to its file and free it (new state tensors take over their files)."""
+        items = [item for item in self._items() if SwapStore.resident(item[1])]  # the rest is on disk already
         self.store.evict(items)
         self.store.release(items)
 
@@ -125,7 +141,7 @@ class EngineSwap:
         try:
             yield
         finally:
-            self._write_all()
+            self.settle()
 
     def close(self, bring_back: bool) -> None:
         """Delete the files; with ``bring_back`` first read everything back into host memory."""

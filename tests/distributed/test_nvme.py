@@ -174,10 +174,48 @@ class _SaveMidFit(Callback):
             del store.fetch
 
 
+class _ReadsUntilTraining(Callback):
+    """Records every swap-file read of the disk tier from the start of fit (the checkpoint load)
+    until the first training batch."""
+
+    def __init__(self) -> None:
+        self.fetched: list[str] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from lightning_zero.offload.nvme import SwapStore
+
+        real, probe = SwapStore.fetch, self
+
+        def fetch(store, items):
+            items = list(items)
+            probe.fetched.extend(n for n, _ in items)
+            return real(store, items)
+
+        SwapStore.fetch = fetch  # type: ignore[method-assign]
+        self.real = real
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_zero.offload.nvme import SwapStore
+
+        SwapStore.fetch = self.real  # type: ignore[method-assign]
+
+
 def _save_worker(rank: int, tmp: str) -> dict:
     probe = _SaveMidFit(f"{tmp}/mid.ckpt")
     fit({**_params_on_disk(f"{tmp}/swap"), **SMALL}, max_steps=3, trainer_kwargs={"callbacks": [probe]})
-    return {"fetched": probe.fetched, "persistent": probe.persistent, "saved": os.path.isdir(f"{tmp}/mid.ckpt")}
+    loading = _ReadsUntilTraining()
+    fit(
+        {**_params_on_disk(f"{tmp}/swap"), **SMALL},
+        max_steps=4,
+        ckpt_path=f"{tmp}/mid.ckpt",
+        trainer_kwargs={"callbacks": [loading]},
+    )
+    return {
+        "fetched": probe.fetched,
+        "persistent": probe.persistent,
+        "saved": os.path.isdir(f"{tmp}/mid.ckpt"),
+        "load_fetched": loading.fetched,
+    }
 
 
 def test_save_streams_from_the_swap_files(tmp_path):
@@ -185,6 +223,12 @@ def test_save_streams_from_the_swap_files(tmp_path):
         assert res["saved"]
         # moments and sharded masters and shards stayed on disk, read only through memory maps
         assert res["fetched"] and set(res["fetched"]) <= res["persistent"], (res["fetched"], res["persistent"])
+        # Loading reads masters one buffer at a time (to write their pieces, then to cast them into
+        # the parameter shards), and the shards of frozen buffers (their own masters); moments are
+        # written straight to their files, never read.
+        loaded = res["load_fetched"]
+        moments = [n for n in loaded if not (n.endswith(".master") or n.startswith("param"))]
+        assert loaded and not moments, moments
 
 
 class _FailAtStep(Callback):
