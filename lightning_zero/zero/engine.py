@@ -205,7 +205,8 @@ class ZeroEngine:
         try:
             yield
             if modifier_rank is not None:
-                with self._resident():  # scatter_back writes the masters, which may be on disk
+                # scatter_back writes the masters, which may be on disk (shards: through their tier)
+                with self.swap.resident() if self.swap is not None else contextlib.nullcontext():
                     scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self._coordinator is not None:

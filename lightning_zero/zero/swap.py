@@ -237,6 +237,7 @@ class ParamTier:
 
     def write_behind(self, b: FlatBuffer) -> None:
         """Start writing ``b``'s new shard; free the one written before it once that write is done."""
+        assert SwapStore.resident(b.param_shard), "a shard without memory cannot be written (nested rewrite?)"
         self.store.evict([self._item(b)])
         self._writing.append(b)
         while len(self._writing) > 1:

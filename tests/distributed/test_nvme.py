@@ -295,6 +295,40 @@ def test_directory_of_a_killed_rank_is_cleaned_at_the_next_start(tmp_path):
     assert not list(swap.iterdir())
 
 
+class _EditInsideGathered(Callback):
+    """Halves ``up`` (sharded) and ``frozen`` (sharded, no optimizer) on rank 0 inside
+    ``gathered_parameters(modifier_rank=0)`` before the third step: the edit must reach every rank's
+    shards and masters, wherever they rest."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 2 or batch_idx % 2:
+            return
+        for module in (pl_module.up, pl_module.frozen):
+            with trainer.strategy.gathered_parameters(module, modifier_rank=0), torch.no_grad():
+                for p in module.parameters():
+                    p.mul_(0.5)
+
+
+def _edit_worker(rank: int, nvme_path: str) -> dict:
+    out = {}
+    specs = {"cpu": dict(_specs(""))["zero3_cpu"], "nvme": dict(_specs(nvme_path))["zero3_nvme"]}
+    specs["params_on_disk"] = {**_params_on_disk(nvme_path), **SMALL}
+    for name, spec in specs.items():
+        _, model = fit(spec, precision="bf16-mixed", trainer_kwargs={"callbacks": [_EditInsideGathered()]})
+        out[name] = {"losses": model.losses, "state": state(model)}
+    return out
+
+
+def test_edits_inside_gathered_parameters_reach_the_disk_tier(tmp_path):
+    for res in run_ranks(_edit_worker, str(tmp_path / "swap")):
+        ref = res["cpu"]
+        for name in ("nvme", "params_on_disk"):
+            # Exact, as the parity test: the edit is the same bf16 multiply, scattered the same way.
+            assert res[name]["losses"] == ref["losses"], name
+            for key, value in ref["state"].items():
+                assert torch.equal(res[name]["state"][key], value), (name, key)
+
+
 def _no_space_worker(rank: int, nvme_path: str) -> str:
     import shutil
 
