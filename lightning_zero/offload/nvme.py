@@ -13,6 +13,9 @@ of the run. A directory left by a killed run (its pid no longer alive on this ho
 the next start; one whose owner is alive is an error. :meth:`SwapStore.close` removes the directory
 (at the end of fit and from the strategy's failure path).
 
+Checkpoints read swapped tensors through :meth:`SwapStore.mapped` (a private memory map of the
+file: page cache, not anonymous memory), so a save streams them from disk.
+
 I/O engines. "compiled": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), one call
 per tensor from this store's thread pool, each splitting the tensor into ``block_size`` requests
 over ``threads`` C++ threads with pread/pwrite, O_DIRECT through aligned bounce blocks when
