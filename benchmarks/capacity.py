@@ -1,15 +1,17 @@
 """ZeRO-Infinity's disk tier against CPU offload on one rank (issue 18), with the disk measured first.
 
-    python benchmarks/capacity.py --nvme-path /tmp/lz_nvme [--layers 6 --width 384] [--steps 3]
+    python benchmarks/capacity.py --nvme-path /tmp/lz_nvme [--layers 6 --width 384] [--steps 3] [--stage 3]
 
 1. The disk under ``--nvme-path``: O_DIRECT writes then reads of ``--disk-mib`` MiB in 1 MiB
    page-aligned blocks (as ``dd oflag=direct``), GB/s.
 2. The same GPT (recipes/gpt2/model.py, AdamW, fp32 unless ``--precision``) trained ``--steps``
    steps on one repeated batch under ``offload_optimizer=True`` and ``offload_optimizer="nvme"``,
-   each in its own process (peak RSS is per process). Per tier: mean step time after the first,
+   each in its own process (peak RSS is per process); with ``--stage 3`` also a third run with the
+   parameter shards on disk too (``offload_parameters="nvme"``, row "nvme+params"). Per tier: mean step time after the first,
    the optimizer phase (from ``on_before_optimizer_step`` to the end of the batch), the seconds
    that phase waited on reads and on writes, bytes moved per step and their rate over the
-   optimizer phase as a fraction of the measured disk bandwidth, peak RSS, the first and last
+   optimizer phase as a fraction of the measured disk bandwidth (with parameters on disk the bytes
+   include the parameter reads of forward and backward, whose wait is its own column), peak RSS, the first and last
    loss, and whether the swap directory is gone afterwards. The last row is the ratio nvme / cpu.
 
 Note: the swap files go through the page cache (the Python engine does not use O_DIRECT), so on a
@@ -74,7 +76,12 @@ def child(args: argparse.Namespace) -> dict:
     tokens = torch.randint(0, config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(0))
     batch = TensorDataset(tokens[:, :-1].repeat(args.steps, 1), tokens[:, 1:].repeat(args.steps, 1))
     tier: bool | str = True if args.tier == "cpu" else "nvme"
-    strategy = ZeroStrategy(stage=2, offload_optimizer=tier, nvme_path=args.nvme_path if tier == "nvme" else None)
+    strategy = ZeroStrategy(
+        stage=args.stage,
+        offload_optimizer=tier,
+        offload_parameters="nvme" if args.tier == "nvme+params" else False,
+        nvme_path=args.nvme_path if tier == "nvme" else None,
+    )
 
     class Timer(pl.Callback):
         def __init__(self) -> None:
@@ -82,25 +89,34 @@ def child(args: argparse.Namespace) -> dict:
             self.optimizer: list[float] = []
             self.losses: list[float] = []
             self.stalls: list[dict[str, float]] = []
+            self.compute_reads: list[float] = []  # seconds forward/backward waited on parameter reads
+
+        @staticmethod
+        def store(trainer):  # reaches inside on purpose: the I/O counters of the rank's swap files
+            engine = trainer.strategy._engine
+            return engine._store() if engine is not None else None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.t0 = time.perf_counter()
+            store = self.store(trainer)
+            self.start = dict(store.stall) if store else {"read": 0.0, "write": 0.0}
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             self.t1 = time.perf_counter()
-            swap = trainer.strategy._engine.swap  # reaches inside on purpose: the I/O counters
-            self.before = dict(swap.store.stall) if swap else {"read": 0.0, "write": 0.0}
+            store = self.store(trainer)
+            self.before = dict(store.stall) if store else {"read": 0.0, "write": 0.0}
+            self.compute_reads.append(self.before["read"] - self.start["read"])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = time.perf_counter()
             self.steps.append(now - self.t0)
             self.optimizer.append(now - self.t1)
             self.losses.append(float(outputs["loss"]))
-            swap = trainer.strategy._engine.swap
-            after = swap.store.stall if swap else {"read": 0.0, "write": 0.0}
+            store = self.store(trainer)
+            after = store.stall if store else {"read": 0.0, "write": 0.0}
             self.stalls.append({k: after[k] - self.before[k] for k in after})
-            if swap:
-                self.bytes = (swap.store.bytes_read, swap.store.bytes_written)
+            if store:
+                self.bytes = (store.bytes_read, store.bytes_written)
 
     timer = Timer()
     trainer = pl.Trainer(
@@ -124,6 +140,7 @@ def child(args: argparse.Namespace) -> dict:
         "step_s": sum(timer.steps[rest]) / len(timer.steps[rest]),
         "optimizer_s": sum(timer.optimizer[rest]) / len(timer.optimizer[rest]),
         "read_stall_s": sum(s["read"] for s in timer.stalls[rest]) / len(timer.stalls[rest]),
+        "compute_read_s": sum(timer.compute_reads[rest]) / len(timer.compute_reads[rest]),
         "write_stall_s": sum(s["write"] for s in timer.stalls[rest]) / len(timer.stalls[rest]),
         "bytes_per_step": (read + written) / args.steps,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -141,7 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--disk-mib", type=int, default=512)
-    parser.add_argument("--tier", choices=["cpu", "nvme"], help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--stage", type=int, choices=[2, 3], default=2)
+    parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params"], help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     if args.tier:
         print(json.dumps(child(args)))
@@ -149,27 +167,33 @@ def main() -> None:
     disk = measure_disk(args.nvme_path, args.disk_mib)
     print(f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s")
     rows = {}
-    for tier in ("cpu", "nvme"):
+    for tier in ("cpu", "nvme", "nvme+params") if args.stage == 3 else ("cpu", "nvme"):
         command = [sys.executable, __file__, *sys.argv[1:], "--tier", tier]
         out = subprocess.run(
             command, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
         )
         rows[tier] = json.loads(out.stdout.strip().splitlines()[-1])
     bandwidth = (disk["read_gbs"] + disk["write_gbs"]) / 2
-    header = "tier | params | step s | optimizer s | read wait s | write wait s | GB/step | GB/s in opt phase (x disk) | peak RSS GiB | loss first -> last | clean"
+    header = (
+        "tier | params | step s | fwd/bwd read wait s | optimizer s | read wait s | write wait s | GB/step | "
+        "GB/s in opt phase (x disk) | peak RSS GiB | loss first -> last | clean"
+    )
     print(header)
     for tier, r in rows.items():
         rate = r["bytes_per_step"] / r["optimizer_s"] / 1e9
         print(
-            f"{tier} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['optimizer_s']:.3f} | {r['read_stall_s']:.3f} | "
+            f"{tier} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['compute_read_s']:.3f} | {r['optimizer_s']:.3f} | "
+            f"{r['read_stall_s']:.3f} | "
             f"{r['write_stall_s']:.3f} | {r['bytes_per_step'] / 1e9:.3f} | {rate:.3f} ({rate / bandwidth:.2f}) | "
             f"{r['peak_rss_gib']:.2f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['clean']}"
         )
-    c, n = rows["cpu"], rows["nvme"]
-    print(
-        f"nvme / cpu | | {n['step_s'] / c['step_s']:.2f} | {n['optimizer_s'] / c['optimizer_s']:.2f} | | | | | "
-        f"{n['peak_rss_gib'] / c['peak_rss_gib']:.2f} | |"
-    )
+    c = rows["cpu"]
+    for tier in [t for t in rows if t != "cpu"]:
+        n = rows[tier]
+        print(
+            f"{tier} / cpu | | {n['step_s'] / c['step_s']:.2f} | | {n['optimizer_s'] / c['optimizer_s']:.2f} | | | | | "
+            f"{n['peak_rss_gib'] / c['peak_rss_gib']:.2f} | |"
+        )
 
 
 if __name__ == "__main__":

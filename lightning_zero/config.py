@@ -315,6 +315,11 @@ class NvmeConfig:
     """Sub-groups resident in memory at once during the step (DeepSpeed ``buffer_count``): 2 lets
     the next sub-group be read while the current one steps; 2 to 64."""
 
+    param_buffer_count: int = 4
+    """Stage-3 parameter shards in memory at once under ``offload_parameters="nvme"`` (DeepSpeed
+    ``offload_param.buffer_count``): the shards read ahead of the gathers that need them, 1 to 64
+    (plus the one being gathered and, during the step, the one being written behind)."""
+
     direct_io: bool = True
     """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
     Python fallback always goes through the page cache)."""
@@ -330,6 +335,7 @@ class NvmeConfig:
         _positive_int("queue_depth", self.queue_depth, 1, 1024)
         _positive_int("threads", self.threads, 1, 64)
         _positive_int("buffer_count", self.buffer_count, 2, 64)
+        _positive_int("param_buffer_count", self.param_buffer_count, 1, 64)
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
 
@@ -340,7 +346,7 @@ def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeCon
         if knobs:
             raise ValueError(f"nvme_config={dict(knobs)!r} was given without nvme_path; set nvme_path to a directory.")
         return None
-    allowed = ("block_size", "queue_depth", "threads", "buffer_count", "direct_io")
+    allowed = ("block_size", "queue_depth", "threads", "buffer_count", "param_buffer_count", "direct_io")
     unknown = sorted(set(knobs or {}) - set(allowed))
     if unknown:
         raise ValueError(f"nvme_config has unknown keys {unknown}; the knobs are {list(allowed)}.")
@@ -359,8 +365,9 @@ class OffloadConfig:
 
     offload_parameters: bool | str = False
     """Stage 3 only: parameter shards in host memory too, gathered to the device when a module
-    needs them. Requires ``offload_optimizer``. "nvme" is accepted by the config but not yet by the
-    engine (see the README's offload section)."""
+    needs them. Requires ``offload_optimizer``. "nvme" (ZeRO-Infinity, with ``offload_optimizer="nvme"``):
+    the shards rest in files under ``nvme.path``, read ahead of the gathers that need them and
+    written back after the step (:class:`lightning_zero.zero.swap.ParamTier`)."""
 
     pin_memory: bool = True
     """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
@@ -568,11 +575,6 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         stage = self.zero.stage
-        if self.offload.parameter_tier == "nvme":
-            raise ValueError(
-                "offload_parameters='nvme' (stage-3 parameter shards on disk) is not implemented yet; use "
-                "offload_parameters=True (host memory) with offload_optimizer='nvme'."
-            )
         if self.offload.offload_parameters and stage != 3:
             raise ValueError(
                 f"offload_parameters={self.offload.offload_parameters!r} shards parameters into host memory, which "

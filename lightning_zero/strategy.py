@@ -389,7 +389,8 @@ class ZeroStrategy(DDPStrategy):
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
         assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
-        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes)
+        itemsize = PRECISIONS[self.precision_plugin.precision][0].itemsize
+        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``

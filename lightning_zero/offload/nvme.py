@@ -13,6 +13,9 @@ of the run. A directory left by a killed run (its pid no longer alive on this ho
 the next start; one whose owner is alive is an error. :meth:`SwapStore.close` removes the directory
 (at the end of fit and from the strategy's failure path).
 
+Checkpoints read swapped tensors through :meth:`SwapStore.mapped` (a private memory map of the
+file: page cache, not anonymous memory), so a save streams them from disk.
+
 I/O engines. "compiled": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), one call
 per tensor from this store's thread pool, each splitting the tensor into ``block_size`` requests
 over ``threads`` C++ threads with pread/pwrite, O_DIRECT through aligned bounce blocks when
@@ -89,8 +92,8 @@ def check_free_space(config: NvmeConfig, needed: int) -> None:
     free = shutil.disk_usage(probe).free
     if needed > free:
         raise ValueError(
-            f"nvme_path={config.path!r}: this run writes {needed} bytes ({needed / 2**30:.2f} GiB) of optimizer "
-            f"states but only {free} bytes ({free / 2**30:.2f} GiB) are free there; free space, choose another "
+            f"nvme_path={config.path!r}: this run writes {needed} bytes ({needed / 2**30:.2f} GiB) of swap files "
+            f"(optimizer states, and parameter shards under offload_parameters='nvme') but only {free} bytes ({free / 2**30:.2f} GiB) are free there; free space, choose another "
             "nvme_path, or use offload_optimizer=True (host memory)."
         )
 
@@ -188,6 +191,30 @@ class SwapStore:
         else:
             self._pending[name] = ("read", [self._pool.submit(os.preadv, fd, [c], o) for c, o in chunks], len(view))
             self.bytes_read += len(view)
+
+    def done(self, name: str) -> bool:
+        """Whether the I/O issued for ``name`` has completed (without waiting)."""
+        pending = self._pending.get(name)
+        return pending is None or all(future.done() for future in pending[1])
+
+    def mapped(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A read-only view of a swapped-out ``tensor``'s values, memory-mapped from its file
+        (``MAP_PRIVATE``: pages come from the page cache as they are read, and the kernel can drop
+        them again, so reading every file costs no anonymous memory); ``None`` when ``tensor`` is
+        not swapped out here. Valid until the file is next written (the next step)."""
+        name = next((n for n, t in self._tensors.items() if t is tensor), None)
+        if name is None or self.resident(tensor):
+            return None
+        self.wait([(name, tensor)])  # a write behind still in flight
+        path = str(self.directory / f"{name}.swp")
+        return torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype).view(tensor.shape)
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Stop tracking ``names`` (waiting for their I/O): :meth:`fetch_all` and :meth:`close` leave
+        their tensors alone; their files are removed with the directory."""
+        for name in names:
+            if name in self._tensors:
+                self.wait([(name, self._tensors.pop(name))])
 
     def wait(self, items: Iterable[Swapped]) -> None:
         """Block until the reads/writes issued for ``items`` are done (I/O errors raise here)."""

@@ -23,6 +23,7 @@ Checkpoints and reports: :meth:`held_params`, :meth:`local_pieces`, :meth:`load_
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, StrategyConfig
+from lightning_zero.offload.nvme import SwapStore
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
@@ -51,7 +53,7 @@ from lightning_zero.zero.surface import (
     ParamGroup,
     PieceReader,
 )
-from lightning_zero.zero.swap import EngineSwap
+from lightning_zero.zero.swap import EngineSwap, ParamTier
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -152,9 +154,17 @@ class ZeroEngine:
                 'offload_optimizer="nvme" does not support (its swap files hold one optimizer\'s states per '
                 'master); give each parameter to one optimizer, or use offload_optimizer="cpu".'
             )
-        if config.offload.optimizer_tier == "nvme" and optimizers:
-            assert config.offload.nvme is not None  # OffloadConfig requires it
-            self.swap = EngineSwap(list(self._sharded.values()), config.offload.nvme, comm.rank(None))
+        #: the parameter disk tier (offload_parameters="nvme", stage 3): parameter shards in files
+        self.param_tier: ParamTier | None = None
+        nvme = config.offload.nvme
+        sharded_buffers = [b for b in self._buffers + self._frozen if not b.persistent]
+        wants_params = config.offload.parameter_tier == "nvme" and bool(sharded_buffers)
+        if nvme is not None and ((config.offload.optimizer_tier == "nvme" and optimizers) or wants_params):
+            store = SwapStore(nvme, comm.rank(None))  # one directory per rank, shared by both tiers
+            if config.offload.optimizer_tier == "nvme" and optimizers:
+                self.swap = EngineSwap(list(self._sharded.values()), store)
+            if wants_params:
+                self.param_tier = ParamTier(sharded_buffers, store, nvme)
         self._reducer = GradReducer(
             self._buffers,
             stage=config.zero.stage,
@@ -166,7 +176,9 @@ class ZeroEngine:
         )
         self._coordinator: GatherCoordinator | None = None
         if config.zero.stage == 3:
-            self._coordinator = GatherCoordinator(module, self._buffers + self._frozen, config.zero, group)
+            self._coordinator = GatherCoordinator(
+                module, self._buffers + self._frozen, config.zero, group, shard_tier=self.param_tier
+            )
         self._norms: dict[int, torch.Tensor] = {}
         self._exposed: ExposedGrads | None = None  # inside full_gradients
         self._window: ExposedGrads | None = None  # manual optimization: expose_window
@@ -217,7 +229,9 @@ class ZeroEngine:
         try:
             yield
             if modifier_rank is not None:
-                scatter_back(sharded + persistent, modifier_rank, self.group)
+                # scatter_back writes the masters, which may be on disk (shards: through their tier)
+                with self.swap.resident() if self.swap is not None else contextlib.nullcontext():
+                    scatter_back(sharded + persistent, modifier_rank, self.group)
         finally:
             if self._coordinator is not None:
                 if torch.is_grad_enabled() and for_backward:
@@ -520,24 +534,50 @@ class ZeroEngine:
 
     @contextmanager
     def _resident(self) -> Iterator[None]:
-        """Swapped masters and states in host memory for the block (no-op without the disk tier)."""
-        if self.swap is None:
+        """Swapped masters and states in host memory for the block (no-op without the disk tier);
+        under the parameter disk tier also the shards of frozen buffers (their own masters)."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident())
+            if self.param_tier is not None:
+                stack.enter_context(self.param_tier.resident_masters())
             yield
-            return
-        with self.swap.resident():
+
+    def _store(self) -> SwapStore | None:
+        if self.swap is not None:
+            return self.swap.store
+        return self.param_tier.store if self.param_tier is not None else None
+
+    @contextmanager
+    def _buffer_resident(self, b: FlatBuffer) -> Iterator[None]:
+        """``b``'s master in host memory for the block when the disk tier holds it (one buffer at a
+        time: checkpoints stream through the tier), written back after."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident_buffer(b, master_only=True))
+            if self.param_tier is not None and b.master is b.param_shard:
+                stack.enter_context(self.param_tier.resident_one(b))
             yield
+
+    def _snapshot(self, tensor: torch.Tensor, own: bool) -> torch.Tensor:
+        """A host copy of ``tensor``, or under the disk tier a memory map of its swap file."""
+        store = self._store()
+        mapped = store.mapped(tensor) if store is not None else None
+        return mapped if mapped is not None else _host_copy(tensor, own)
 
     def local_pieces(self) -> list[LocalPiece | None]:
-        with self._resident():
-            return self._local_pieces(own=self.swap is not None)
-
-    def _local_pieces(self, own: bool) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
-        host memory: views of one copy per flat buffer, so each buffer is written once. Local."""
+        host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
+        tier the swapped masters and states are memory maps of their files, valid until the next step
+        (a save streams them from disk; nothing is brought into anonymous memory). Local."""
         buffers = self._all_buffers()
         if self.config.zero.absorb_param_edits:
             for b in buffers:
-                b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
+                if not b.separate_master or b.shard_tier is not None:
+                    continue  # nothing to absorb (see FlatBuffer.absorb_edits): no disk round trip
+                with self._buffer_resident(b):
+                    b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
+        own = self._store() is not None
         # per buffer: the master's host copy and, per optimizer holding it, its states' copies
         copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
         for b in buffers:
@@ -546,14 +586,14 @@ class ZeroEngine:
                 if all(b is not mine for mine in self._sharded[id(optimizer)].buffers):
                     continue
                 raw = optimizer.state.get(b.master, {})
-                slices = {k: _host_copy(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+                slices = {k: self._snapshot(v, own) for k, v in raw.items() if self._is_slice(v, b)}
                 scalars = {
                     k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                     for k, v in raw.items()
                     if not self._is_slice(v, b)
                 }
                 states[o_index] = (slices, scalars)
-            copies.append((_host_copy(b.master, own), states))
+            copies.append((self._snapshot(b.master, own), states))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
@@ -578,14 +618,19 @@ class ZeroEngine:
         """Overwrite this rank's master pieces with ``read(param, param_offset, numel)`` (where it
         returns a tensor). Local: call :meth:`publish` afterwards."""
         buffers = self._all_buffers()
-        with torch.no_grad(), self._resident():
-            for held in self._held:
-                if held.local is None:
-                    continue
-                param_offset, shard_offset, numel = held.local
-                value = read(held, param_offset, numel)
-                if value is not None:
-                    buffers[held.buffer].master[shard_offset : shard_offset + numel].copy_(value)
+        by_buffer: dict[int, list[HeldParam]] = {}
+        for held in self._held:
+            if held.local is not None:
+                by_buffer.setdefault(held.buffer, []).append(held)
+        with torch.no_grad():
+            for index, pieces in by_buffer.items():
+                with self._buffer_resident(buffers[index]):  # the disk tier: one buffer in memory at a time
+                    for held in pieces:
+                        assert held.local is not None
+                        param_offset, shard_offset, numel = held.local
+                        value = read(held, param_offset, numel)
+                        if value is not None:
+                            buffers[index].master[shard_offset : shard_offset + numel].copy_(value)
 
     def load_optimizer_pieces(
         self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader
@@ -595,9 +640,13 @@ class ZeroEngine:
         index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
         buffers = self._all_buffers()
         state: dict[int, dict[str, Any]] = {}
+        current: FlatBuffer | None = None  # the buffer being filled (held params come buffer by buffer)
         for held in self._held:
             if index not in held.optimizers or held.local is None:
                 continue
+            if self.swap is not None and current is not None and current is not buffers[held.buffer]:
+                self._adopt(current, state)  # the disk tier: one buffer's states in memory at a time
+            current = buffers[held.buffer]
             param_offset, shard_offset, numel = held.local
             piece = read(held, param_offset, numel)
             if piece is None:
@@ -610,8 +659,23 @@ class ZeroEngine:
                 if key not in target:
                     target[key] = torch.zeros(buffer.layout.shard_numel, dtype=value.dtype)
                 target[key][shard_offset : shard_offset + numel] = value
-        with self._resident():
+        if self.swap is not None and current is not None:
+            self._adopt(current, state)
+        if self.swap is None:
             self._get(optimizer).load_slices(state, saved_groups)
+            return
+        # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
+        # dtype and device); a state tensor that torch replaced anyway takes over its file.
+        self._get(optimizer).load_slices(state, saved_groups)
+        self.swap.settle()
+
+    def _adopt(self, buffer: FlatBuffer, state: dict[int, dict[str, Any]]) -> None:
+        assert self.swap is not None
+        slices = {
+            k: v for k, v in state.get(id(buffer), {}).items() if torch.is_tensor(v) and self._is_slice(v, buffer)
+        }
+        if slices and all(SwapStore.resident(v) for v in slices.values()):
+            self.swap.adopt(buffer, slices)
 
     def load_consolidated(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Load an unsharded optimizer state (a plain optimizer's); every rank keeps its slice. Local:
@@ -632,8 +696,13 @@ class ZeroEngine:
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""
         buffers = self._all_buffers()
-        with self._resident():
-            for buffer in buffers:
+        for buffer in buffers:
+            if not buffer.separate_master:
+                continue  # the parameter slice is the master
+            with contextlib.ExitStack() as stack:  # the disk tier: one buffer in memory at a time
+                stack.enter_context(self._buffer_resident(buffer))
+                if buffer.shard_tier is not None:
+                    stack.enter_context(buffer.shard_tier.rewrite([buffer]))
                 buffer.params_from_master()  # publish() only all-gathers what the parameter slices hold
         publish(buffers, self.group, self.config.zero.allgather_bucket_size)
 
@@ -666,17 +735,25 @@ class ZeroEngine:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
         whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
         self._reducer.remove_hooks()
+        if self._coordinator is not None and unshard:
+            # Before the files go: under the parameter disk tier the gathers read the shards from them.
+            for buffer in self._all_buffers():
+                buffer.unshard(self.group)
+        store = self.swap.store if self.swap is not None else None
+        if self.param_tier is not None:
+            store = self.param_tier.store
+            self.param_tier.close()
+            self.param_tier = None
         if self.swap is not None:
             # After a finished fit the states come back to host memory (a checkpoint after fit
             # still saves them); after a failure the files are simply removed.
             self.swap.close(bring_back=unshard)
             self.swap = None
+        elif store is not None:
+            store.close(bring_back=False)
         for optimizer in self._routed:
             optimizer.__dict__.pop("zero_grad", None)  # back to the class's zero_grad
         self._routed.clear()
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
-            if unshard:
-                for buffer in self._all_buffers():
-                    buffer.unshard(self.group)
             self._coordinator = None

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -80,6 +82,18 @@ _ON_RECEIVE = {
     GradState.REDUCED: GradState.ACCUMULATING,
     GradState.ON_HOST: GradState.ACCUMULATING,
 }
+
+
+class ShardTier(Protocol):
+    """Where ``param_shard`` rests while released when it is not kept in memory: the disk tier
+    (:class:`lightning_zero.zero.swap.ParamTier`)."""
+
+    def load(self, b: FlatBuffer) -> None: ...
+    def unload(self, b: FlatBuffer) -> None: ...
+    def rewrite(self, buffers: list[FlatBuffer]) -> AbstractContextManager[None]: ...
+    def open_for_write(self, b: FlatBuffer) -> None: ...
+    def write_behind(self, b: FlatBuffer) -> None: ...
+    def flush(self) -> None: ...
 
 
 class FlatBuffer:
@@ -142,6 +156,8 @@ class FlatBuffer:
                 source[piece.param_offset : piece.param_offset + piece.numel]
             )
         self.flat_param: torch.Tensor | None = None
+        #: set by the parameter disk tier: ``param_shard`` has memory only while gathered or stepped
+        self.shard_tier: ShardTier | None = None
         if persistent:
             self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
             for param, slot in zip(params, layout.slots, strict=True):
@@ -200,12 +216,17 @@ class FlatBuffer:
         self._block = lend(self.pool, self.flat_param)  # the same tensor every time, pooled memory
         start, end = self.layout.shard_range(self.rank)
         own = self.flat_param[start:end]
+        if self.shard_tier is not None:
+            self.shard_tier.load(self)
         # Writing the parameters back must not count as an in-place edit of the tensors autograd saved
         # from them in forward (views of flat_param): their values are the same as when saved.
         with torch.autograd._unsafe_preserve_version_counter(self.flat_param):
             # With offloaded parameters the shard is in host memory: to the device first (non_blocking
-            # from pinned memory; the all-gather is queued after the copy on the same stream).
-            own.copy_(self.param_shard, non_blocking=True)
+            # from pinned memory; the all-gather is queued after the copy on the same stream). Blocking
+            # when the disk tier frees the shard right after.
+            own.copy_(self.param_shard, non_blocking=self.shard_tier is None)
+            if self.shard_tier is not None:
+                self.shard_tier.unload(self)
             self._gather_handle = comm.all_gather(self.flat_param, own, group, async_op=True, label=label)
         self.state = ParamState.GATHERING
 
@@ -223,9 +244,7 @@ class FlatBuffer:
         if self.persistent or self.state is ParamState.RELEASED:
             return
         self.gather_wait()
-        empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
-        for index, param in enumerate(self.params):
-            param.data = self._own_piece(index, empty)
+        self.bind_released()
         # Free the memory, keep the tensor: autograd holds views of flat_param that forward saved for
         # backward (``weight.t()`` of a Linear), which would keep a dropped buffer alive until
         # backward, so every module's full parameters would stay resident from its forward to its
@@ -235,6 +254,14 @@ class FlatBuffer:
             take_back(self.pool, self.flat_param, self._block)
             self._block = None
         self.state = ParamState.RELEASED
+
+    def bind_released(self) -> None:
+        """Point each parameter of a released buffer at its piece of ``param_shard`` (see
+        :meth:`_own_piece`), or at an empty tensor under a :class:`ShardTier` (the shard has memory
+        only while gathered or stepped)."""
+        empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        for index, param in enumerate(self.params):
+            param.data = empty if self.shard_tier is not None else self._own_piece(index, empty)
 
     def _own_piece(self, index: int, empty: torch.Tensor) -> torch.Tensor:
         """What parameter ``index`` holds while released: a view of this rank's piece of it in
@@ -377,7 +404,9 @@ class FlatBuffer:
         the edit itself was made in 16 bits). One pass over the slice, ``chunk`` elements at a time
         (no slice-sized temporaries, no host synchronization when both live on one device). No-op
         where the master is the parameter slice itself (fp32 without offload)."""
-        if not self.separate_master:
+        if not self.separate_master or self.shard_tier is not None:
+            # Under the parameter disk tier released parameters are empty (edits cannot reach the
+            # shard), and only the step and publish write the shard, from the master.
             return
         device = self.master.device
         chunk = min(chunk, self.layout.shard_numel)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.zero.flat import FlatBuffer, ParamState
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.swap import ParamTier
 
 _GUARDED: dict[type, type] = {}
 # Set while the checkpoint code reads ``state_dict()`` knowing that sharded parameters are placeholders.
@@ -127,10 +130,17 @@ class GatherCoordinator:
     """Owns the forward hooks of every module that uses sharded parameters."""
 
     def __init__(
-        self, module: nn.Module, buffers: list[FlatBuffer], config: ZeroConfig, group: comm.ProcessGroup
+        self,
+        module: nn.Module,
+        buffers: list[FlatBuffer],
+        config: ZeroConfig,
+        group: comm.ProcessGroup,
+        shard_tier: ParamTier | None = None,
     ) -> None:
         self.config = config
         self.group = group
+        #: the parameter disk tier: its reads are started along the plan ahead of the gathers
+        self.shard_tier = shard_tier
         owner = {id(p): b for b in buffers if not b.persistent for p in b.params}
         shapes = {
             id(p): slot.shape
@@ -209,6 +219,8 @@ class GatherCoordinator:
             for b in self.needs[index]:
                 if id(b) in seen or b.state is not ParamState.RELEASED:
                     continue
+                if self.shard_tier is not None and b.shard_tier is not None and not self.shard_tier.ready(b):
+                    return  # its shard is still on its way from disk: gathering now would wait for it
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
                     return
                 seen.add(id(b))
@@ -232,6 +244,7 @@ class GatherCoordinator:
                 self._on_plan = False  # the order changed: no prefetch until the next step
             self.acquire(self.needs[index], f"{self.names[index]} (forward)")
             if self._on_plan:
+                self._read_ahead(self.previous[position + 1 :])
                 self._prefetch(self.previous[position + 1 :])
 
         return hook
@@ -277,7 +290,14 @@ class GatherCoordinator:
         found = next((p for p in range(min(cursor, len(self.trace)) - 1, -1, -1) if self.trace[p] == index), None)
         if found is not None:
             self._bwd_cursor = found
-            self._prefetch(self.trace[found - 1 :: -1] if found > 0 else [])
+            upcoming = self.trace[found - 1 :: -1] if found > 0 else []
+            self._read_ahead(upcoming)
+            self._prefetch(upcoming)
+
+    def _read_ahead(self, upcoming: list[int]) -> None:
+        """Start the disk reads of the next modules' shards (the parameter disk tier bounds how many)."""
+        if self.shard_tier is not None:
+            self.shard_tier.read_ahead([b for index in upcoming for b in self.needs[index]])
 
     # -- step boundaries -------------------------------------------------------------------------
 
@@ -289,6 +309,8 @@ class GatherCoordinator:
                 b.release()
         self._refs.clear()
         self._pinned.clear()
+        if self.shard_tier is not None:
+            self.shard_tier.end_pass()
         if self.trace:
             self.previous = self.trace
         self.trace = []
@@ -323,7 +345,9 @@ def scatter_back(buffers: list[FlatBuffer], source_rank: int | None, group: comm
         if source_rank is not None:
             comm.broadcast(b.flat_param, source_rank, group)
         start, end = b.layout.shard_range(b.rank)
-        if b.param_shard.data_ptr() != b.flat_param[start:end].data_ptr():
-            b.param_shard.copy_(b.flat_param[start:end])
+        # under the parameter disk tier the shard has memory only for this write
+        with b.shard_tier.rewrite([b]) if b.shard_tier is not None else contextlib.nullcontext():
+            if b.param_shard.data_ptr() != b.flat_param[start:end].data_ptr():
+                b.param_shard.copy_(b.flat_param[start:end])
         if b.separate_master:
             b.master.copy_(b.flat_param[start:end])

@@ -25,7 +25,9 @@ arithmetic is the same as unpipelined, so the results are bitwise equal.
 
 With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
 swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
-``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind.
+``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind;
+with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
+(:class:`lightning_zero.zero.swap.ParamTier`).
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
 ``exp_avg_sq``), so checkpoints look the same with and without offload and load into each other.
@@ -239,12 +241,17 @@ class KernelStep:
         if copy is not None:
             self.copy_back.before_write(copy)
 
+    @staticmethod
+    def swap_name(index: int, key: str) -> str:
+        """The swap file name of ``self.buffers[index]``'s ``key`` ("master", "exp_avg", ...)."""
+        return f"{index}.{key}"
+
     def swapped(self, index: int) -> list[Swapped]:
         """The tensors of ``self.buffers[index]`` that the disk tier holds: master and moments."""
         master = self.buffers[index].master
         state = self.optimizer.state.get(master, {})
-        return [(f"{index}.master", master)] + [
-            (f"{index}.{key}", state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
+        return [(self.swap_name(index, "master"), master)] + [
+            (self.swap_name(index, key), state[key]) for key in ("exp_avg", "exp_avg_sq") if key in state
         ]
 
     def step(self, tensor_parallel_group: comm.ProcessGroup = None, stepped: Stepped | None = None) -> None:
@@ -287,6 +294,8 @@ class KernelStep:
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             state = self._state(b.master)
             state["step"] += 1
+            if b.shard_tier is not None:
+                b.shard_tier.open_for_write(b)  # the parameter disk tier: memory for the 16-bit copy
             copy = self._param_copy(b)
             self._before_kernel(b, copy)
             F.cpu_adam_step(
@@ -299,12 +308,16 @@ class KernelStep:
                 **hyper,
             )
             self._write_back(b, copy, stepped)
+            if b.shard_tier is not None:
+                b.shard_tier.write_behind(b)
             if swap is not None:
                 swap.evict(self.swapped(index))  # written behind; freed below once the next one is stepped
                 if position:
                     self._release(swap, order[position - 1][0])
         if swap is not None and order:
             self._release(swap, order[-1][0])
+        for tier in {id(t): t for t in (b.shard_tier for _, b in order) if t is not None}.values():
+            tier.flush()
 
     def _release(self, swap: SwapStore, index: int) -> None:
         # a pipelined copy-back from an fp32 master may still read it: done before its memory goes

@@ -8,6 +8,8 @@ loss and every weight must be bit-identical to offload_optimizer=True.
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 import pytest
 import torch
@@ -29,7 +31,19 @@ def _specs(nvme_path: str) -> list[tuple[str, dict]]:
         ("zero3_cpu", {"stage": 3, "offload_optimizer": True, **SMALL}),
         ("zero3_nvme", {"stage": 3, **nvme, **SMALL}),
         ("zero3_nvme_params_on_host", {"stage": 3, **nvme, "offload_parameters": True, **SMALL}),
+        ("zero3_nvme_params_on_disk", {**_params_on_disk(nvme_path), **SMALL}),
     ]
+
+
+def _params_on_disk(nvme_path: str, buffers: int = 2) -> dict:
+    knobs = {"block_size": 4096, "param_buffer_count": buffers}
+    return {
+        "stage": 3,
+        "offload_optimizer": "nvme",
+        "offload_parameters": "nvme",
+        "nvme_path": nvme_path,
+        **{"nvme_config": knobs},
+    }
 
 
 class _SwappedOut(Callback):
@@ -40,6 +54,8 @@ class _SwappedOut(Callback):
     def __init__(self) -> None:
         self.resting: list[bool] = []
         self.bytes_read = 0
+        self.params_resting: list[bool] = []
+        self.peak = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         swap = trainer.strategy._engine.swap  # reaches inside on purpose: a test of where the states are
@@ -48,6 +64,10 @@ class _SwappedOut(Callback):
         tensors = [t for kernel in swap.kernels for i in range(len(kernel.buffers)) for _, t in kernel.swapped(i)]
         self.resting.append(len(tensors) > 0 and all(t.untyped_storage().nbytes() == 0 for t in tensors))
         self.bytes_read = swap.store.bytes_read
+        tier = trainer.strategy._engine.param_tier
+        if tier is not None:  # the parameter shards too, between steps
+            self.params_resting.append(all(b.param_shard.untyped_storage().nbytes() == 0 for b in tier.buffers))
+            self.peak = tier.peak
 
 
 def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict:
@@ -62,6 +82,8 @@ def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict
             "state": state(model),
             "resting": probe.resting,
             "bytes_read": probe.bytes_read,
+            "params_resting": probe.params_resting,
+            "peak": probe.peak,
             # this rank's directory only: the other rank may still be cleaning up its own
             "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
         }
@@ -82,6 +104,10 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                     assert torch.equal(got["state"][key], value), (name, key)
                 assert got["resting"] and all(got["resting"]), (name, got["resting"])
                 assert got["bytes_read"] > 0, name
+                if name.endswith("params_on_disk"):
+                    assert got["params_resting"] and all(got["params_resting"]), got["params_resting"]
+                    # param_buffer_count=2 read ahead, plus the one being gathered (not read ahead)
+                    assert 1 <= got["peak"] <= 3, got["peak"]
                 assert not got["left"], name  # the rank directory was removed after fit
 
 
@@ -103,6 +129,106 @@ def test_checkpoint_round_trip_between_tiers(tmp_path, direction):
         for key, value in res["full_state"].items():
             torch.testing.assert_close(res["resumed_state"][key], value, rtol=1e-5, atol=1e-7)
     assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))  # both runs cleaned up
+
+
+@pytest.mark.parametrize("direction", ["disk-to-cpu", "cpu-to-disk", "disk-to-disk"])
+def test_checkpoint_round_trip_with_parameters_on_disk(tmp_path, direction):
+    from test_training_features import _resume_worker
+
+    disk = {**_params_on_disk(str(tmp_path / "swap")), **SMALL}
+    cpu = dict(_specs(""))["zero3_cpu"]
+    first, second = {"disk-to-cpu": (disk, cpu), "cpu-to-disk": (cpu, disk), "disk-to-disk": (disk, disk)}[direction]
+    for res in run_ranks(_resume_worker, str(tmp_path / "ckpt"), first, second, "bf16-mixed"):
+        # The checkpoint holds fp32 masters and torch's Adam keys whatever the tier, and the 16-bit
+        # shards are rebuilt from the masters on load (cast, as after a step), so the resumed run
+        # repeats the uninterrupted one exactly: same kernel, same inputs, same order.
+        assert res["resumed"] == res["full"][4:]
+        for key, value in res["full_state"].items():
+            assert torch.equal(res["resumed_state"][key], value), key
+    assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))  # both runs cleaned up
+
+
+class _SaveMidFit(Callback):
+    """Saves a checkpoint between two steps and records what the disk tier read meanwhile: a
+    streamed save maps the swap files and reads none of them into memory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fetched: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 2 or self.fetched or batch_idx % 2:
+            return  # once (accumulate=2: two batches per step)
+        engine = trainer.strategy._engine  # reaches inside on purpose: what was read
+        store = engine.param_tier.store
+        # Masters of persistent (whole, small) buffers are read to absorb in-place edits of their
+        # parameters; sharded buffers' parameters cannot be edited in place (they are empty).
+        self.persistent = {
+            n for b in engine._buffers if b.persistent for n, _ in engine.swap.items_of(b, master_only=True)
+        }
+        real = store.fetch
+        store.fetch = lambda items: (self.fetched.extend(n for n, _ in items), real(items))[1]
+        try:
+            trainer.save_checkpoint(self.path)
+        finally:
+            del store.fetch
+
+
+class _ReadsUntilTraining(Callback):
+    """Records every swap-file read of the disk tier from the start of fit (the checkpoint load)
+    until the first training batch."""
+
+    def __init__(self) -> None:
+        self.fetched: list[str] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from lightning_zero.offload.nvme import SwapStore
+
+        real, probe = SwapStore.fetch, self
+
+        def fetch(store, items):
+            items = list(items)
+            probe.fetched.extend(n for n, _ in items)
+            return real(store, items)
+
+        SwapStore.fetch = fetch  # type: ignore[method-assign]
+        self.real = real
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning_zero.offload.nvme import SwapStore
+
+        SwapStore.fetch = self.real  # type: ignore[method-assign]
+
+
+def _save_worker(rank: int, tmp: str) -> dict:
+    probe = _SaveMidFit(f"{tmp}/mid.ckpt")
+    fit({**_params_on_disk(f"{tmp}/swap"), **SMALL}, max_steps=3, trainer_kwargs={"callbacks": [probe]})
+    loading = _ReadsUntilTraining()
+    fit(
+        {**_params_on_disk(f"{tmp}/swap"), **SMALL},
+        max_steps=4,
+        ckpt_path=f"{tmp}/mid.ckpt",
+        trainer_kwargs={"callbacks": [loading]},
+    )
+    return {
+        "fetched": probe.fetched,
+        "persistent": probe.persistent,
+        "saved": os.path.isdir(f"{tmp}/mid.ckpt"),
+        "load_fetched": loading.fetched,
+    }
+
+
+def test_save_streams_from_the_swap_files(tmp_path):
+    for res in run_ranks(_save_worker, str(tmp_path)):
+        assert res["saved"]
+        # moments and sharded masters and shards stayed on disk, read only through memory maps
+        assert res["fetched"] and set(res["fetched"]) <= res["persistent"], (res["fetched"], res["persistent"])
+        # Loading reads masters one buffer at a time (to write their pieces, then to cast them into
+        # the parameter shards), and the shards of frozen buffers (their own masters); moments are
+        # written straight to their files, never read.
+        loaded = res["load_fetched"]
+        moments = [n for n in loaded if not (n.endswith(".master") or n.startswith("param"))]
+        assert loaded and not moments, moments
 
 
 class _FailAtStep(Callback):
@@ -127,6 +253,80 @@ def test_swap_files_removed_after_a_failure(tmp_path):
     left = run_ranks(_failing_worker, str(tmp_path / "swap"))
     assert left == [False, False]  # the teardown on the failure path removed each rank's directory
     assert not list((tmp_path / "swap").iterdir())
+
+
+class _KillMidStep(Callback):
+    """SIGKILL this rank inside its second optimizer step (after backward, before the update): no
+    teardown, no ``finally`` runs, as when the OOM killer or a scheduler ends a rank."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_worker(rank: int, nvme_path: str) -> None:
+    fit({**_params_on_disk(nvme_path), **SMALL}, trainer_kwargs={"callbacks": [_KillMidStep()]})
+    raise AssertionError("the rank should have been killed")
+
+
+def _restart_worker(rank: int, nvme_path: str) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, model = fit({**_params_on_disk(nvme_path), **SMALL})
+    return {
+        "stale": [str(w.message) for w in caught if "stale swap directory" in str(w.message)],
+        "losses": model.losses,
+        "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
+    }
+
+
+def test_directory_of_a_killed_rank_is_cleaned_at_the_next_start(tmp_path):
+    swap = tmp_path / "swap"
+    with pytest.raises(AssertionError, match="exit codes \\[-9, -9\\]"):
+        run_ranks(_killed_worker, str(swap))
+    left = sorted(p.name for p in swap.iterdir())
+    assert left == ["lightning_zero-rank0", "lightning_zero-rank1"]  # no cleanup ran in the killed ranks
+    assert all(any((swap / name).glob("param*.swp")) for name in left)
+    reference = run_ranks(_restart_worker, str(tmp_path / "fresh"))  # same run on an empty nvme_path
+    for rank, res in enumerate(run_ranks(_restart_worker, str(swap))):
+        assert len(res["stale"]) == 1 and f"lightning_zero-rank{rank}" in res["stale"][0], res["stale"]
+        assert res["losses"] == reference[rank]["losses"]  # the stale files did not leak into the run
+        assert not res["left"]
+    assert not list(swap.iterdir())
+
+
+class _EditInsideGathered(Callback):
+    """Halves ``up`` (sharded) and ``frozen`` (sharded, no optimizer) on rank 0 inside
+    ``gathered_parameters(modifier_rank=0)`` before the third step: the edit must reach every rank's
+    shards and masters, wherever they rest."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 2 or batch_idx % 2:
+            return
+        for module in (pl_module.up, pl_module.frozen):
+            with trainer.strategy.gathered_parameters(module, modifier_rank=0), torch.no_grad():
+                for p in module.parameters():
+                    p.mul_(0.5)
+
+
+def _edit_worker(rank: int, nvme_path: str) -> dict:
+    out = {}
+    specs = {"cpu": dict(_specs(""))["zero3_cpu"], "nvme": dict(_specs(nvme_path))["zero3_nvme"]}
+    specs["params_on_disk"] = {**_params_on_disk(nvme_path), **SMALL}
+    for name, spec in specs.items():
+        _, model = fit(spec, precision="bf16-mixed", trainer_kwargs={"callbacks": [_EditInsideGathered()]})
+        out[name] = {"losses": model.losses, "state": state(model)}
+    return out
+
+
+def test_edits_inside_gathered_parameters_reach_the_disk_tier(tmp_path):
+    for res in run_ranks(_edit_worker, str(tmp_path / "swap")):
+        ref = res["cpu"]
+        for name in ("nvme", "params_on_disk"):
+            # Exact, as the parity test: the edit is the same bf16 multiply, scattered the same way.
+            assert res[name]["losses"] == ref["losses"], name
+            for key, value in ref["state"].items():
+                assert torch.equal(res[name]["state"][key], value), (name, key)
 
 
 def _no_space_worker(rank: int, nvme_path: str) -> str:

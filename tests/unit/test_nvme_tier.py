@@ -122,6 +122,7 @@ def test_directory_of_a_live_run_is_an_error(tmp_path):
         ({"queue_depth": 0}, "queue_depth=0"),
         ({"threads": 65}, "threads=65 must be an integer from 1 to 64"),
         ({"buffer_count": 1}, "buffer_count=1 must be an integer from 2"),
+        ({"param_buffer_count": 0}, "param_buffer_count=0 must be an integer from 1 to 64"),
     ],
 )
 def test_invalid_knobs(tmp_path, knobs, match):
@@ -138,8 +139,12 @@ def test_strategy_options():
         ZeroStrategy(offload_optimizer="disk")
     with pytest.raises(ValueError, match="unknown keys \\['depth'\\]"):
         ZeroStrategy(offload_optimizer="nvme", nvme_path="/tmp", nvme_config={"depth": 4})
-    with pytest.raises(ValueError, match="not implemented yet"):
-        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_parameters="nvme", nvme_path="/tmp")
+    with pytest.raises(ValueError, match="set offload_optimizer='nvme'"):
+        ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters="nvme", nvme_path="/tmp")
+    with pytest.raises(ValueError, match="needs stage=3"):
+        ZeroStrategy(stage=2, offload_optimizer="nvme", offload_parameters="nvme", nvme_path="/tmp")
+    on_disk = ZeroStrategy(stage=3, offload_optimizer="nvme", offload_parameters="nvme", nvme_path="/tmp")
+    assert on_disk.precision_plugin.offload.parameter_tier == "nvme"
     strategy = ZeroStrategy(offload_optimizer="nvme", nvme_path="/tmp", nvme_config={"threads": 4})
     assert strategy.precision_plugin.offload.optimizer_tier == "nvme"
     assert strategy.precision_plugin.offload.nvme == NvmeConfig(path="/tmp", threads=4)
