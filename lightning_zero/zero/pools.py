@@ -72,7 +72,7 @@ class BlockPool:
         all of its storage, whatever part of it was lent."""
         capacity = block.untyped_storage().nbytes() // block.element_size()
         if block.numel() != capacity:
-            block = block.new_empty(0).set_(block.untyped_storage(), 0, (capacity,))
+            block = block.new_empty(0).set_(block.untyped_storage(), 0, (capacity,), (1,))
         self._free.setdefault((capacity, block.dtype, block.device), []).append(block)
 
     def clear(self) -> None:
