@@ -104,7 +104,9 @@ def _worker(rank: int, tmp: str, spec: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage 1 saves the unreduced bucket, stages 2 and 3 the averaged grad_shard through the same code
+# (FlatBuffer.window_grads); stage 3 also gathers: 1 and 3 cover both paths in half the suite time.
+@pytest.mark.parametrize("stage", [1, 3])
 def test_mid_epoch_and_mid_window_resume_is_bitwise_exact(tmp_path, stage):
     results = run_ranks(_worker, str(tmp_path), STAGES[stage], timeout=600)
     meta = json.loads((tmp_path / "mid-window.ckpt" / "metadata.json").read_text())

@@ -336,7 +336,9 @@ def test_gpt2_module_without_a_trainer():
     assert module(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 64)
 
 
-@pytest.mark.parametrize("recipe", ["gpt2", "bert"])
+# BERT only: both recipes share recipes/common/data.py's StatefulDataLoader and sampler, and BERT adds
+# the per-window masks and dropout; the GPT-2 run (1.6 min) repeats the shared path (suite time).
+@pytest.mark.parametrize("recipe", ["bert"])
 def test_recipe_resumes_mid_epoch_exactly(tmp_path, cache_dir, monkeypatch, recipe):
     """A run resumed from a mid-epoch checkpoint (step 3 of 6, with dropout; BERT's masks drawn per
     window and epoch) logs the uninterrupted run's train losses bit for bit (issue 19): the recipes'
