@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 
 from lightning_zero import debug
@@ -45,6 +46,7 @@ def strategy_config(
     absorb_param_edits: bool = True,
     host_mmap_threshold: int | None = 1 << 20,
     expose_param_grads: bool = False,
+    reduce_dtype: str | torch.dtype | None = None,
     offload_optimizer: bool | str = False,
     offload_parameters: bool | str = False,
     pin_memory: bool = True,
@@ -86,6 +88,7 @@ def strategy_config(
             absorb_param_edits=absorb_param_edits,
             host_mmap_threshold=host_mmap_threshold,
             expose_param_grads=expose_param_grads,
+            reduce_dtype=reduce_dtype,
         ),
         offload=OffloadConfig(
             offload_optimizer=offload_optimizer,

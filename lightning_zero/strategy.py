@@ -90,6 +90,9 @@ class ZeroStrategy(DDPStrategy):
         expose_param_grads: ``param.grad`` as under DDP in ``on_before_optimizer_step`` and
             ``configure_gradient_clipping``, and after ``manual_backward`` (stages 1/2); off by
             default: it costs the full-size gradients (see :class:`~lightning_zero.config.ZeroConfig`).
+        reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
+            mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
+            parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
         offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
             memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
         offload_parameters: stage 3: parameter shards in host memory too.
@@ -151,6 +154,7 @@ class ZeroStrategy(DDPStrategy):
         absorb_param_edits: bool = True,
         host_mmap_threshold: int | None = 1 << 20,
         expose_param_grads: bool = False,
+        reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
         pin_memory: bool = True,
@@ -194,6 +198,7 @@ class ZeroStrategy(DDPStrategy):
             absorb_param_edits=absorb_param_edits,
             host_mmap_threshold=host_mmap_threshold,
             expose_param_grads=expose_param_grads,
+            reduce_dtype=reduce_dtype,
             offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters,
             pin_memory=pin_memory,

@@ -43,7 +43,9 @@ class BuildContext:
     config: ZeroConfig
     offload: OffloadConfig
     dtype: torch.dtype
-    """The compute dtype of parameters and gradients."""
+    """The compute dtype of parameters."""
+    grad_dtype: torch.dtype | None = None
+    """The dtype gradients are reduced and kept in (``ZeroConfig.reduce_dtype``); ``dtype`` when None."""
     separate_master: bool
     """Keep an fp32 master slice (mixed precision)."""
     group: comm.ProcessGroup
@@ -70,6 +72,7 @@ class BuildContext:
             rank=self.rank,
             optimizer_group=group,
             dtype=self.dtype,
+            grad_dtype=self.grad_dtype,
             device=self.device,
             separate_master=self.separate_master,
             persistent=persistent,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
-from lightning_zero.config import PRECISIONS, StrategyConfig
+from lightning_zero.config import PRECISIONS, StrategyConfig, grad_dtype
 from lightning_zero.offload.nvme import SwapStore
 from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
@@ -113,6 +113,7 @@ class ZeroEngine:
             config=config.zero,
             offload=config.offload,
             dtype=compute_dtype,
+            grad_dtype=grad_dtype(config.zero.reduce_dtype, compute_dtype),
             separate_master=separate_master,
             group=group,
             device=device,

@@ -8,13 +8,17 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
                                       stage 3) keep it, with param_shard a view of its slice r; sharded
                                       buffers (stage 3) have its memory only while gathered (one tensor
                                       whose storage is resized to 0 bytes when released)
-    grad_bucket  (padded_numel,) c    full-size gradients collected from autograd for one reduction;
+    grad_bucket  (padded_numel,) g    full-size gradients collected from autograd for one reduction;
                                       stage 1 keeps it across micro-steps, stages 2/3 free it after each
-    grad_shard   (shard_numel,)  c    rank r's slice of the reduced (averaged) gradients
-    host_grad    (shard_numel,)  c    offload with a GPU: grad_shard's copy in (pinned) host memory, made
+    grad_shard   (shard_numel,)  g    rank r's slice of the reduced (averaged) gradients
+    host_grad    (shard_numel,)  g    offload with a GPU: grad_shard's copy in (pinned) host memory, made
                                       as each reduction of stages 2/3 completes
     master       (shard_numel,)  fp32 rank r's slice of the master weights that the optimizer steps;
                                       param_shard itself when c needs no separate master (32-true, bf16-true)
+
+The gradient dtype ``g`` is ``c`` unless ``ZeroConfig.reduce_dtype`` says otherwise (e.g. fp32 sums of
+bf16 gradients, as FSDP2's ``reduce_dtype``): autograd's gradient (in ``c``) is added into the
+bucket in ``g``, reduced in ``g`` and accumulated over micro-steps in ``g``.
 
 A sharded buffer is in one :class:`ParamState` at a time. While ``RELEASED`` each parameter's
 ``.data`` is a 1-D view of this rank's piece of it in ``param_shard`` (empty where the rank holds
@@ -105,7 +109,7 @@ class FlatBuffer:
         rank: this rank in the data-parallel group.
         optimizer_group: index of the optimizer parameter group the master slice joins; ``None`` for
             frozen parameters (sharded under stage 3, but without master or gradients).
-        dtype: the compute dtype of parameters and gradients.
+        dtype: the compute dtype of parameters (and of gradients unless ``grad_dtype`` is given).
         device: where every role lives.
         separate_master: keep an fp32 master slice (mixed precision).
         persistent: keep the full parameters (stages 1/2); False shards them (stage 3).
@@ -113,6 +117,7 @@ class FlatBuffer:
             fp32 master (and so the optimizer states) lives in host memory, pinned on a GPU machine.
         pool: where a sharded buffer's gathered parameters come from and go back to
             (:mod:`~lightning_zero.zero.pools`); a pool of its own when not given.
+        grad_dtype: the dtype of the gradient roles (``ZeroConfig.reduce_dtype``); ``dtype`` when None.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class FlatBuffer:
         persistent: bool = True,
         offload: OffloadConfig | None = None,
         pool: BlockPool | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = params
         self.pool = pool if pool is not None else BlockPool()
@@ -136,6 +142,7 @@ class FlatBuffer:
         self.rank = rank
         self.optimizer_group = optimizer_group
         self.dtype = dtype
+        self.grad_dtype = grad_dtype or dtype
         self.device = device
         self.persistent = persistent
         self.trainable = optimizer_group is not None
@@ -177,7 +184,7 @@ class FlatBuffer:
             master = host_copy(master, pin=offload.pin_memory)
         self.master = master if self.separate_master else self.param_shard
         self.grad_shard: torch.Tensor | None = (
-            torch.zeros(layout.shard_numel, dtype=dtype, device=device) if self.trainable else None
+            torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=device) if self.trainable else None
         )
         self.grad_bucket: torch.Tensor | None = None
         # Offload: the reduced slice's copy in (pinned) host memory, refreshed as each reduction of
@@ -189,7 +196,7 @@ class FlatBuffer:
             and self.grad_shard is not None
             and self.grad_shard.device.type != "cpu"
         ):
-            self.host_grad = host_empty(layout.shard_numel, dtype, pin=offload.pin_memory)
+            self.host_grad = host_empty(layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
         self.grad_state = GradState.EMPTY
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
         self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice
@@ -293,7 +300,7 @@ class FlatBuffer:
     def keep_bucket(self) -> None:
         """Stage 1: a zeroed bucket that accumulates over every micro-step and is reduced in place,
         ``grad_shard`` being its slice r (the 2 bytes of full gradients of the ZeRO formula)."""
-        self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
         start, end = self.layout.shard_range(self.rank)
         self.grad_shard = self.grad_bucket[start:end]
         self._bucket_kept = True
@@ -364,7 +371,10 @@ class FlatBuffer:
             return self.host_grad.float()  # copied during backward (the engine waited for it)
         if self.offloaded:
             return self.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
-        return self.grad_shard.float() if self.separate_master else self.grad_shard
+        if self.separate_master:
+            return self.grad_shard.float()
+        # the master is param_shard: a reduce_dtype other than its dtype is cast to it
+        return self.grad_shard if self.grad_shard.dtype == self.master.dtype else self.grad_shard.to(self.master.dtype)
 
     def drop_grads(self) -> None:
         """After the step (or instead of one): every gradient role back to zero -> EMPTY."""

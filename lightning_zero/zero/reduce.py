@@ -193,7 +193,7 @@ class GradReducer:
         if self.stage >= 2:
             while self._pending and self._buckets_alive() >= self.MAX_BUCKETS:
                 self._drain(block=True, limit=1)
-        return self.pool.take(buffer.layout.padded_numel, buffer.dtype, buffer.device, zero=True)
+        return self.pool.take(buffer.layout.padded_numel, buffer.grad_dtype, buffer.device, zero=True)
 
     def _buckets_alive(self) -> int:
         return sum(1 for b in self.buffers if b.grad_bucket is not None)
@@ -267,7 +267,7 @@ class GradReducer:
         for buffer in self.buffers:
             for p_index, p in enumerate(buffer.params):
                 if p is param:
-                    accum = torch.zeros(param.numel(), dtype=buffer.dtype, device=buffer.device)
+                    accum = torch.zeros(param.numel(), dtype=buffer.grad_dtype, device=buffer.device)
                     self._tied[id(param)] = (accum, buffer, p_index, group)
                     return
         raise ValueError(f"tied parameter of shape {tuple(param.shape)} is in no optimizer; ZeRO cannot reduce it")

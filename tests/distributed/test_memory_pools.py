@@ -1,7 +1,7 @@
 """Issue 17 on 2 CPU/gloo ranks: the memory that lives and dies every step comes from one pool that
 stops allocating after the first step, gradient buckets are bounded even when reductions lag behind
-backward, stage 3's released parameters hold no memory, and bf16-mixed gradients stay 16-bit; the
-losses stay DDP's."""
+backward, stage 3's released parameters hold no memory, bf16-mixed gradients stay 16-bit (or fp32
+with ``reduce_dtype="fp32"``, which then trains as Lightning's bf16-mixed DDP); the losses stay DDP's."""
 
 from __future__ import annotations
 
@@ -121,6 +121,14 @@ def _pool_worker(rank: int) -> dict:
     probe = Probe()
     _fit(_zero(3), precision="bf16-mixed", callbacks=[probe], steps=2)
     out["bf16"] = vars(probe)
+    # reduce_dtype="fp32": the bf16 gradients summed over ranks and micro-steps in fp32, as Lightning's
+    # bf16-mixed DDP does (autocast: fp32 weights cast to bf16 per op, fp32 .grad)
+    out["ddp_bf16"] = _fit("ddp", precision="bf16-mixed").losses
+    probe = Probe()
+    out["fp32_reduce"] = {
+        "losses": _fit(_zero(2, reduce_dtype="fp32"), precision="bf16-mixed", callbacks=[probe]).losses,
+        "probe": vars(probe),
+    }
     return out
 
 
@@ -138,3 +146,12 @@ def test_pools_buckets_and_released_memory():
         # stage 3: released buffers hold 0 bytes while autograd still keeps views of their parameters
         assert res[3]["probe"]["released_bytes"] and set(res[3]["probe"]["released_bytes"]) == {0}
         assert res["bf16"]["grad_dtypes"] == {torch.bfloat16}
+        # Buckets and reduced slices in fp32 (stage 2: the pool holds only buckets).
+        assert res["fp32_reduce"]["probe"]["grad_dtypes"] == {torch.float32}
+        # Same bf16 forward values (autocast rounds the fp32 weights as ZeRO rounds its fp32 master),
+        # the same bf16 per-rank gradients, summed in fp32 in another order (over ranks per
+        # micro-step, DDP over micro-steps first): the sums of four bf16 values differ in the last
+        # fp32 bit at most, which AdamW keeps at ~1e-6 relative over 5 steps.
+        torch.testing.assert_close(
+            torch.tensor(res["fp32_reduce"]["losses"]), torch.tensor(res["ddp_bf16"]), rtol=1e-5, atol=0
+        )
