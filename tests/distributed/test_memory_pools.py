@@ -39,6 +39,19 @@ class Stack(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class Residual(Stack):
+    """The same layers on a residual stream (x = x + layer(x)), as in a transformer: the backward of
+    every layer is reached through the stream."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for layer in self.layers:
+            x = x + layer(x)
+        loss = nn.functional.mse_loss(x.float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+
 class Probe(pl.Callback):
     """Pool allocations after every step; at stage 3, the bytes held by released buffers before
     backward (autograd holds views of them then); the gradient dtypes after backward."""
@@ -64,7 +77,9 @@ class Probe(pl.Callback):
         self.grad_dtypes |= {t.dtype for t in engine._ctx.pool.free}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.allocations.append(trainer.strategy._engine._ctx.pool.allocations)
+        pool = trainer.strategy._engine._ctx.pool
+        self.allocations.append(pool.allocations)
+        self.peak_in_use = pool.peak_in_use_bytes
 
 
 def _loader(rows: int = 48) -> DataLoader:
@@ -73,11 +88,11 @@ def _loader(rows: int = 48) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5) -> Stack:
+def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5, model_class=Stack) -> Stack:
     import lightning_zero  # noqa: F401 - registers the strategy names
 
     pl.seed_everything(11, verbose=False)
-    model = Stack()
+    model = model_class()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -99,9 +114,8 @@ def _zero(stage: int, **extra):
     from lightning_zero import ZeroStrategy
 
     # one bucket per layer (56 elements each), stage 3 shards every layer and prefetches one ahead
-    return ZeroStrategy(
-        stage=stage, reduce_bucket_size=56, param_persistence_threshold=0, prefetch_bucket_size=56, **extra
-    )
+    options = {"reduce_bucket_size": 56, "param_persistence_threshold": 0, "prefetch_bucket_size": 56, **extra}
+    return ZeroStrategy(stage=stage, **options)
 
 
 def _pool_worker(rank: int) -> dict:
@@ -121,6 +135,13 @@ def _pool_worker(rank: int) -> dict:
     probe = Probe()
     _fit(_zero(3), precision="bf16-mixed", callbacks=[probe], steps=2)
     out["bf16"] = vars(probe)
+    # Stage 3 prefetch window on a residual stream: two layers ahead (112 elements), in backward too
+    out["ddp_residual"] = _fit("ddp", model_class=Residual).losses
+    probe = Probe()
+    out["residual"] = {
+        "losses": _fit(_zero(3, prefetch_bucket_size=112), model_class=Residual, callbacks=[probe]).losses,
+        "probe": vars(probe),
+    }
     # reduce_dtype="fp32": the bf16 gradients summed over ranks and micro-steps in fp32, as Lightning's
     # bf16-mixed DDP does (autocast: fp32 weights cast to bf16 per op, fp32 .grad)
     out["ddp_bf16"] = _fit("ddp", precision="bf16-mixed").losses
@@ -146,6 +167,14 @@ def test_pools_buckets_and_released_memory():
         # stage 3: released buffers hold 0 bytes while autograd still keeps views of their parameters
         assert res[3]["probe"]["released_bytes"] and set(res[3]["probe"]["released_bytes"]) == {0}
         assert res["bf16"]["grad_dtypes"] == {torch.bfloat16}
+        # same reason and bound as above
+        torch.testing.assert_close(
+            torch.tensor(res["residual"]["losses"]), torch.tensor(res["ddp_residual"]), rtol=1e-5, atol=0
+        )
+        # At most, in 56-element fp32 blocks: the layer in backward, the two-layer prefetch window
+        # (112 elements) and GradReducer.MAX_BUCKETS gradient buckets. Before the window counted the
+        # layers already gathered, each layer's backward prefetched two more and 6 were in use.
+        assert res["residual"]["probe"]["peak_in_use"] <= (1 + 2 + GradReducer.MAX_BUCKETS) * 56 * 4
         # Buckets and reduced slices in fp32 (stage 2: the pool holds only buckets).
         assert res["fp32_reduce"]["probe"]["grad_dtypes"] == {torch.float32}
         # Same bf16 forward values (autocast rounds the fp32 weights as ZeRO rounds its fp32 master),
