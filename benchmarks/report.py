@@ -35,7 +35,7 @@ def summarize(
     configs: list[tuple[str, str, str]], per_rank: list[dict], warmup: int, n: int, peaks: dict | None = None
 ) -> list[dict]:
     """One record per (workload, precision, system): median step (rank 0), bytes (largest rank) and
-    peak RSS growth per rank (``peaks``: ``run.rss_pass``; a string where that run failed)."""
+    peak RSS growth per rank and what ours account for (``peaks``: ``run.rss_pass``)."""
     records = []
     for workload, precision, system in configs:
         key = f"{workload} {precision} {system}"
@@ -62,9 +62,13 @@ def summarize(
                 split=_split(largest["split"]),
             )
         record["formula"] = formula_bytes(system, precision, record["psi"], n)
-        peak = (peaks or {}).get(key)
+        entry = (peaks or {}).get(key) or {}
+        peak = entry.get("peak")
         if isinstance(peak, int):
             record["peak_rss"] = peak
+            if entry.get("accounted"):
+                # memory_breakdown() + activations over what the OS saw (issue 17: within 10%)
+                record["rss_accounted"] = entry["accounted"] / peak
         elif peak is not None:
             record["errors"].append("peak RSS run: " + peak)
         records.append(record)
@@ -156,6 +160,7 @@ def table(records: list[dict]) -> str:
         "peak RSS MiB/rank",
         "x DDP",
         "x formula",
+        "accounted",
         "target",
     ]
     rows = []
@@ -167,7 +172,7 @@ def table(records: list[dict]) -> str:
                     r["system"],
                     r["precision"],
                     "failed: " + r["errors"][0].strip().splitlines()[-1][:60],
-                    *["-"] * 12,
+                    *["-"] * 13,
                 ]
             )
             continue
@@ -188,6 +193,7 @@ def table(records: list[dict]) -> str:
                 f"{r['peak_rss'] / MIB:.0f}" if "peak_rss" in r else "-",
                 _x(r, "rss_vs_ddp"),
                 _x(r, "rss_vs_formula"),
+                _x(r, "rss_accounted"),
                 r["verdict"],
             ]
         )

@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,20 +87,31 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
     return out
 
 
-def rss_pass(configs: list, warmup: int, steps: int, smoke: bool) -> dict[str, int | str]:
-    """Peak RSS growth per rank (the larger rank's) of every configuration, each in fresh ranks."""
-    peaks: dict[str, int | str] = {}
+def rss_pass(configs: list, warmup: int, steps: int, smoke: bool) -> dict[str, dict[str, Any]]:
+    """Per configuration, each in fresh ranks: the peak RSS growth per rank (the larger rank's; a
+    string where the run failed) and, for ours, what memory_breakdown() plus the activations
+    account for on that rank (``accounted``)."""
+    peaks: dict[str, dict[str, Any]] = {}
     for config in configs:
         key = " ".join(config)
         try:
             per_rank = common.run_ranks(_worker, [config], warmup, steps, 1, smoke)
             runs = [rank[key][0] for rank in per_rank]
             failed = [r["error"] for r in runs if "error" in r]
-            peaks[key] = failed[0] if failed else max(r["peak_rss"] for r in runs)
+            if failed:
+                peaks[key] = {"peak": failed[0]}
+            else:
+                top = max(runs, key=lambda r: r["peak_rss"])
+                accounted = None
+                if top.get("split"):
+                    accounted = sum(sum(where.values()) for where in top["split"].values()) + top.get("activations", 0)
+                peaks[key] = {"peak": top["peak_rss"], "accounted": accounted}
         except AssertionError as error:  # a rank died (e.g. killed for memory): say so, go on
-            peaks[key] = str(error)
-        if isinstance(peaks[key], int):
-            print(f"[run.py] peak RSS {key}: {peaks[key] / 2**20:.0f} MiB per rank", file=sys.stderr, flush=True)
+            peaks[key] = {"peak": str(error)}
+        if isinstance(peaks[key]["peak"], int):
+            print(
+                f"[run.py] peak RSS {key}: {peaks[key]['peak'] / 2**20:.0f} MiB per rank", file=sys.stderr, flush=True
+            )
     return peaks
 
 

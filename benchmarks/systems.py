@@ -31,6 +31,8 @@ import lightning.pytorch as pl
 import torch
 from measure import Baseline, Clock, PeakRss
 
+from lightning_zero.memory import ActivationMeter
+
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
 LIGHTNING = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
 TORCH = ("fsdp2", "fsdp2_no_reshard", "zero_redundancy")
@@ -43,6 +45,13 @@ class _Measure(pl.Callback):
     def __init__(self, clock: Clock, baseline: Baseline, last: int, rss: PeakRss) -> None:
         self.clock, self.baseline, self.last, self.rss = clock, baseline, last, rss
         self.result: dict[str, Any] = {}
+        self.meter = ActivationMeter()  # bytes saved for backward: what the OS sees besides model states
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.meter.start()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.meter.stop(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.tick()
@@ -52,7 +61,12 @@ class _Measure(pl.Callback):
         split = None
         if hasattr(trainer.strategy, "memory_breakdown"):
             split = trainer.strategy.memory_breakdown()
-        self.result = {"bytes": self.baseline.grown(), "split": split, "peak_rss": peak_rss}
+        self.result = {
+            "bytes": self.baseline.grown(),
+            "split": split,
+            "peak_rss": peak_rss,
+            "activations": self.meter.peak,
+        }
         self.clock.tick()  # the count is not part of any step: restart the interval after it
 
 

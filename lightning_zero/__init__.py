@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric
 from lightning_zero.config import LossScaleConfig, PipelineConfig, ZeroConfig
+from lightning_zero.memory import MemoryMonitor
 from lightning_zero.parallel.pipeline import PipelineSpec
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.pretrained import LoadResult, load_pretrained
@@ -21,6 +22,7 @@ fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 __all__ = [
     "LoadResult",
     "LossScaleConfig",
+    "MemoryMonitor",
     "OffloadPrecision",
     "PipelineConfig",
     "PipelineSpec",
