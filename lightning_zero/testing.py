@@ -8,12 +8,21 @@ worker returns a picklable result; :func:`run_ranks` returns the results in rank
 the first failure with the rank's traceback, and gives up after ``timeout`` seconds: a rank killed
 from outside (say for memory) never reports, and without the deadline its peers would wait on it
 forever.
+
+Ranks are forked from a ``forkserver`` process that imported torch, Lightning and this package once
+(where the platform has one): a freshly spawned rank spends ~5 s of CPU importing them (measured
+5.4 s on the 2-core AVX2 development machine), which was most of the test suite's time. Each rank
+still starts from that clean state (nothing of the parent's is inherited but what is passed), and
+gets the parent's environment as it is at the call (the server's own is that of its start).
+Variables read when a library loads (``OMP_*``, ``MALLOC_*``) keep their values from the server's
+start; ``LIGHTNING_ZERO_TEST_START=spawn`` starts every rank afresh instead.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import random
 import socket
 import time
 import traceback
@@ -32,6 +41,22 @@ def free_port() -> int:
         return port
 
 
+#: modules every forked rank finds imported (the forkserver imports them once)
+PRELOAD = ["torch", "lightning.pytorch", "lightning_zero"]
+
+
+def _context() -> Any:
+    method = os.environ.get("LIGHTNING_ZERO_TEST_START")
+    if method is None:
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"LIGHTNING_ZERO_TEST_START={method!r} must be 'forkserver' or 'spawn'.")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # used when the server starts (once per parent process)
+    return ctx
+
+
 def _entry(
     rank: int,
     world_size: int,
@@ -41,7 +66,10 @@ def _entry(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     queue: Any,
+    environment: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environment)  # the caller's, as a spawned process would inherit it
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -57,6 +85,9 @@ def _entry(
     # Ranks share the machine's cores: one intra-op thread each avoids oversubscription (and its
     # timing noise in the benchmarks).
     torch.set_num_threads(1)
+    # Forked ranks share the server's random state: draw fresh seeds, as a spawned process would.
+    random.seed()
+    torch.seed()
     try:
         if prepare is not None:
             prepare()
@@ -84,11 +115,12 @@ def run_ranks(
     module-level function. Raises ``AssertionError`` when a rank fails (with its traceback), when
     ranks end without a result, or after ``timeout`` seconds; the other ranks are killed then.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
+    environment = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, run_id, prepare, fn, args, queue))
+        ctx.Process(target=_entry, args=(r, world_size, port, run_id, prepare, fn, args, queue, environment))
         for r in range(world_size)
     ]
     for p in procs:
