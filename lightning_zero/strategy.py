@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -221,6 +222,7 @@ class ZeroStrategy(DDPStrategy):
         )
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
+        self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
         self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
@@ -416,6 +418,8 @@ class ZeroStrategy(DDPStrategy):
             # unpublished temporary directory, and the previous checkpoint stays in place.
             self._finish_pending_save(abandon=interrupted)
             self._save_buffer = ckpt_save.HostBuffer()  # the host copy is not kept past fit
+            while self._deletions:
+                self._deletions.pop().join()
         finally:
             self._teardown_engine()
 
@@ -660,6 +664,8 @@ class ZeroStrategy(DDPStrategy):
             background=background and self._in_fit(),
             node=self._node(),
             host_buffer=self._save_buffer,
+            # during fit the replaced checkpoint is deleted by a thread (joined at teardown)
+            deletions=self._deletions if self._in_fit() else None,
         )
 
     def _node(self) -> ckpt_io.NodeRanks | None:

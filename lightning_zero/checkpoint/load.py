@@ -348,6 +348,7 @@ def load_optimizers(
     params = partitioned_params(module, engine)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
+    consolidated = False
     for index, (optimizer, saved) in enumerate(zip(optimizers, states, strict=True)):
         if engine is None or not engine.manages(optimizer):
             optimizer.load_state_dict(saved)
@@ -362,5 +363,8 @@ def load_optimizers(
             )
         else:
             engine.load_consolidated(optimizer, saved)
-    if engine is not None:
-        engine.publish()  # a consolidated state may carry fp32 masters
+            consolidated = True
+    if engine is not None and consolidated:
+        # A consolidated state may carry fp32 masters. (A sharded one does not: load_model published
+        # the masters already, and publishing again is a whole all-gather of the parameters.)
+        engine.publish()
