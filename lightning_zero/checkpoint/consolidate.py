@@ -46,7 +46,8 @@ def _open(path: Paths, trust_pickles: bool = False) -> tuple[ShardedReader, dict
     checkpoint, :func:`~lightning_zero.checkpoint.format.union_rank_files`) and its Lightning state
     (``lightning.pt``), read with ``weights_only`` unless ``trust_pickles`` (objects such as a
     ``pathlib.Path`` in hyperparameters need full unpickling: only for a checkpoint you trust)."""
-    paths = list(path) if isinstance(path, (list, tuple)) else [path]
+    # A str is a Sequence too: only a list or tuple is several directories (mypy cannot narrow that).
+    paths: list[fmt.PathLike | Location] = list(path) if isinstance(path, (list, tuple)) else [path]  # type: ignore[list-item]
     if not paths:
         raise ValueError("no checkpoint directory given.")
     directories = []
