@@ -11,6 +11,10 @@ previous one, as ``ModelCheckpoint(save_last=True)`` does). Measured per rank, o
   asynchronous: the copy into host memory, plus waiting for the previous save's writer if it has not
   finished), plus the time the step boundaries and the end of fit spend publishing an async save
   (the all-gather of "done?", ``metadata.json``, the rename), divided by the number of saves;
+- *waiting*: the part of the stall spent waiting for the previous save's writer thread (a save
+  that comes before the previous one is written waits for it: one host copy at a time), so that
+  the rest (the copy into the reused host buffer, the agreements, the publication) is seen apart;
+  ``--every`` sets how many steps the writer has;
 - *fit*: the wall time of ``trainer.fit`` with the saves;
 - *disk*: this rank's write bandwidth (one file of the rank file's size, written and fsynced) measured
   first, and the synchronous save's bytes per second against it.
@@ -58,10 +62,21 @@ class Stall:
 
         self.in_save = 0.0
         self.publishing = 0.0
+        self.waiting = 0.0
         self.saves = 0
         self._inside = False
         for name in ("poll_save", "commit_save"):
             setattr(save, name, self._timed(getattr(save, name)))
+        wait = save.PendingSave.wait
+
+        def waited(pending: Any) -> None:
+            start = time.perf_counter()
+            try:
+                wait(pending)
+            finally:
+                self.waiting += time.perf_counter() - start
+
+        save.PendingSave.wait = waited  # type: ignore[method-assign]  # timed, as above
 
     def _timed(self, fn: Any) -> Any:
         def timed(*args: Any) -> Any:
@@ -121,7 +136,7 @@ def _worker(rank: int, args: argparse.Namespace, directory: str) -> dict:
     shard_bytes = 12 * params // common.WORLD_SIZE
     rows["disk"] = disk_bandwidth(directory, shard_bytes)
     for mode in ("sync", "async"):
-        stall.in_save = stall.publishing = 0.0
+        stall.in_save = stall.publishing = stall.waiting = 0.0
         stall.saves = 0
         pl.seed_everything(3, verbose=False)
         model = Stack(args.layers, args.width)
@@ -139,6 +154,7 @@ def _worker(rank: int, args: argparse.Namespace, directory: str) -> dict:
             "saves": stall.saves,
             "in_save": stall.in_save,
             "publishing": stall.publishing,
+            "waiting": stall.waiting,
             "fit": fit,
             "file_bytes": rank_file.stat().st_size,
         }
@@ -172,7 +188,8 @@ def main() -> None:
                 f"{res['disk'] / 2**20:.0f}",
                 f"{sync_bw / 2**20:.0f} ({sync_bw / res['disk']:.2f}x)",
                 f"{per_sync * 1000:.0f}",
-                f"{per_async * 1000:.0f} ({asyn['publishing'] * 1000 / asyn['saves']:.0f} publishing)",
+                f"{per_async * 1000:.0f} ({asyn['publishing'] * 1000 / asyn['saves']:.0f} publishing, "
+                f"{asyn['waiting'] * 1000 / asyn['saves']:.0f} waiting)",
                 f"{per_async / per_sync:.3f}",
                 f"{sync['fit']:.1f} / {asyn['fit']:.1f}",
             ]
@@ -188,6 +205,7 @@ def main() -> None:
         "fit s sync / async",
     ]
     print(common.machine())
+    print(f"load average: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} (1/5/15 min)")
     print(f"{args.layers} x Linear({args.width}), ZeRO stage 2, AdamW, {args.steps} steps, a save every {args.every}")
     print(common.format_table(headers, rows))
     common.write_json(args.json, {"args": vars(args), "results": results})

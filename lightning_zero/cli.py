@@ -1,6 +1,6 @@
 """The ``lightning-zero`` command.
 
-    lightning-zero consolidate CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16|saved] [--lightning] [--trust-pickles]
+    lightning-zero consolidate CKPT_DIR [CKPT_DIR ...] OUT.pt [--dtype fp32|bf16|fp16|saved] [--lightning] [--trust-pickles]
     lightning-zero report --params 1.5B --dp 8 --stage 3 [--precision bf16-mixed] [--offload-optimizer] [--offload-parameters]
 
 ``consolidate`` turns a sharded checkpoint directory into one file, on any machine (no GPU, no
@@ -8,6 +8,10 @@ process group), one parameter in memory at a time: by default the LightningModul
 which loads with ``model.load_state_dict(torch.load(OUT, weights_only=True), strict=True)``; with
 ``--lightning`` a whole Lightning checkpoint (optimizer states, loops, schedulers) that a DDP or
 single-device Trainer resumes from (built in memory).
+
+A node-local checkpoint (``node_local_storage=True``) is given as its nodes' directories, each
+once (copied to one machine, or mounted there): ``lightning-zero consolidate node0/ck/last.ckpt
+node1/ck/last.ckpt OUT.pt`` reads their union, and names the ranks whose files are missing.
 
 ``CKPT_DIR`` and ``OUT`` may be fsspec URLs (``s3://bucket/run/epoch=3.ckpt``) with the filesystem's
 package installed (see :mod:`lightning_zero.checkpoint.io`).
@@ -29,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-zero", description="lightning_zero tools")
     commands = parser.add_subparsers(dest="command", required=True)
     cons = commands.add_parser("consolidate", help="sharded checkpoint directory -> one state dict file")
-    cons.add_argument("checkpoint", help="the sharded checkpoint directory")
+    cons.add_argument(
+        "checkpoint",
+        nargs="+",
+        help="the sharded checkpoint directory (node-local storage: every node's directory of it, each once)",
+    )
     cons.add_argument("out", help="the file to write")
     cons.add_argument(
         "--dtype",
@@ -81,11 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "report":
         return _report(args)
     dtype = None if args.dtype == "saved" else DTYPES[args.dtype]
+    source = args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
     try:
         if args.lightning:
-            to_lightning_checkpoint(args.checkpoint, args.out, dtype, trust_pickles=args.trust_pickles)
+            to_lightning_checkpoint(source, args.out, dtype, trust_pickles=args.trust_pickles)
         else:
-            consolidate(args.checkpoint, args.out, dtype, trust_pickles=args.trust_pickles)
+            consolidate(source, args.out, dtype, trust_pickles=args.trust_pickles)
     except (ValueError, FileNotFoundError) as error:
         print(f"lightning-zero consolidate: error: {error}", file=sys.stderr)
         return 2

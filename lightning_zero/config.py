@@ -273,7 +273,25 @@ class CheckpointConfig:
     removal or load, or at the end of fit. A failed background write raises on every rank there. Costs
     host memory for one copy of this rank's shards (:mod:`lightning_zero.checkpoint.save`)."""
 
+    node_local_storage: bool = False
+    """Node-local checkpoints (DeepSpeed's ``use_node_local_storage``), sharded only, local paths only:
+    each node writes its own ranks' files under the checkpoint path *as that node resolves it* (a
+    node-local disk such as ``/local_ssd/ck``), with ``lightning.pt``, ``metadata.json`` and the tensors
+    ZeRO does not partition written once per node, so each node's directory is enough for its own
+    ranks to resume (same world size and layout). ``lightning-zero consolidate`` takes the nodes'
+    directories together (:mod:`lightning_zero.checkpoint.io`). Without it every rank writes under rank
+    0's directory, which all nodes must see."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.node_local_storage, bool):
+            raise ValueError(f"node_local_storage={self.node_local_storage!r} must be True or False.")
+        if self.node_local_storage and self.state_dict_type != "sharded":
+            raise ValueError(
+                f"node_local_storage=True with state_dict_type={self.state_dict_type!r}: a full checkpoint is one "
+                "file that rank 0 assembles from every rank's shards, which it cannot read from other nodes' disks. "
+                "Use state_dict_type='sharded' (and `lightning-zero consolidate` over the nodes' directories for one "
+                "file), or node_local_storage=False with a shared filesystem."
+            )
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(
                 f"state_dict_type={self.state_dict_type!r}; use 'sharded' (a directory, every rank writes its "

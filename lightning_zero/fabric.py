@@ -133,7 +133,8 @@ class ZeroStrategy(DDPStrategy):
 
     Raises:
         ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
-            above 1, ``state_dict_type="full"`` or ``async_save=True`` (the Trainer strategy's).
+            above 1, ``state_dict_type="full"``, ``async_save=True`` or ``node_local_storage=True`` (the
+            Trainer strategy's).
         TypeError: for an unknown option.
     """
 
@@ -161,12 +162,13 @@ class ZeroStrategy(DDPStrategy):
                 " Fabric's ZeroStrategy is data parallel only; tensor and pipeline parallelism need the Trainer's "
                 "lightning_zero.ZeroStrategy (a LightningModule's plan and configure_pipeline)."
             )
-        if self.config.checkpoint.state_dict_type != "sharded" or self.config.checkpoint.async_save:
+        ckpt = self.config.checkpoint
+        if ckpt.state_dict_type != "sharded" or ckpt.async_save or ckpt.node_local_storage:
             raise ValueError(
-                f"state_dict_type={self.config.checkpoint.state_dict_type!r}, async_save="
-                f"{self.config.checkpoint.async_save}: Fabric's ZeroStrategy writes sharded checkpoints synchronously "
-                "(no step boundary of a Trainer publishes an async save); leave both at their defaults and convert "
-                "a checkpoint with `lightning-zero consolidate` when one file is needed."
+                f"state_dict_type={ckpt.state_dict_type!r}, async_save={ckpt.async_save}, node_local_storage="
+                f"{ckpt.node_local_storage}: Fabric's ZeroStrategy writes sharded checkpoints synchronously into one "
+                "shared directory (no step boundary of a Trainer publishes an async save); leave all three at their "
+                "defaults and convert a checkpoint with `lightning-zero consolidate` when one file is needed."
             )
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None

@@ -67,6 +67,7 @@ def strategy_config(
     activation_checkpointing: Any = None,
     activation_checkpointing_offload: bool = False,
     async_save: bool = False,
+    node_local_storage: bool = False,
 ) -> StrategyConfig:
     """Every ZeRO option of a strategy, validated once (``ValueError`` naming the bad value and the fix).
 
@@ -111,7 +112,9 @@ def strategy_config(
             **({} if timeout is None else {"timeout": timeout}),
             debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
         ),
-        checkpoint=CheckpointConfig(state_dict_type=state_dict_type, async_save=async_save),
+        checkpoint=CheckpointConfig(
+            state_dict_type=state_dict_type, async_save=async_save, node_local_storage=node_local_storage
+        ),
         activations=ActivationCheckpointConfig(
             policy=activation_checkpointing, offload=activation_checkpointing_offload
         ),

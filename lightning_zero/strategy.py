@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -135,6 +136,8 @@ class ZeroStrategy(DDPStrategy):
             backward (on an accelerator; nothing changes on a CPU-only run).
         async_save: during ``fit``, write sharded checkpoints from a background thread; the training
             loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
+        node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
+            resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -183,6 +186,7 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: Any = None,
         activation_checkpointing_offload: bool = False,
         async_save: bool = False,
+        node_local_storage: bool = False,
     ) -> None:
         #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
         self.config = strategy_config(
@@ -219,8 +223,11 @@ class ZeroStrategy(DDPStrategy):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_offload=activation_checkpointing_offload,
             async_save=async_save,
+            node_local_storage=node_local_storage,
         )
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
+        self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
+        self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
         self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
         self._checked_group: comm.CheckedGroup | None = None
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
@@ -356,7 +363,7 @@ class ZeroStrategy(DDPStrategy):
             self._check_nvme_space(config)
             # Ranks that cannot see a checkpoint directory are found now, not at the first save.
             ckpt_io.check_shared(
-                [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None
+                [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None, self._node()
             )
         self._engine = None
         if fitting:
@@ -415,6 +422,9 @@ class ZeroStrategy(DDPStrategy):
             # awaited (committing is a collective a crashed rank would never join): the save stays an
             # unpublished temporary directory, and the previous checkpoint stays in place.
             self._finish_pending_save(abandon=interrupted)
+            self._save_buffer = ckpt_save.HostBuffer()  # the host copy is not kept past fit
+            while self._deletions:
+                self._deletions.pop().join()
         finally:
             self._teardown_engine()
 
@@ -657,7 +667,17 @@ class ZeroStrategy(DDPStrategy):
             self._parallel.layout,
             # Outside fit nothing would publish it later (no step boundary, no teardown): write now.
             background=background and self._in_fit(),
+            node=self._node(),
+            host_buffer=self._save_buffer,
+            # during fit the replaced checkpoint is deleted by a thread (joined at teardown)
+            deletions=self._deletions if self._in_fit() else None,
         )
+
+    def _node(self) -> ckpt_io.NodeRanks | None:
+        """This rank's node and local rank under node-local checkpoint storage (``None``: shared storage)."""
+        if not self.config.checkpoint.node_local_storage:
+            return None
+        return ckpt_io.NodeRanks(self.node_rank, self.local_rank)
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         """A sharded save into a hidden staging directory beside ``path`` (every rank), turned by rank 0
@@ -681,7 +701,8 @@ class ZeroStrategy(DDPStrategy):
         # ModelCheckpoint calls this on every rank after agreeing on it; the async save it may name
         # is published first, so that the removal finds it.
         self._finish_pending_save()
-        if self.is_global_zero:
+        node = self._node()
+        if self.is_global_zero if node is None else node.writer:  # node-local: each node removes its own copy
             ckpt_save.remove_sharded(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import os
 import pickle
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, SupportsIndex
 
@@ -37,21 +37,36 @@ from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _open(path: fmt.PathLike | Location, trust_pickles: bool = False) -> tuple[ShardedReader, dict[str, Any]]:
-    """The reader of the checkpoint at ``path`` and its Lightning state (``lightning.pt``), read with
-    ``weights_only`` unless ``trust_pickles`` (objects such as a ``pathlib.Path`` in hyperparameters
-    need full unpickling: only for a checkpoint you trust)."""
-    directory = fmt.resolve(path)
-    if directory is None:
-        raise ValueError(f"{path} is not a lightning_zero sharded checkpoint directory (a plain file, or missing).")
+Paths = fmt.PathLike | Location | Sequence[fmt.PathLike | Location]
+"""One checkpoint directory, or the directories of one node-local checkpoint (one per node)."""
+
+
+def _open(path: Paths, trust_pickles: bool = False) -> tuple[ShardedReader, dict[str, Any]]:
+    """The reader of the checkpoint at ``path`` (or the union of several directories of one node-local
+    checkpoint, :func:`~lightning_zero.checkpoint.format.union_rank_files`) and its Lightning state
+    (``lightning.pt``), read with ``weights_only`` unless ``trust_pickles`` (objects such as a
+    ``pathlib.Path`` in hyperparameters need full unpickling: only for a checkpoint you trust)."""
+    # A str is a Sequence too: only a list or tuple is several directories (mypy cannot narrow that).
+    paths: list[fmt.PathLike | Location] = list(path) if isinstance(path, (list, tuple)) else [path]  # type: ignore[list-item]
+    if not paths:
+        raise ValueError("no checkpoint directory given.")
+    directories = []
+    for one in paths:
+        found = fmt.resolve(one)
+        if found is None:
+            raise ValueError(f"{one} is not a lightning_zero sharded checkpoint directory (a plain file, or missing).")
+        directories.append(found)
+    directory = directories[0]
     meta = fmt.read_metadata(directory)
+    # a node-local checkpoint's directory holds its node's ranks only: check the union covers every rank
+    files = fmt.union_rank_files(directories) if len(directories) > 1 or "rank_nodes" in meta else None
     state = fmt.load_file(
         directory / fmt.lightning_file(meta),
         meta.get("lightning_file_crc32"),
         "Lightning's state",
         weights_only=not trust_pickles,
     )
-    return ShardedReader(directory, state.get("state_dict", {})), state
+    return ShardedReader(directory, state.get("state_dict", {}), files), state
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:
@@ -143,7 +158,7 @@ def _write_records(pickled: bytes, storages: dict[str, _StorageRef], target: Any
 
 
 def consolidate(
-    checkpoint_dir: fmt.PathLike | Location,
+    checkpoint_dir: Paths,
     out: fmt.PathLike,
     dtype: torch.dtype | None = torch.float32,
     trust_pickles: bool = False,
@@ -151,7 +166,11 @@ def consolidate(
     """Write the LightningModule's whole state dict from a sharded checkpoint to ``out`` (``torch.save``
     format), one parameter in memory at a time. Floating tensors are cast to ``dtype`` (``None``: as
     saved, i.e. the fp32 masters under mixed precision). No process group or GPU needed. Every file
-    is checked against the CRC-32 recorded at save. ``trust_pickles``: see :func:`_open`."""
+    is checked against the CRC-32 recorded at save. ``trust_pickles``: see :func:`_open`.
+
+    ``checkpoint_dir`` may be a list: the directories of one node-local checkpoint, one per node
+    (``node_local_storage=True``), read as their union; every rank's file must be in exactly one of
+    them (``ValueError`` naming the missing or repeated ranks)."""
     reader, _ = _open(checkpoint_dir, trust_pickles)
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     entries: dict[str, Any] = {}
@@ -178,7 +197,7 @@ def consolidate(
 
 
 def to_lightning_checkpoint(
-    checkpoint_dir: fmt.PathLike | Location,
+    checkpoint_dir: Paths,
     out: fmt.PathLike,
     dtype: torch.dtype | None = None,
     trust_pickles: bool = False,
@@ -186,6 +205,7 @@ def to_lightning_checkpoint(
     """Write a plain Lightning checkpoint (one file) from a sharded one: the whole model, consolidated
     optimizer states (per original parameter, full shapes, as the optimizer without ZeRO writes them),
     and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory.
+    ``checkpoint_dir`` as for :func:`consolidate` (several node-local directories too);
     ``trust_pickles``: see :func:`_open`."""
     reader, checkpoint = _open(checkpoint_dir, trust_pickles)
     keys = reader.meta.get("state_dict_keys") or reader.keys()

@@ -10,6 +10,12 @@ A checkpoint is a directory (its name is the path Lightning asked for, e.g. ``ep
                                           optimizers' parameter-group hyperparameters and parameter names
     metadata.json                         written last: its presence marks the directory complete
 
+Under node-local storage (:mod:`~lightning_zero.checkpoint.io`) each node's directory holds its own
+ranks' files, ``lightning.pt`` and the same ``metadata.json``, which then also has ``"rank_nodes"``
+(the node that wrote each rank's file) and, in the entry of each tensor ZeRO does not partition,
+``"copies"``: ``[rank, tp_rank, offset, numel]`` of the same piece written again by a rank of a
+node that would otherwise not have it. ``"save_id"`` (every save) tells whether directories hold one save.
+
 On an object store (no rename, :mod:`~lightning_zero.checkpoint.store`) the rank files and
 ``lightning.pt`` lie under ``files-ID/`` in the directory, ``ID`` new for each save; ``rank_files``
 and ``lightning_file`` in ``metadata.json`` name them relative to the directory.
@@ -63,6 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import posixpath
@@ -102,6 +109,13 @@ def _hidden(path: P, kind: str) -> P:
 def temporary_path(path: P) -> P:
     """Where a save into ``path`` is written before it is complete (hidden, so never listed as a checkpoint)."""
     return _hidden(path, "tmp")
+
+
+def node_temporary_path(path: P, node: int) -> P:
+    """:func:`temporary_path` of node ``node`` under node-local storage: one per node, so that nodes
+    which (wrongly) share the storage find each other's directory instead of clearing it."""
+    hidden = _hidden(path, "tmp")
+    return hidden.parent / f"{hidden.name}-node{node}"
 
 
 def previous_path(path: P) -> P:
@@ -252,6 +266,79 @@ def check_rank_files(path: Location, meta: dict[str, Any]) -> None:
         )
 
 
+def rank_node(meta: dict[str, Any], rank: int) -> int | None:
+    """The node that wrote rank ``rank``'s file of a node-local checkpoint (``None``: shared storage)."""
+    nodes = meta.get("rank_nodes")
+    return None if nodes is None else int(nodes[rank])
+
+
+def available_rank_files(path: Location, meta: dict[str, Any]) -> dict[int, Location]:
+    """``{rank: its file}`` for the rank files in ``path`` with the size recorded at save.
+
+    A shared-storage checkpoint must have all of them (``ValueError`` naming the missing ones, see
+    :func:`check_rank_files`); a node-local one (``metadata.json``'s ``rank_nodes``) holds only the
+    ranks of the node that wrote the directory, and a reader asks for another rank's file only when
+    the layout differs (:meth:`~lightning_zero.checkpoint.reader.ShardedReader.rank_data` then names it)."""
+    if meta.get("rank_nodes") is None:
+        check_rank_files(path, meta)
+        return {rank: path / name for rank, name in enumerate(meta["rank_files"])}
+    found = _sizes(path)
+    return {
+        rank: path / name
+        for rank, (name, size) in enumerate(zip(meta["rank_files"], meta["rank_file_bytes"], strict=True))
+        if found(name) == size
+    }
+
+
+def union_rank_files(directories: list[Location]) -> dict[int, Location]:
+    """``{rank: its file}`` over several directories of one save (a node-local checkpoint: one directory
+    per node). ``ValueError`` when they hold different saves, or unless every rank's file (with the
+    size recorded at save) is in exactly one of them, naming the missing and the repeated ranks."""
+    metas = [read_metadata(directory) for directory in directories]
+    first = metas[0]
+    for directory, meta in zip(directories[1:], metas[1:], strict=True):
+        if meta.get("save_id") != first.get("save_id") or meta["rank_files"] != first["rank_files"]:
+            raise ValueError(
+                f"{directory} and {directories[0]} hold different saves (save_id {meta.get('save_id')} vs "
+                f"{first.get('save_id')}); give the directories of one checkpoint, one per node."
+            )
+    found: dict[int, list[Location]] = {}
+    for directory in directories:
+        sizes = _sizes(directory)
+        for rank, (name, size) in enumerate(zip(first["rank_files"], first["rank_file_bytes"], strict=True)):
+            if sizes(name) == size:
+                found.setdefault(rank, []).append(directory / name)
+    missing = [rank for rank in range(first["world_size"]) if rank not in found]
+    repeated = {rank: [str(f) for f in files] for rank, files in found.items() if len(files) > 1}
+    if missing or repeated:
+        problems = []
+        if missing:
+            problems.append(f"the files of ranks {missing} are in none of them (missing or truncated)")
+        if repeated:
+            problems.append(f"ranks {sorted(repeated)} have a file in more than one: {repeated}")
+        raise ValueError(
+            f"the directories {[str(d) for d in directories]} do not hold each of the {first['world_size']} ranks' "
+            f"files exactly once: {'; '.join(problems)}. Give every node's directory of the checkpoint, each once."
+        )
+    return {rank: files[0] for rank, files in found.items()}
+
+
+def check_own_file(path: Location, meta: dict[str, Any], rank: int) -> None:
+    """``ValueError`` naming ``rank``, the node that wrote its file and the path when this rank's file of
+    the node-local checkpoint at ``path`` is missing or truncated (its CRC-32 is checked when read)."""
+    name, size = meta["rank_files"][rank], meta["rank_file_bytes"][rank]
+    actual = _sizes(path)(name)
+    if actual == size:
+        return
+    state = "missing" if actual is None else f"{actual} bytes, expected {size}"
+    raise ValueError(
+        f"rank {rank}'s shard file {path / name} is {state}: the node-local checkpoint {path} was written by "
+        f"{meta['world_size']} ranks, each on its own node's disk, and rank {rank}'s file was written by node "
+        f"{rank_node(meta, rank)}. Resume with every rank on the node that wrote its file (the same nodes, world size "
+        "and layout), or copy that node's file into this node's directory."
+    )
+
+
 def _sizes(path: Location) -> Callable[[str], int | None]:
     """The size of file ``name`` under ``path`` (``None``: no such file)."""
     if path.local:
@@ -262,12 +349,23 @@ def _sizes(path: Location) -> Callable[[str], int | None]:
     return lambda name: sizes.get(name)
 
 
-def crc32_of(file: Path, chunk: int = 16 << 20) -> int:
-    """CRC-32 of a file's bytes, read in ``chunk``-byte pieces."""
+def crc32_of(file: Path, chunk: int = 4 << 20) -> int:
+    """CRC-32 of a file's bytes, ``chunk`` bytes at a time from a memory map of it: the pages are
+    those ``torch.load(mmap=True)`` maps next (the page cache), with no copy into Python buffers."""
     crc = 0
     with open(file, "rb") as f:
-        while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return crc
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mapped, "madvise"):
+                mapped.madvise(mmap.MADV_SEQUENTIAL)  # read ahead
+            view = memoryview(mapped)
+            try:
+                for start in range(0, size, chunk):
+                    crc = zlib.crc32(view[start : start + chunk], crc)
+            finally:
+                view.release()
     return crc
 
 

@@ -51,20 +51,28 @@ class SavedStateDict(MutableMapping[str, Any]):
     rank files when it is asked for (not kept), so callbacks that read the saved weights (an EMA
     callback's ``on_load_checkpoint``) see them and nothing is read when none does."""
 
-    def __init__(self, directory: Location, saved: dict[str, Any], keys: list[str]) -> None:
+    def __init__(
+        self, directory: Location, saved: dict[str, Any], keys: list[str], reader: ShardedReader | None = None
+    ) -> None:
         self._directory = directory
         self._saved = saved
         self._keys = list(dict.fromkeys([*keys, *saved]))
-        self._reader: ShardedReader | None = None
+        self._reader = reader
+
+    @property
+    def reader(self) -> ShardedReader:
+        """The checkpoint's reader, shared by the model and optimizer loads of one resume: each rank
+        file is opened (and its CRC-32 checked) once."""
+        if self._reader is None:
+            self._reader = ShardedReader(self._directory, self._saved)
+        return self._reader
 
     def __getitem__(self, key: str) -> Any:
         if key in self._saved:
             return self._saved[key]
         if key not in self._keys:
             raise KeyError(key)
-        if self._reader is None:
-            self._reader = ShardedReader(self._directory, self._saved)
-        return self._reader.full(key).clone()
+        return self.reader.full(key).clone()
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key not in self._keys:
@@ -88,8 +96,10 @@ class SavedStateDict(MutableMapping[str, Any]):
 def reader_for(checkpoint: Mapping[str, Any]) -> ShardedReader | FullReader:
     if SHARDED_KEY in checkpoint:
         saved = checkpoint["state_dict"]
+        if isinstance(saved, SavedStateDict):
+            return saved.reader
         # the tensors Lightning's file holds (the partitioned ones come from the rank files)
-        held = saved._saved if isinstance(saved, SavedStateDict) else saved
+        held = saved
         return ShardedReader(ckpt_io.location(checkpoint[SHARDED_KEY]), held)
     return FullReader(checkpoint["state_dict"])
 
@@ -98,13 +108,43 @@ def load_checkpoint(
     path: fmt.PathLike, weights_only: bool | None, rank: int, load_plain: Callable[[fmt.PathLike], dict[str, Any]]
 ) -> dict[str, Any]:
     """Lightning's part of the checkpoint at ``path`` (a sharded directory, or a plain file through
-    ``load_plain``), and this rank's random states restored when the checkpoint has them."""
+    ``load_plain``), and this rank's random states restored when the checkpoint has them.
+
+    With a process group, call on all ranks: they agree on the outcome (one small all-gather), so a
+    rank that cannot read its part (a node-local checkpoint whose file for this rank is not on its
+    node) raises and the others raise too, naming it, instead of waiting for it in the load."""
+    world_size = comm.world_size(None) if comm.initialized() else 1
+    if world_size == 1:
+        return _load_checkpoint(path, weights_only, rank, load_plain, world_size)
+    try:
+        checkpoint, failure = _load_checkpoint(path, weights_only, rank, load_plain, world_size), None
+    except Exception as exc:
+        checkpoint, failure = None, exc
+    reports = comm.all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}", None)
+    if failure is not None:
+        raise failure
+    failed = [f"rank {r}: {report}" for r, report in enumerate(reports) if report is not None]
+    if failed:
+        raise ValueError(f"loading the checkpoint {path} failed on other ranks: " + " | ".join(failed))
+    assert checkpoint is not None
+    return checkpoint
+
+
+def _load_checkpoint(
+    path: fmt.PathLike,
+    weights_only: bool | None,
+    rank: int,
+    load_plain: Callable[[fmt.PathLike], dict[str, Any]],
+    world_size: int,
+) -> dict[str, Any]:
     directory = fmt.resolve(path)
     if directory is None:
         return load_plain(path)
     meta = fmt.read_metadata(directory)
-    world_size = comm.world_size(None) if comm.initialized() else 1
-    fmt.check_rank_files(directory, meta)
+    if meta.get("rank_nodes") is not None and rank < meta["world_size"]:
+        fmt.check_own_file(directory, meta, rank)  # node-local: this node's directory has this node's ranks
+    else:
+        fmt.check_rank_files(directory, meta)
     # weights_only=None means torch's default (True): Lightning's state is plain containers; pass
     # weights_only=False to Trainer.fit only for a trusted checkpoint with arbitrary hyperparameters.
     checkpoint = fmt.load_file(
@@ -117,12 +157,12 @@ def load_checkpoint(
     checkpoint[SHARDED_KEY] = str(directory)
     checkpoint[SAVED_WORLD_SIZE_KEY] = meta["world_size"]
     keys = meta.get("state_dict_keys") or list(meta.get("params", {}))
-    checkpoint["state_dict"] = SavedStateDict(directory, checkpoint.get("state_dict", {}), keys)
+    held = checkpoint.get("state_dict", {})
+    reader = ShardedReader(directory, held, meta=meta)
+    checkpoint["state_dict"] = SavedStateDict(directory, held, keys, reader)
     resumed: dict[str, Any] = {"mid_window": bool(meta.get("mid_window", False)), "window": None, "rng": None}
     if rank < meta["world_size"]:
-        own = fmt.load_file(
-            directory / meta["rank_files"][rank], fmt.rank_file_crc32(meta, rank), f"rank {rank}'s shards"
-        )
+        own = reader.rank_data(rank)  # read and checked once: the model and optimizer loads reuse it
         resumed["rng"] = own["rng"]
         rng.restore(own["rng"])
         if meta["world_size"] == world_size:
@@ -308,6 +348,7 @@ def load_optimizers(
     params = partitioned_params(module, engine)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)
+    consolidated = False
     for index, (optimizer, saved) in enumerate(zip(optimizers, states, strict=True)):
         if engine is None or not engine.manages(optimizer):
             optimizer.load_state_dict(saved)
@@ -322,5 +363,8 @@ def load_optimizers(
             )
         else:
             engine.load_consolidated(optimizer, saved)
-    if engine is not None:
-        engine.publish()  # a consolidated state may carry fp32 masters
+            consolidated = True
+    if engine is not None and consolidated:
+        # A consolidated state may carry fp32 masters. (A sharded one does not: load_model published
+        # the masters already, and publishing again is a whole all-gather of the parameters.)
+        engine.publish()

@@ -8,7 +8,9 @@ Each rank describes what it holds in a *report* (built by :func:`~lightning_zero
                              "dtype": .., "saved_dtype": .., "optimizer": index or None,
                              "partition_dim": d or None, "tensor_parallel_size": T (1 when whole),
                              "piece": [rank, tp_rank, offset, numel] or None}},
-     "optimizer_names": [[[names of group g] per group] or None per optimizer]}
+     "optimizer_names": [[[names of group g] per group] or None per optimizer],
+     "copies": {key: piece} (node-local storage only: the whole tensors a data-parallel rank other
+               than 0 could write again for its node, see :func:`keep_copies`)}
 
 ``piece`` is the rank's contiguous piece of the flattened *shard* it holds (its tensor-parallel
 part, or the whole tensor when not split). Reports are gathered on every rank and merged the
@@ -139,6 +141,11 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
             piece = entry["piece"]
             if piece is not None and stage_of.setdefault((primary, piece[1]), report["pp_rank"]) == report["pp_rank"]:
                 kept["pieces"].append(list(piece))
+    for report in reports:  # node-local storage: whole tensors other data-parallel ranks offer to write too
+        for key, piece in report.get("copies", {}).items():
+            primary = alias_of.get(key)
+            if primary is not None and stage_of.get((primary, piece[1])) == report["pp_rank"]:
+                params[primary].setdefault("copies", []).append(list(piece))
     for name, entry in params.items():
         entry["pieces"].sort()
         check_coverage(name, entry)
@@ -193,3 +200,23 @@ def merge_optimizer_names(reports: list[dict[str, Any]], alias_of: dict[str, str
             )
         merged.append([ordered_union([alias_of.get(n, n) for n in g[i]] for g in groups) for i in range(sizes.pop())])
     return merged
+
+
+def keep_copies(merged: dict[str, Any], rank_nodes: list[int]) -> None:
+    """Node-local storage: of the ``copies`` of each whole tensor (frozen parameter, buffer) that
+    :func:`merge_reports` collected, keep one per node and tensor-parallel part, from the node's first
+    rank that holds it, and none on a node whose ranks already write the piece itself; so every
+    node's directory has each such tensor once. In place."""
+    for entry in merged["params"].values():
+        offered = entry.pop("copies", None)
+        if not offered:
+            continue
+        covered = {(rank_nodes[rank], tp) for rank, tp, _, _ in entry["pieces"]}
+        kept = []
+        for piece in sorted(offered):
+            where = (rank_nodes[piece[0]], piece[1])
+            if where not in covered:
+                covered.add(where)
+                kept.append(piece)
+        if kept:
+            entry["copies"] = kept

@@ -169,13 +169,19 @@ def _entry(names: list[str], tensor_shape: Any, partition_dim: int | None, place
 
 
 def rank_report(
-    module: nn.Module, engine: ZeroEngine | None, optimizers: list[torch.optim.Optimizer], placement: Placement
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    optimizers: list[torch.optim.Optimizer],
+    placement: Placement,
+    copies: bool = False,
 ) -> dict[str, Any]:
     """What this rank holds, for :func:`~lightning_zero.checkpoint.merge.merge_reports`. Local, no communication.
 
     Partitioned parameters: this rank's piece of its shard (a replicated parameter only on
     tensor-parallel rank 0). Other tensors of the state dict (frozen parameters, buffers): whole,
-    on data-parallel rank 0 only (they are equal over the data-parallel group).
+    on data-parallel rank 0 only (they are equal over the data-parallel group); with ``copies``
+    (node-local storage) the other data-parallel ranks offer theirs under ``"copies"`` (``{key:
+    piece}``), of which :func:`~lightning_zero.checkpoint.merge.keep_copies` keeps one per node.
     """
     params = partitioned_params(module, engine)
     rank, coords = placement.rank, placement.coords
@@ -201,8 +207,9 @@ def rank_report(
         )
     names = tensor_names(module)
     skip = state_dict_keys(params)
+    offered: dict[str, list[int]] = {}
     for key, tensor in module.state_dict(keep_vars=True).items():
-        if not torch.is_tensor(tensor) or key in skip or names[id(tensor)][0] != key or coords.dp != 0:
+        if not torch.is_tensor(tensor) or key in skip or names[id(tensor)][0] != key or (coords.dp and not copies):
             continue
         dim = getattr(tensor, "partition_dim", None) if is_tensor_parallel(tensor) else None
         split = placement.split(dim)
@@ -210,6 +217,9 @@ def rank_report(
             continue
         dtype = fmt.dtype_name(tensor.dtype)
         piece = [rank, coords.tp if split else 0, 0, tensor.numel()]
+        if coords.dp:
+            offered[key] = piece
+            continue
         entries[key] = _entry(
             names[id(tensor)], tensor.shape, dim, placement, dtype=dtype, saved_dtype=dtype, optimizer=None, piece=piece
         )
@@ -219,6 +229,7 @@ def rank_report(
         "state_dict_keys": list(module.state_dict(keep_vars=True).keys()),
         "params": entries,
         "optimizer_names": [_group_names(module, engine, o) for o in optimizers],
+        **({"copies": offered} if copies else {}),
     }
 
 
@@ -274,7 +285,11 @@ def rank_payload(
     only the pieces that the merged metadata lists under ``rank``. ``replaced`` (see
     :func:`overrides`) gives values that take the place of the weights the engine holds."""
     params = partitioned_params(module, engine)
-    mine = {name for name, e in merged["params"].items() if any(piece[0] == rank for piece in e["pieces"])}
+    mine = {
+        name
+        for name, e in merged["params"].items()
+        if any(piece[0] == rank for piece in (*e["pieces"], *e.get("copies", ())))
+    }
     alias_of = merged["alias_of"]
     values, optim = local_shards(params, engine, optimizers) if engine is not None else ({}, [{} for _ in optimizers])
     replaced = replaced or {}

@@ -6,6 +6,12 @@ one tensor-parallel part of it. When the saved split is the requested one (same 
 tensor-parallel size, or both whole) it opens only the rank files whose pieces overlap the range;
 otherwise it assembles the requested part from the saved parts that overlap it, one parameter at a
 time. :class:`FullReader` offers the same over a plain state dict of whole tensors.
+
+A node-local checkpoint directory (:mod:`~lightning_zero.checkpoint.io`) holds only its node's rank
+files; the reader reads those, takes a whole tensor (frozen parameter, buffer) from the node's copy
+(``"copies"`` in its metadata entry), and names the rank, node and path of any other file it would
+need. Given the files of every node (``files``, :func:`~lightning_zero.checkpoint.format.union_rank_files`),
+it reads their union.
 """
 
 from __future__ import annotations
@@ -32,10 +38,17 @@ class ShardedReader:
     """Reads a sharded checkpoint by state-dict key: whole tensors, or ranges of a flattened tensor
     or of one tensor-parallel part of it (any tensor-parallel size, whatever the saved one was)."""
 
-    def __init__(self, path: fmt.PathLike | Location, state_dict: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        path: fmt.PathLike | Location,
+        state_dict: Mapping[str, Any],
+        files: dict[int, Location] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
         self.path = path = ckpt_io.location(path)
-        self.meta = fmt.read_metadata(path)
-        fmt.check_rank_files(path, self.meta)
+        self.meta = fmt.read_metadata(path) if meta is None else meta
+        # every rank's file (shared storage: ValueError naming the missing ones), or this node's
+        self.rank_files = fmt.available_rank_files(path, self.meta) if files is None else files
         self.state_dict = state_dict
         self.params = self.meta["params"]
         self._primary = {key: name for name, e in self.params.items() for key in (name, *e["aliases"])}
@@ -65,10 +78,25 @@ class ShardedReader:
 
     def rank_data(self, rank: int) -> Any:
         if rank not in self._files:
+            if rank not in self.rank_files:
+                raise ValueError(
+                    f"reading the node-local checkpoint {self.path} needs rank {rank}'s file "
+                    f"{self.meta['rank_files'][rank]}, which node {fmt.rank_node(self.meta, rank)} wrote to its own disk "
+                    "and which is not here: a node-local checkpoint resumes with the world size and layout that saved "
+                    "it, each rank on its node. To load it otherwise, copy every node's files into one directory, or "
+                    "consolidate the nodes' directories together (`lightning-zero consolidate DIR0 DIR1 ... OUT`)."
+                )
             self._files[rank] = fmt.load_file(
-                self.path / self.meta["rank_files"][rank], fmt.rank_file_crc32(self.meta, rank), f"rank {rank}'s shards"
+                self.rank_files[rank], fmt.rank_file_crc32(self.meta, rank), f"rank {rank}'s shards"
             )
         return self._files[rank]
+
+    def _holder(self, entry: dict[str, Any], piece: list[int]) -> int:
+        """The rank whose file to read ``piece`` from: its own, or a node's copy of it that is here."""
+        if piece[0] in self.rank_files:
+            return piece[0]
+        copies = (c[0] for c in entry.get("copies", ()) if c[1:] == piece[1:] and c[0] in self.rank_files)
+        return next(copies, piece[0])
 
     def _saved(self, name: str) -> Split | None:
         """How ``name`` was split when saved (``Split(dim, 0, T)``), ``None`` when saved whole."""
@@ -88,25 +116,38 @@ class ShardedReader:
         return [] if entry["optimizer"] is None else [entry["optimizer"]]
 
     def _read_shard(
-        self, name: str, tp_rank: int, start: int, numel: int, state_key: str | None, optimizer: int | None = None
+        self,
+        name: str,
+        tp_rank: int,
+        start: int,
+        numel: int,
+        state_key: str | None,
+        optimizer: int | None = None,
+        view: bool = False,
     ) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of saved part ``tp_rank`` of ``name``, flattened
-        (of optimizer ``optimizer``'s state ``state_key``: default its first optimizer's)."""
+        (of optimizer ``optimizer``'s state ``state_key``: default its first optimizer's). ``view``:
+        when one piece holds them all, a view of the memory-mapped file (read-only use, not kept)."""
         entry = self.params[name]
         optimizer = entry["optimizer"] if optimizer is None else optimizer
-        out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))
-        for rank, tp, offset, count in entry["pieces"]:
+        out = torch.empty(numel, dtype=fmt.dtype_from_name(entry["saved_dtype"]))  # several pieces: assembled
+        for piece in entry["pieces"]:
+            _, tp, offset, count = piece
             lo, hi = max(start, offset), min(start + numel, offset + count)
             if tp != tp_rank or lo >= hi:
                 continue
-            data = self.rank_data(rank)
+            data = self.rank_data(self._holder(entry, piece))
             if state_key is None:
-                piece = data["params"][name]
+                saved = data["params"][name]
             else:
-                piece = data["optim"][optimizer][name]["slices"][state_key]
-            if out.dtype != piece.dtype:
-                out = out.to(piece.dtype)
-            out[lo - start : hi - start] = piece[lo - offset : hi - offset]
+                saved = data["optim"][optimizer][name]["slices"][state_key]
+            if view and (lo, hi) == (start, start + numel):
+                # One piece holds the whole range (a resume into the same layout): its elements as they
+                # lie in the (memory-mapped) file, not copied here; the caller copies them into place.
+                return saved[lo - offset : hi - offset]
+            if out.dtype != saved.dtype:
+                out = out.to(saved.dtype)
+            out[lo - start : hi - start] = saved[lo - offset : hi - offset]
         return out
 
     def _part(
@@ -151,15 +192,16 @@ class ShardedReader:
         """Elements ``[start, start + numel)`` of the flattened tensor ``key`` (or of optimizer
         ``optimizer``'s state ``state_key``, default its first optimizer's), or of its part ``split``
         under tensor parallelism, as saved (the master dtype). When the saved layout is the requested
-        one, opens only the rank files that overlap."""
+        one, opens only the rank files that overlap, and a range within one piece is a view of the
+        memory-mapped file: copy it into place, do not keep or modify it."""
         if key not in self._primary:
             return _narrow(self.state_dict[key], split, key).reshape(-1)[start : start + numel]
         name = self._primary[key]
         saved = self._saved(name)
         if saved is None and split is None:
-            return self._read_shard(name, 0, start, numel, state_key, optimizer)
+            return self._read_shard(name, 0, start, numel, state_key, optimizer, view=True)
         if saved is not None and split is not None and (saved.dim, saved.size) == (split.dim, split.size):
-            return self._read_shard(name, split.rank, start, numel, state_key, optimizer)
+            return self._read_shard(name, split.rank, start, numel, state_key, optimizer, view=True)
         return self._part(name, split, state_key, optimizer).reshape(-1)[start : start + numel]
 
     def full(
@@ -180,7 +222,8 @@ class ShardedReader:
         optimizer = holders[0] if optimizer is None and holders else optimizer
         if optimizer not in holders or not entry["pieces"]:
             return None
-        saved = self.rank_data(entry["pieces"][0][0])["optim"]
+        here = [piece[0] for piece in entry["pieces"] if piece[0] in self.rank_files]
+        saved = self.rank_data(here[0] if here else entry["pieces"][0][0])["optim"]
         if not saved:
             return None
         state = saved[optimizer].get(name)

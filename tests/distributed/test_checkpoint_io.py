@@ -111,6 +111,7 @@ def test_paths_urls_and_failed_saves(tmp_path):
         assert f"directory {tmp_path}/setup_ck:" in res["at_setup"] and "Two ways out" in res["at_setup"], res[
             "at_setup"
         ]
+        assert "node_local_storage=True" in res["at_setup"] and "NFS" in res["at_setup"]  # the two ways out
     # no checkpoint (no step ran), no directory created, the marker (in its parent) removed
     assert not (tmp_path / "setup_ck").exists() and not list(tmp_path.glob(".zero-visible-*"))
     # Rank 0's directory holds the one checkpoint; rank 1's working directory got nothing.

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint.consolidate import _StorageRef, _TensorRef, stream_save
 from lightning_zero.checkpoint.io import location
-from lightning_zero.checkpoint.save import remove_sharded
+from lightning_zero.checkpoint.save import HostBuffer, remove_sharded
 from lightning_zero.cli import main
 
 
@@ -90,3 +90,31 @@ def test_cli_reports_errors(tmp_path, capsys):
     assert "not a lightning_zero sharded checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["consolidate", str(plain), str(tmp_path / "out.pt"), "--dtype", "int8"])
+
+
+def test_host_buffer_copies_reuses_and_saves_the_same(tmp_path):
+    """An async save's host copy: the same values, shapes and views (two pieces of one storage stay
+    one storage), in memory reused by the next copy, and ``torch.save`` of it reads back the same."""
+    flat = torch.arange(15, dtype=torch.float32)
+    payload = {
+        "params": {"a": flat[:7], "b": flat[7:].view(2, 4)},  # views of one storage, as local_pieces gives
+        "optim": [{"a": {"slices": {"exp_avg": torch.ones(7)}, "scalars": {"step": torch.tensor(3.0)}}}],
+        "rng": {"torch": torch.arange(5, dtype=torch.uint8), "python": (3, (1, 2), None)},
+        "loader": None,
+    }
+    buffer = HostBuffer()
+    copied = buffer.copy(payload)
+    first = {dtype: t.data_ptr() for dtype, t in buffer._flat.items()}
+    flat.add_(100)  # the training step goes on: the copy keeps the values it was given
+    assert torch.equal(copied["params"]["a"], torch.arange(7.0))
+    assert torch.equal(copied["params"]["b"], torch.arange(7.0, 15.0).view(2, 4))
+    assert copied["params"]["a"].untyped_storage().data_ptr() == copied["params"]["b"].untyped_storage().data_ptr()
+    assert copied["rng"]["python"] == (3, (1, 2), None) and torch.equal(copied["rng"]["torch"], torch.arange(5))
+    torch.save(copied, tmp_path / "rank.pt")
+    loaded = torch.load(tmp_path / "rank.pt", weights_only=True)
+    assert torch.equal(loaded["params"]["b"], copied["params"]["b"])
+    assert torch.equal(loaded["optim"][0]["a"]["slices"]["exp_avg"], torch.ones(7))
+    again = buffer.copy(payload)
+    assert {dtype: t.data_ptr() for dtype, t in buffer._flat.items()} == first  # reused, not reallocated
+    assert torch.equal(again["params"]["a"], torch.arange(100.0, 107.0))
+    assert torch.equal(copied["params"]["a"], again["params"]["a"])  # (the buffer is one: copies share it)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint import format as fmt
-from lightning_zero.checkpoint.merge import Placement, Split, merge_reports
+from lightning_zero.checkpoint.merge import Placement, Split, keep_copies, merge_reports
 from lightning_zero.checkpoint.reader import ShardedReader
 from lightning_zero.layout import ParallelLayout
 
@@ -74,6 +74,20 @@ def test_merge_rejects_disagreeing_or_incomplete_ranks():
         merge_reports([_report(0, 0, {"w": _entry(["w"], [0, 0, 0, 12])})])
     with pytest.raises(ValueError, match="part 1"):  # tp rank 1 never reported its part
         merge_reports([_report(0, 0, {"w": _entry(["w"], [0, 0, 0, 12], dim=0, size=2)})])
+
+
+def test_node_local_copies_one_per_node():
+    # 4 data-parallel ranks on 2 nodes (ranks 0, 1 on node 0; 2, 3 on node 1): a buffer "b" that data-parallel
+    # rank 0 writes, offered again by ranks 1-3 (node-local storage), is copied once, onto node 1 (rank 2).
+    reports = [_report(0, 0, {"b": _entry(["b"], [0, 0, 0, 24], optimizer=None)})]
+    reports += [{**_report(r, 0, {}), "copies": {"b": [r, 0, 0, 24]}} for r in (1, 2, 3)]
+    merged = merge_reports(reports)
+    assert merged["params"]["b"]["pieces"] == [[0, 0, 0, 24]] and len(merged["params"]["b"]["copies"]) == 3
+    keep_copies(merged, [0, 0, 1, 1])
+    assert merged["params"]["b"]["copies"] == [[2, 0, 0, 24]]
+    merged = merge_reports(reports)
+    keep_copies(merged, [0, 0, 0, 0])  # one node: rank 0's piece is there already
+    assert "copies" not in merged["params"]["b"]
 
 
 def test_split_and_placement():

@@ -49,6 +49,9 @@ def test_options_are_the_trainer_strategys():
         ({"pipeline_parallel_size": 2}, "data parallel only"),
         ({"state_dict_type": "full"}, "state_dict_type='full'"),
         ({"async_save": True}, "async_save=True"),
+        ({"node_local_storage": True}, "node_local_storage=True"),
+        ({"node_local_storage": True, "state_dict_type": "full"}, "rank 0 assembles from every rank's shards"),
+        ({"node_local_storage": "yes"}, "must be True or False"),
     ],
 )
 def test_invalid_options_fail_at_construction(kwargs, match):
