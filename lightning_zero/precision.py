@@ -36,7 +36,7 @@ with the same precision string.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -231,6 +231,9 @@ class OffloadPrecision(HalfPrecision):
             step=model.trainer.global_step,
             before_update=lambda: self._before_update(model, optimizer),
             update=not skipped_backward,
+            # The user's step(...) arguments reach their optimizer's step as under DDP; its closure
+            # already ran (forward, backward, reduction): the one handed on returns that result.
+            step_kwargs={"closure": lambda: closure_result, **kwargs},
         )
         return closure_result
 
@@ -241,6 +244,7 @@ class OffloadPrecision(HalfPrecision):
         step: int,
         before_update: Callable[[], None] | None = None,
         update: bool = True,
+        step_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """One ZeRO optimizer step with this plugin's loss scale and non-finite policy (the Trainer's
         :meth:`optimizer_step` and Fabric's strategy both step through here). ``step`` is the number
@@ -253,6 +257,7 @@ class OffloadPrecision(HalfPrecision):
             check_overflow=self.scaler is not None or policy != "ignore",
             before_update=before_update,
             update=update,
+            step_kwargs=step_kwargs,
         )
         if not update:
             return

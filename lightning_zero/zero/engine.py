@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -256,6 +256,7 @@ class ZeroEngine:
         check_overflow: bool = False,
         before_update: Callable[[], None] | None = None,
         update: bool = True,
+        step_kwargs: Mapping[str, Any] | None = None,
     ) -> bool:
         """One optimizer step on this rank's slices. Call on all ranks.
 
@@ -265,7 +266,8 @@ class ZeroEngine:
         optimizer steps the slices and they are published; with ``check_overflow`` a non-finite
         global norm skips that (one scalar all-reduce and one host sync, before anything is
         written, so a bad batch never reaches the weights). The gradients are dropped either way.
-        Returns True when the update was skipped for non-finite gradients.
+        Returns True when the update was skipped for non-finite gradients. ``step_kwargs`` go to the
+        optimizer's own ``step`` (see :meth:`ShardedOptimizer.step`).
         """
         sharded = self._prepare(optimizer, inv_scale)
         if before_update is not None:
@@ -277,10 +279,10 @@ class ZeroEngine:
                 if self.config.offload.pipeline and sharded.pipelines:
                     # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
                     publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
-                    sharded.step(publisher.send)
+                    sharded.step(publisher.send, step_kwargs)
                     publisher.finish(sharded.buffers)
                 else:
-                    sharded.step()
+                    sharded.step(step_kwargs=step_kwargs)
                     publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
         self._drop_grads(optimizer)  # (a shared parameter's accumulated gradient stays: zero_grad clears it)
         return overflow

@@ -17,7 +17,7 @@ earlier single-file format with the fp32 masters under ``"master"``) loads throu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -276,16 +276,19 @@ class ShardedOptimizer:
             if b.master.grad is not None:
                 b.master.grad.clamp_(-clip_value, clip_value)
 
-    def step(self, stepped: Stepped | None = None) -> None:
+    def step(self, stepped: Stepped | None = None, step_kwargs: Mapping[str, Any] | None = None) -> None:
         """Update the master slices and write them into the parameter slices (the kernels do both in
         one pass; after torch's step the cast copy is a second one). ``stepped`` (pipelined, kernels
         only): called with each buffer once it is updated (:class:`~lightning_zero.zero.publish.Publisher`);
-        torch's own ``step()`` updates all buffers at once, so there it is called after it."""
+        torch's own ``step()`` updates all buffers at once, so there it is called after it.
+        ``step_kwargs``: what the user passed to ``optimizer.step(...)`` (a ``closure`` there returns
+        the loss already computed: the closure ran before the reduction), handed to the optimizer's
+        own ``step`` as under DDP; the compiled Adam/AdamW kernels take none."""
         if self.kernel is not None:
             self.kernel.step(self.tensor_parallel_group, stepped)
             return
         with self.masters():
-            self.optimizer.step()
+            self.optimizer.step(**(step_kwargs or {}))
         for b in self.buffers:
             b.params_from_master()
             if stepped is not None:

@@ -35,6 +35,7 @@ States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,17 @@ def _adam_family() -> tuple[type, ...]:
     from lightning_zero import ops
 
     return (torch.optim.Adam, torch.optim.AdamW, ops.CPUAdam, ops.FusedAdam)
+
+
+#: torch's own ``step`` of the classes the kernels replace, unwrapped from torch's profiling wrapper.
+_TORCH_STEPS = {cls: inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)}
+
+
+def _step_replaced(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the class's ``step`` is no longer torch's (patched or wrapped on the class, e.g. by
+    instrumentation): then that ``step`` runs, as under DDP, instead of a kernel that would bypass it."""
+    cls = type(optimizer)
+    return cls in _TORCH_STEPS and inspect.unwrap(cls.step) is not _TORCH_STEPS[cls]
 
 
 def _one_state_kind(optimizer: torch.optim.Optimizer) -> str | None:
@@ -154,6 +166,8 @@ class KernelStep:
         # Offloaded: the compiled kernel for exactly Adam/AdamW, Adagrad or ops.Lion (a subclass may
         # add to step(), so it steps itself), else the user's optimizer runs its own step() on the host masters, as
         # DeepSpeed does with zero_force_ds_cpu_optimizer=False.
+        if _step_replaced(optimizer):
+            return None
         if _one_state_kind(optimizer) is not None:
             if any(g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
                 return None
@@ -180,6 +194,8 @@ class KernelStep:
         from lightning_zero.ops import compiled
 
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not compiled() or not buffers:
+            return None
+        if _step_replaced(optimizer):
             return None
         if any(b.master.device.type != "cpu" or b.master.dtype != torch.float32 for b in buffers):
             return None
