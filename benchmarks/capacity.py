@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import resource
@@ -216,7 +217,8 @@ def capacity_child(args: argparse.Namespace) -> dict:
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.setup_hwm = _vm("VmHWM")
-            self.params = sum(p.numel() for p in pl_module.parameters())
+            # (the module's parameters are empty tensors here: their shards are on disk)
+            self.params = sum(math.prod(h.shape) for h in trainer.strategy._engine.held_params())
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.store(trainer)
