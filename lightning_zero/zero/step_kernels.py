@@ -291,8 +291,8 @@ class KernelStep:
                 if position + ahead < len(order):
                     swap.fetch(self._step_items(order[position + ahead][0]))  # read ahead while this one steps
             # only buffers of this optimizer with a gradient this step are in order
-            tier = b.grad_tier if b.pending_grad is not None else None  # the gradient rests on disk
-            grad = b.master.grad if tier is None else tier.step_grad(b)
+            on_disk = b.grad_tier if b.pending_grad is not None else None  # the gradient rests on disk
+            grad = b.master.grad if on_disk is None else on_disk.step_grad(b)
             assert grad is not None
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             state = self._state(b.master)
@@ -310,9 +310,9 @@ class KernelStep:
                 param_copy=copy,
                 **hyper,
             )
-            if tier is not None:
+            if on_disk is not None:
                 del grad
-                tier.done_step(b)  # the slice's memory (its file is stale now)
+                on_disk.done_step(b)  # the slice's memory (its file is stale now)
             self._write_back(b, copy, stepped)
             if b.shard_tier is not None:
                 b.shard_tier.write_behind(b)
