@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import resource
@@ -150,6 +151,167 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
+def _vm(key: str) -> float:
+    """``VmHWM`` (peak) or ``VmRSS`` of this process as the OS counts it, GiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def capacity_child(args: argparse.Namespace) -> dict:
+    """The capacity run (issue 18): a GPT built in ``configure_model`` (straight to disk), stage 3 with
+    parameters, gradients and optimizer states on disk, one CPU rank, bf16-mixed, ``--steps`` steps
+    on one repeated batch of ``--tokens`` tokens."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zero import ZeroStrategy
+    from recipes.gpt2.model import GPT, GPTConfig
+
+    config = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=max(64, args.tokens),
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.width,
+    )
+
+    class Deferred(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: GPT | None = None
+
+        def configure_model(self) -> None:  # meta + recorded under stage 3, replayed into the files
+            if self.model is None:
+                self.model = GPT(config)
+
+        def training_step(self, batch, batch_idx):
+            input_ids, labels = batch
+            return GPT.loss_fn(self.model(input_ids), labels)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    pl.seed_everything(0, verbose=False)
+    tokens = torch.randint(0, config.vocab_size, (1, args.tokens + 1), generator=torch.Generator().manual_seed(0))
+    batch = TensorDataset(tokens[:, :-1].repeat(args.steps, 1), tokens[:, 1:].repeat(args.steps, 1))
+    strategy = ZeroStrategy(
+        stage=3,
+        offload_optimizer="nvme",
+        offload_parameters="nvme",
+        nvme_path=args.nvme_path,
+        # the states of 3.2B parameters (38 GB) cannot come back into RAM at the end of fit
+        nvme_config={"restore_after_fit": False},
+    )
+
+    class Timer(pl.Callback):
+        def __init__(self) -> None:
+            self.rows: list[dict[str, float]] = []
+
+        @staticmethod
+        def store(trainer):  # reaches inside on purpose: the I/O counters of the rank's swap files
+            return trainer.strategy._engine._store()
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.setup_hwm = _vm("VmHWM")
+            # (the module's parameters are empty tensors here: their shards are on disk)
+            self.params = sum(math.prod(h.shape) for h in trainer.strategy._engine.held_params())
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            s = self.store(trainer)
+            self.start = (time.perf_counter(), dict(s.stall), s.bytes_read, s.bytes_written)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            s = self.store(trainer)
+            t0, stall, read0, written0 = self.start
+            self.rows.append(
+                {
+                    "step_s": time.perf_counter() - t0,
+                    "read_wait_s": s.stall["read"] - stall["read"],
+                    "write_wait_s": s.stall["write"] - stall["write"],
+                    "read_gb": (s.bytes_read - read0) / 1e9,
+                    "written_gb": (s.bytes_written - written0) / 1e9,
+                    "loss": float(outputs["loss"]),
+                    "hwm_gib": _vm("VmHWM"),
+                }
+            )
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.train_hwm = _vm("VmHWM")
+
+    timer = Timer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=args.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(Deferred(), DataLoader(batch, batch_size=1))
+    return {
+        "params": timer.params,
+        "rows": timer.rows,
+        "setup_hwm_gib": timer.setup_hwm,
+        "train_hwm_gib": timer.train_hwm,
+        "process_hwm_gib": _vm("VmHWM"),
+        "fit_s": time.perf_counter() - start,
+        "clean": not any(Path(args.nvme_path).glob("lightning_zero-rank*")),
+    }
+
+
+def capacity(args: argparse.Namespace) -> None:
+    """Disk first, then the capacity run in its own process; the swap directory is removed whatever happens."""
+    import shutil
+
+    try:
+        disk = measure_disk(args.nvme_path, args.disk_mib)
+        print(f"load before: {os.getloadavg()}")
+        print(
+            f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s"
+        )
+        command = [sys.executable, __file__, *sys.argv[1:], "--tier", "capacity"]
+        out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if out.returncode != 0:
+            print(out.stderr[-4000:])
+            raise SystemExit(f"capacity run failed (exit {out.returncode})")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"load after: {os.getloadavg()}")
+        print(
+            f"{r['params'] / 1e9:.3f}B parameters, one CPU rank, bf16-mixed, stage 3, parameters + gradients + "
+            f"optimizer states on disk; {args.tokens} tokens per step; fit {r['fit_s']:.0f} s"
+        )
+        print(
+            "step | step s | compute s | read wait s | write wait s | GB read | GB written | read GB/s (x disk) | "
+            "write GB/s (x disk) | disk busy (x step) | loss | VmHWM GiB"
+        )
+        for i, row in enumerate(r["rows"], 1):
+            compute = row["step_s"] - row["read_wait_s"] - row["write_wait_s"]
+            rate_r, rate_w = row["read_gb"] / row["step_s"], row["written_gb"] / row["step_s"]
+            # seconds the disk needs for this step's bytes at the rates measured above, over the step
+            busy = (row["read_gb"] / disk["read_gbs"] + row["written_gb"] / disk["write_gbs"]) / row["step_s"]
+            print(
+                f"{i} | {row['step_s']:.1f} | {compute:.1f} | {row['read_wait_s']:.1f} | {row['write_wait_s']:.1f} | "
+                f"{row['read_gb']:.2f} | {row['written_gb']:.2f} | {rate_r:.3f} ({rate_r / disk['read_gbs']:.2f}) | "
+                f"{rate_w:.3f} ({rate_w / disk['write_gbs']:.2f}) | {busy:.2f} | {row['loss']:.4f} | {row['hwm_gib']:.2f}"
+            )
+        print(
+            f"peak RSS (VmHWM) GiB: after setup {r['setup_hwm_gib']:.2f}, end of training {r['train_hwm_gib']:.2f}, "
+            f"process (incl. unsharding after fit) {r['process_hwm_gib']:.2f}; swap directory removed: {r['clean']}"
+        )
+    finally:
+        shutil.rmtree(args.nvme_path, ignore_errors=True)
+        print(f"removed {args.nvme_path}: {not os.path.exists(args.nvme_path)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", required=True)
@@ -159,10 +321,21 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--disk-mib", type=int, default=512)
     parser.add_argument("--stage", type=int, choices=[2, 3], default=2)
-    parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params"], help=argparse.SUPPRESS)  # child mode
+    parser.add_argument("--capacity", action="store_true", help="the capacity run (see capacity_child)")
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params", "capacity"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tier == "capacity":
+        print(json.dumps(capacity_child(args)))
+        return
     if args.tier:
         print(json.dumps(child(args)))
+        return
+    if args.capacity:
+        capacity(args)
         return
     disk = measure_disk(args.nvme_path, args.disk_mib)
     print(f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s")

@@ -390,6 +390,12 @@ class NvmeConfig:
     """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
     Python fallback always goes through the page cache)."""
 
+    restore_after_fit: bool = True
+    """At the end of a finished fit read the optimizer states back into host memory before the files
+    are removed, so the optimizer stays usable (``trainer.save_checkpoint`` after fit). False removes
+    them without reading (a model whose states do not fit in RAM, the reason for the disk tier);
+    saving the optimizer after fit is then a ValueError."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"nvme_path={self.path!r} must be a directory path (a string), e.g. '/local_nvme'.")
@@ -404,6 +410,8 @@ class NvmeConfig:
         _positive_int("param_buffer_count", self.param_buffer_count, 1, 64)
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
+        if not isinstance(self.restore_after_fit, bool):
+            raise ValueError(f"nvme restore_after_fit={self.restore_after_fit!r} must be True or False.")
 
 
 def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeConfig | None:
@@ -412,7 +420,15 @@ def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeCon
         if knobs:
             raise ValueError(f"nvme_config={dict(knobs)!r} was given without nvme_path; set nvme_path to a directory.")
         return None
-    allowed = ("block_size", "queue_depth", "threads", "buffer_count", "param_buffer_count", "direct_io")
+    allowed = (
+        "block_size",
+        "queue_depth",
+        "threads",
+        "buffer_count",
+        "param_buffer_count",
+        "direct_io",
+        "restore_after_fit",
+    )
     unknown = sorted(set(knobs or {}) - set(allowed))
     if unknown:
         raise ValueError(f"nvme_config has unknown keys {unknown}; the knobs are {list(allowed)}.")

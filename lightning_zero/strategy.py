@@ -101,7 +101,8 @@ class ZeroStrategy(DDPStrategy):
             under ``nvme_path`` instead (:mod:`lightning_zero.offload.nvme`); ``True``/"cpu": host memory.
         nvme_path: the directory for the disk tier (a fast local drive); needed by "nvme".
         nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
-            ``buffer_count``, ``direct_io`` (see :class:`~lightning_zero.config.NvmeConfig`).
+            ``buffer_count``, ``param_buffer_count``, ``direct_io``, ``restore_after_fit`` (see
+            :class:`~lightning_zero.config.NvmeConfig`).
         pin_memory: page-lock host buffers on GPU machines.
         offload_pipeline: DeepSpeed's pipelined offload: each bucket's copy-back and all-gather start
             while the next bucket is stepped (False: step all, then publish; same numbers).

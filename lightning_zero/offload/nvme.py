@@ -209,6 +209,19 @@ class SwapStore:
         path = str(self.directory / f"{name}.swp")
         return torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype).view(tensor.shape)
 
+    def rename(self, tensor: torch.Tensor, name: str) -> None:
+        """The file of ``tensor`` (swapped out under another name, e.g. by the sharded build before its
+        owner existed) is from now on ``name``'s. A no-op when ``tensor`` is not known here."""
+        old = next((n for n, t in self._tensors.items() if t is tensor), None)
+        if old is None or old == name:
+            return
+        assert name not in self._tensors, f"swap file {name} is taken"
+        self.wait([(old, tensor)])
+        os.replace(self.directory / f"{old}.swp", self.directory / f"{name}.swp")
+        if old in self._fds:
+            self._fds[name] = self._fds.pop(old)
+        self._tensors[name] = self._tensors.pop(old)
+
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking ``names`` (waiting for their I/O): :meth:`fetch_all` and :meth:`close` leave
         their tensors alone; their files are removed with the directory."""

@@ -11,7 +11,10 @@ the unit that is gathered before the module runs. Parameters of at most
 are on the meta device (built in ``LightningModule.configure_model`` under stage 3) is materialized
 here, one module at a time: its tensors are allocated on the device, its ``reset_parameters()``
 initializes them, rank 0's values are broadcast, the rank keeps its slice and the full tensors are
-freed before the next module, so no rank ever holds more than its shards plus one module.
+freed before the next module, so no rank ever holds more than its shards plus one module. Under
+the disk tiers (``offload_optimizer="nvme"``, ``offload_parameters="nvme"``) each buffer's master and
+shard go to their files as soon as it is built (``BuildContext.sink``), so the shards are not held
+either: at most one module is in memory.
 
 A parameter given to several optimizers (a GAN's shared embedding) goes, at every stage, into a
 buffer holding only parameters with the same set of holders; the buffer is in each holder's list,
@@ -21,6 +24,7 @@ one master slice (gradients: :mod:`lightning_zero.zero.shared`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +59,9 @@ class BuildContext:
     """How meta parameters were built (``configure_model`` under stage 3), for :func:`materialize`."""
     pool: BlockPool = field(default_factory=BlockPool)
     """Gathered parameters and gradient buckets of the engine (:mod:`~lightning_zero.zero.pools`)."""
+    sink: Callable[[FlatBuffer], None] | None = None
+    """Stage 3: called with each sharded buffer as soon as it is built (the disk tier writes its
+    slices to files and frees them: :class:`lightning_zero.zero.swap.BuildToDisk`)."""
 
     @property
     def rank(self) -> int:
@@ -221,6 +228,8 @@ def build_sharded(
             units.setdefault(key, []).append(param)
         for key, params in units.items():
             buffer = ctx.buffer(params, None if key is None else key[0][1], persistent=False)
+            if ctx.sink is not None:
+                ctx.sink(buffer)  # to disk before the next module is materialized
             if key is None:
                 frozen.append(buffer)
             else:

@@ -35,7 +35,7 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, StrategyConfig, grad_dtype
 from lightning_zero.offload.nvme import SwapStore
-from lightning_zero.zero.build import BuildContext, build_bucketed, build_sharded, optimizer_owners
+from lightning_zero.zero.build import BuildContext, Holders, build_bucketed, build_sharded, optimizer_owners
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
@@ -53,7 +53,8 @@ from lightning_zero.zero.surface import (
     ParamGroup,
     PieceReader,
 )
-from lightning_zero.zero.swap import EngineSwap, ParamTier
+from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
+from lightning_zero.zero.swap_grads import GradTier
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -107,8 +108,77 @@ class ZeroEngine:
         self.config = config
         self.group = group = parallel.data
         self.device = device
-        compute_dtype, separate_master = PRECISIONS[precision]
         owners = optimizer_owners(optimizers)
+        nvme = config.offload.nvme
+        disk_masters = config.offload.optimizer_tier == "nvme" and bool(optimizers)
+        disk_params = config.offload.parameter_tier == "nvme" and config.zero.stage == 3
+        # One directory per rank, shared by the disk tiers; made before the build, which under stage 3
+        # writes each buffer's slices into it as soon as they exist (BuildToDisk).
+        store = SwapStore(nvme, comm.rank(None)) if nvme is not None and (disk_masters or disk_params) else None
+        sink = None
+        if store is not None and config.zero.stage == 3:
+            grads = disk_masters and device.type == "cpu"  # the gradient tier below will hold them
+            sink = BuildToDisk(store, masters=disk_masters, params=disk_params, grads=grads)
+        #: the stage-3 build's writer into the disk tier (None without one)
+        self.build_to_disk = sink
+        self._states_dropped = False  # the disk tier was closed without reading the states back
+        try:
+            self._build(module, optimizers, owners, precision, parallel, recordings, store, sink)
+        except BaseException:
+            if store is not None:
+                store.close(bring_back=False)  # nothing of this run stays on disk
+            raise
+        self._reducer = GradReducer(
+            self._buffers,
+            stage=config.zero.stage,
+            group=group,
+            device=device,
+            overlap_comm=config.zero.overlap_comm,
+            tied=parallel.tied,
+            pool=self._ctx.pool,
+        )
+        self._coordinator: GatherCoordinator | None = None
+        if config.zero.stage == 3:
+            self._coordinator = GatherCoordinator(
+                module, self._buffers + self._frozen, config.zero, group, shard_tier=self.param_tier
+            )
+        self._norms: dict[int, torch.Tensor] = {}
+        self._exposed: ExposedGrads | None = None  # inside full_gradients
+        self._window: ExposedGrads | None = None  # manual optimization: expose_window
+        self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
+        self._routed: list[torch.optim.Optimizer] = []
+        if parallel.pipeline is None:
+            # Under a pipeline the schedule runs every backward inside training_step, and Lightning
+            # calls zero_grad between training_step and its (then empty) backward: not routed there.
+            for optimizer in optimizers:
+                self._route_zero_grad(optimizer)
+        self._held = self._describe()
+
+        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]
+        if orphans and optimizers:
+            warnings.warn(
+                f"{len(orphans)} trainable parameters are in no optimizer (e.g. {orphans[:3]}); ZeRO neither "
+                "reduces nor updates them. Freeze them (requires_grad=False) or add them to an optimizer.",
+                stacklevel=2,
+            )
+
+    def _build(
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        owners: dict[int, Holders],
+        precision: str,
+        parallel: ModelParallelContext,
+        recordings: Sequence[Recording],
+        store: SwapStore | None,
+        sink: BuildToDisk | None,
+    ) -> None:
+        """Flat buffers, sharded optimizers and the disk tiers (``store``: the rank's swap files)."""
+        config, group, device = self.config, self.group, self.device
+        disk_masters = config.offload.optimizer_tier == "nvme" and bool(optimizers)
+        disk_params = config.offload.parameter_tier == "nvme" and config.zero.stage == 3
+        nvme = config.offload.nvme
+        compute_dtype, separate_master = PRECISIONS[precision]
         ctx = BuildContext(
             config=config.zero,
             offload=config.offload,
@@ -118,6 +188,7 @@ class ZeroEngine:
             group=group,
             device=device,
             recordings=tuple(recordings),
+            sink=sink,
         )
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
@@ -157,54 +228,30 @@ class ZeroEngine:
             )
         #: the parameter disk tier (offload_parameters="nvme", stage 3): parameter shards in files
         self.param_tier: ParamTier | None = None
-        nvme = config.offload.nvme
+        #: the gradient disk tier (offload_optimizer="nvme", stages 2/3): reduced gradient slices in files
+        self.grad_tier: GradTier | None = None
         sharded_buffers = [b for b in self._buffers + self._frozen if not b.persistent]
-        wants_params = config.offload.parameter_tier == "nvme" and bool(sharded_buffers)
-        if nvme is not None and ((config.offload.optimizer_tier == "nvme" and optimizers) or wants_params):
-            store = SwapStore(nvme, comm.rank(None))  # one directory per rank, shared by both tiers
-            if config.offload.optimizer_tier == "nvme" and optimizers:
+        wants_params = disk_params and bool(sharded_buffers)
+        if store is not None:
+            assert nvme is not None
+            if disk_masters:
                 self.swap = EngineSwap(list(self._sharded.values()), store)
             if wants_params:
                 self.param_tier = ParamTier(sharded_buffers, store, nvme)
-        self._reducer = GradReducer(
-            self._buffers,
-            stage=config.zero.stage,
-            group=group,
-            device=device,
-            overlap_comm=config.zero.overlap_comm,
-            tied=parallel.tied,
-            pool=ctx.pool,
-        )
-        self._coordinator: GatherCoordinator | None = None
-        if config.zero.stage == 3:
-            self._coordinator = GatherCoordinator(
-                module, self._buffers + self._frozen, config.zero, group, shard_tier=self.param_tier
-            )
-        self._norms: dict[int, torch.Tensor] = {}
-        self._exposed: ExposedGrads | None = None  # inside full_gradients
-        self._window: ExposedGrads | None = None  # manual optimization: expose_window
-        self._prepared: set[int] = set()  # optimizers whose slices hold this window's reduced gradients
-        self._routed: list[torch.optim.Optimizer] = []
-        if parallel.pipeline is None:
-            # Under a pipeline the schedule runs every backward inside training_step, and Lightning
-            # calls zero_grad between training_step and its (then empty) backward: not routed there.
-            for optimizer in optimizers:
-                self._route_zero_grad(optimizer)
-        self._held = self._describe()
-
-        orphans = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owners]
-        if orphans and optimizers:
-            warnings.warn(
-                f"{len(orphans)} trainable parameters are in no optimizer (e.g. {orphans[:3]}); ZeRO neither "
-                "reduces nor updates them. Freeze them (requires_grad=False) or add them to an optimizer.",
-                stacklevel=2,
-            )
+            if self.swap is not None and config.zero.stage >= 2:
+                # gradient slices on disk too (zero/swap_grads.py); stage 1 keeps whole buckets in memory
+                on_host = [b for b in self._buffers if b.grad_shard is not None and b.grad_shard.device.type == "cpu"]
+                self.grad_tier = GradTier(on_host, store, nvme) if on_host else None
+            if self.swap is None and self.param_tier is None:
+                store.close(bring_back=False)  # nothing to keep on disk after all
 
     # -- per micro-step -----------------------------------------------------------------------
 
     def backward_done(self) -> None:
         """Complete this backward's reductions. Call on all ranks after every backward."""
         self._reducer.finish()
+        if self.grad_tier is not None:
+            self.grad_tier.flush()  # every slice of this backward written and freed
         self.end_pass()
 
     def end_pass(self) -> None:
@@ -274,7 +321,10 @@ class ZeroEngine:
             before_update()
         overflow = False
         if update:
-            overflow = check_overflow and not bool(torch.isfinite(self.grad_norm(optimizer)))
+            # (known_finite: clipped gradients on the disk tier, not read again for the check)
+            overflow = check_overflow and not (
+                sharded.known_finite() or bool(torch.isfinite(self.grad_norm(optimizer)))
+            )
             if not overflow:
                 if self.config.offload.pipeline and sharded.pipelines:
                     # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
@@ -435,6 +485,7 @@ class ZeroEngine:
                 optimizer is None or _unwrap(optimizer) is sharded.optimizer
             ):
                 self._prepare(sharded.optimizer, inv_scale)
+                sharded.materialize_grads()  # off the gradient disk tier: every slice at once, as without it
         slices = {id(b): b.master.grad for b in buffers if b.master.grad is not None}
         got = set(self._reducer.got_gradient)
         for b in buffers:
@@ -573,6 +624,12 @@ class ZeroEngine:
         host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
         tier the swapped masters and states are memory maps of their files, valid until the next step
         (a save streams them from disk; nothing is brought into anonymous memory). Local."""
+        if self._states_dropped:
+            raise ValueError(
+                "the optimizer states and fp32 masters of this run were on the disk tier and were removed at the "
+                "end of fit without being read back (nvme restore_after_fit=False, or fit failed); save "
+                "checkpoints during fit (ModelCheckpoint), or keep restore_after_fit=True when they fit in RAM."
+            )
         buffers = self._all_buffers()
         if self.config.zero.absorb_param_edits:
             for b in buffers:
@@ -743,15 +800,22 @@ class ZeroEngine:
             for buffer in self._all_buffers():
                 buffer.unshard(self.group)
         store = self.swap.store if self.swap is not None else None
+        if self.grad_tier is not None:
+            self.grad_tier.close(bring_back=unshard)
+            self.grad_tier = None
         if self.param_tier is not None:
             store = self.param_tier.store
             self.param_tier.close()
             self.param_tier = None
         if self.swap is not None:
             # After a finished fit the states come back to host memory (a checkpoint after fit
-            # still saves them); after a failure the files are simply removed.
-            self.swap.close(bring_back=unshard)
+            # still saves them) unless nvme restore_after_fit=False; after a failure the files are
+            # simply removed.
+            nvme = self.config.offload.nvme
+            bring_back = unshard and (nvme is None or nvme.restore_after_fit)
+            self.swap.close(bring_back=bring_back)
             self.swap = None
+            self._states_dropped = not bring_back
         elif store is not None:
             store.close(bring_back=False)
         for optimizer in self._routed:

@@ -10,7 +10,9 @@ Roles, for one flat buffer on rank r (N ranks, compute dtype ``c``: fp32, bf16 o
                                       whose storage is resized to 0 bytes when released)
     grad_bucket  (padded_numel,) g    full-size gradients collected from autograd for one reduction;
                                       stage 1 keeps it across micro-steps, stages 2/3 free it after each
-    grad_shard   (shard_numel,)  g    rank r's slice of the reduced (averaged) gradients
+    grad_shard   (shard_numel,)  g    rank r's slice of the reduced (averaged) gradients; under the
+                                      gradient disk tier (zero/swap_grads.py) in a file, with memory
+                                      only while reduced into or stepped
     host_grad    (shard_numel,)  g    offload with a GPU: grad_shard's copy in (pinned) host memory, made
                                       as each reduction of stages 2/3 completes
     master       (shard_numel,)  fp32 rank r's slice of the master weights that the optimizer steps;
@@ -47,7 +49,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -98,6 +100,24 @@ class ShardTier(Protocol):
     def open_for_write(self, b: FlatBuffer) -> None: ...
     def write_behind(self, b: FlatBuffer) -> None: ...
     def flush(self) -> None: ...
+
+
+class GradTierLike(Protocol):
+    """Where ``grad_shard`` rests between reductions and the step when it is not kept in memory: the
+    disk tier (:class:`lightning_zero.zero.swap_grads.GradTier`)."""
+
+    def before_reduce(self, b: FlatBuffer, fresh: bool) -> None: ...
+    def before_add(self, b: FlatBuffer) -> None: ...
+    def after_reduce(self, b: FlatBuffer) -> None: ...
+    def drop(self, b: FlatBuffer) -> None: ...
+    def resident(self, b: FlatBuffer, write: bool) -> AbstractContextManager[None]: ...
+    def pending(self, b: FlatBuffer, inv_scale: float) -> Any: ...
+    def squared(self, b: FlatBuffer) -> torch.Tensor: ...
+    def read_step_grad(self, b: FlatBuffer) -> torch.Tensor: ...
+    def materialize(self, b: FlatBuffer) -> None: ...
+    def step_items(self, b: FlatBuffer) -> list[tuple[str, torch.Tensor]]: ...
+    def step_grad(self, b: FlatBuffer) -> torch.Tensor: ...
+    def done_step(self, b: FlatBuffer) -> None: ...
 
 
 class FlatBuffer:
@@ -198,6 +218,11 @@ class FlatBuffer:
         ):
             self.host_grad = host_empty(layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
         self.grad_state = GradState.EMPTY
+        #: set by the gradient disk tier: ``grad_shard`` has memory only while reduced into or stepped
+        self.grad_tier: GradTierLike | None = None
+        #: under the gradient disk tier, ``master.grad`` while its values rest on disk
+        #: (:class:`lightning_zero.zero.swap_grads.PendingGrad`; None otherwise)
+        self.pending_grad: Any = None
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
         self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice
         self._gather_handle: comm.Handle | None = None
@@ -328,6 +353,8 @@ class FlatBuffer:
             self.grad_bucket = new_bucket()
         assert self.grad_shard is not None and self.grad_state is not GradState.REDUCING
         fresh = self.grad_state in (GradState.EMPTY, GradState.COLLECTING)
+        if self.grad_tier is not None:
+            self.grad_tier.before_reduce(self, fresh)  # memory (fresh) or the earlier sum's read
         out = self.grad_shard if fresh else torch.empty_like(self.grad_shard)
         self.grad_state = GradState.REDUCING
         return self.grad_bucket, out
@@ -341,8 +368,12 @@ class FlatBuffer:
         if out is self.grad_shard:
             self.grad_shard.div_(world_size)
         else:
+            if self.grad_tier is not None:
+                self.grad_tier.before_add(self)
             self.grad_shard.add_(out.div_(world_size))
         self.grad_state = GradState.REDUCED
+        if self.grad_tier is not None:
+            self.grad_tier.after_reduce(self)  # sum of squares, written behind
         if to_host and self.host_grad is not None:
             self.host_grad.copy_(self.grad_shard, non_blocking=True)
             self.grad_state = GradState.ON_HOST
@@ -359,6 +390,10 @@ class FlatBuffer:
         """Add ``piece`` into the reduced gradient slice from element ``start`` on (and into its host
         copy when that is current): gradients reduced outside the buckets (tied parameters)."""
         assert self.grad_shard is not None
+        if self.grad_tier is not None:
+            with self.grad_tier.resident(self, write=True):
+                self.grad_shard[start : start + piece.numel()].add_(piece)
+            return
         self.grad_shard[start : start + piece.numel()].add_(piece)
         if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
             self.host_grad[start : start + piece.numel()].add_(piece.to(self.host_grad.device))
@@ -381,6 +416,8 @@ class FlatBuffer:
         if self._bucket_kept:
             assert self.grad_bucket is not None
             self.grad_bucket.zero_()  # grad_shard is a view of it
+        elif self.grad_tier is not None:
+            self.grad_tier.drop(self)  # no memory; the file is stale until the next reduction
         elif self.grad_shard is not None:
             self.grad_shard.zero_()
         self.grad_state = GradState.EMPTY
@@ -396,13 +433,20 @@ class FlatBuffer:
         source = self.grad_bucket if self._bucket_kept else self.grad_shard
         assert source is not None
         state = GradState.REDUCED if self.grad_state is GradState.ON_HOST else self.grad_state
+        if self.grad_tier is not None:
+            with self.grad_tier.resident(self, write=False):
+                return state.value, source.detach().to("cpu", copy=True)
         return state.value, source.detach().to("cpu", copy=True)
 
     def load_window_grads(self, state: str, grads: torch.Tensor) -> None:
         """Put back what :meth:`window_grads` saved (same layout, same rank)."""
         target = self.grad_bucket if self._bucket_kept else self.grad_shard
         assert target is not None and target.shape == grads.shape
-        target.copy_(grads)
+        if self.grad_tier is not None:
+            with self.grad_tier.resident(self, write=True):  # (still EMPTY: nothing read)
+                target.copy_(grads)
+        else:
+            target.copy_(grads)
         self.grad_state = GradState(state)
 
     def absorb_edits(self, chunk: int = 1 << 20) -> None:

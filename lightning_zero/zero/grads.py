@@ -102,6 +102,9 @@ def window_slice(buffer: FlatBuffer, stage: int, group: comm.ProcessGroup, inv_s
         out = torch.empty_like(buffer.grad_shard)
         comm.reduce_scatter(out, bucket, group, clobber_input=True, label="expose_param_grads")
         out.div_(comm.world_size(group))
+    elif buffer.grad_tier is not None:  # the slice rests on disk (zero/swap_grads.py)
+        with buffer.grad_tier.resident(buffer, write=False):
+            return buffer.grad_shard.to(buffer.master.dtype, copy=True).mul_(inv_scale).to(buffer.master.device)
     else:
         out = buffer.grad_shard
     return out.to(buffer.master.dtype, copy=True).mul_(inv_scale).to(buffer.master.device)

@@ -176,6 +176,7 @@ class ShardedOptimizer:
         self.kernel = KernelStep.for_optimizer(optimizer, buffers, group, self.group_of)
         if self.kernel is None:
             prefer_fused(optimizer, [b.master for b in buffers])
+        self._finite_after_clip = False  # see known_finite
 
     @contextmanager
     def masters(self) -> Iterator[None]:
@@ -221,10 +222,15 @@ class ShardedOptimizer:
         """Expose the reduced slices as ``master.grad`` (fp32, unscaled by ``inv_scale``); the buffers
         in ``given`` (``id(buffer) -> gradient``, shared parameters) get that one, None: skipped."""
         self.check_groups()
+        self._finite_after_clip = False
         given = given or {}
         for b in self.buffers:
             if id(b) in given:
                 b.master.grad = given[id(b)]
+                continue
+            if b.grad_tier is not None:
+                # the gradient disk tier: master.grad stays on disk until the kernel reads it (zero/swap_grads.py)
+                b.pending_grad = b.grad_tier.pending(b, inv_scale)
                 continue
             grad = b.grad_for_step()
             if inv_scale != 1.0:
@@ -240,7 +246,11 @@ class ShardedOptimizer:
         tp, pp = self.tensor_parallel_group, self.pipeline_parallel_group
         replicas_counted = tp is None or comm.rank(tp) == 0  # (None is not "the default group" here)
         for b in self.buffers:
-            grad = b.master.grad
+            tier = b.grad_tier if b.pending_grad is not None else None
+            if tier is not None and replicas_counted and not self.counted_elsewhere:
+                local += tier.squared(b)  # the sum of squares taken when it was reduced
+                continue
+            grad = b.master.grad if tier is None else tier.read_step_grad(b)
             if grad is None:
                 continue
             if replicas_counted and not self.counted_elsewhere:
@@ -266,15 +276,41 @@ class ShardedOptimizer:
         """
         norm = self.grad_norm() if norm is None else norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        pending = [b for b in self.buffers if b.pending_grad is not None]
+        if pending:
+            # Clipping by a finite norm leaves every gradient finite (each element only shrinks), so
+            # the overflow check after it needs no second read of the slices (known_finite). On the
+            # host: the gradient tier is in host memory, so this costs no device sync.
+            fresh = all(not b.pending_grad.ops for b in pending)
+            self._finite_after_clip = fresh and bool(torch.isfinite(norm))
         for b in self.buffers:
-            if b.master.grad is not None:
+            if b.pending_grad is not None:  # applied when the step reads it (zero/swap_grads.py)
+                b.pending_grad.ops.append(lambda grad, c=coef: grad.mul_(c.to(grad.dtype)))
+            elif b.master.grad is not None:
                 b.master.grad.mul_(coef.to(b.master.grad.dtype))
         return norm
 
+    def known_finite(self) -> bool:
+        """The gradients are known to be finite without reading them: they rest on the disk tier and
+        were only clipped, once, by a finite global norm since they were reduced (otherwise the
+        overflow check computes the norm again)."""
+        return self._finite_after_clip
+
     def clip_grad_value(self, clip_value: float) -> None:
+        self._finite_after_clip = False
         for b in self.buffers:
-            if b.master.grad is not None:
+            if b.pending_grad is not None:
+                b.pending_grad.ops.append(lambda grad: grad.clamp_(-clip_value, clip_value))
+            elif b.master.grad is not None:
                 b.master.grad.clamp_(-clip_value, clip_value)
+
+    def materialize_grads(self) -> None:
+        """Gradients left on the disk tier into ``master.grad`` (code that reads them all at once:
+        ``full_gradients``); their memory is the old path's from here to the step."""
+        self._finite_after_clip = False  # the caller may edit them
+        for b in self.buffers:
+            if b.grad_tier is not None:
+                b.grad_tier.materialize(b)
 
     def step(self, stepped: Stepped | None = None, step_kwargs: Mapping[str, Any] | None = None) -> None:
         """Update the master slices and write them into the parameter slices (the kernels do both in
@@ -300,8 +336,10 @@ class ShardedOptimizer:
         return self.kernel is not None
 
     def release_grads(self) -> None:
+        self._finite_after_clip = False
         for b in self.buffers:
             b.master.grad = None
+            b.pending_grad = None
 
     # -- checkpoints -------------------------------------------------------------------------------
 

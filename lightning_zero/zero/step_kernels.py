@@ -25,8 +25,9 @@ arithmetic is the same as unpipelined, so the results are bitwise equal.
 
 With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
 swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
-``buffer_count - 1`` sub-groups ahead while the current one steps, and writes each one behind;
-with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
+``buffer_count - 1`` sub-groups ahead while the current one steps (with each one's gradient slice,
+which rests on disk too at stages 2/3: :mod:`lightning_zero.zero.swap_grads`; cast to fp32 one
+sub-group at a time), and writes each one behind; with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
 (:class:`lightning_zero.zero.swap.ParamTier`).
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
@@ -293,20 +294,22 @@ class KernelStep:
             (index, b)
             for g_index in range(len(self.optimizer.param_groups))
             for index, b in enumerate(self.buffers)
-            if self.group_of[id(b)] == g_index and b.master.grad is not None
+            if self.group_of[id(b)] == g_index and (b.master.grad is not None or b.pending_grad is not None)
         ]
         swap, ahead = self.swap, 0 if self.swap is None else self.swap.config.buffer_count - 1
         if swap is not None:
             for index, _ in order[:ahead]:
-                swap.fetch(self.swapped(index))
+                swap.fetch(self._step_items(index))
         for position, (index, b) in enumerate(order):
             if swap is not None:
-                swap.fetch(self.swapped(index))  # (a no-op when read ahead)
-                swap.wait(self.swapped(index))
+                swap.fetch(self._step_items(index))  # (a no-op when read ahead)
+                swap.wait(self._step_items(index))
                 if position + ahead < len(order):
-                    swap.fetch(self.swapped(order[position + ahead][0]))  # read ahead while this one steps
+                    swap.fetch(self._step_items(order[position + ahead][0]))  # read ahead while this one steps
             # only buffers of this optimizer with a gradient this step are in order
-            assert b.master.grad is not None
+            on_disk = b.grad_tier if b.pending_grad is not None else None  # the gradient rests on disk
+            grad = b.master.grad if on_disk is None else on_disk.step_grad(b)
+            assert grad is not None
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             state = self._state(b.master)
             state["step"] += 1
@@ -316,13 +319,16 @@ class KernelStep:
             self._before_kernel(b, copy)
             F.cpu_adam_step(
                 b.master,
-                b.master.grad.contiguous(),
+                grad.contiguous(),
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 step=int(state["step"]),
                 param_copy=copy,
                 **hyper,
             )
+            if on_disk is not None:
+                del grad
+                on_disk.done_step(b)  # the slice's memory (its file is stale now)
             self._write_back(b, copy, stepped)
             if b.shard_tier is not None:
                 b.shard_tier.write_behind(b)
@@ -334,6 +340,13 @@ class KernelStep:
             self._release(swap, order[-1][0])
         for tier in {id(t): t for t in (b.shard_tier for _, b in order) if t is not None}.values():
             tier.flush()
+
+    def _step_items(self, index: int) -> list[Swapped]:
+        """What the step reads for ``self.buffers[index]``: master and moments, and its gradient when
+        that rests on the disk tier too (:mod:`lightning_zero.zero.swap_grads`)."""
+        b = self.buffers[index]
+        grads = b.grad_tier.step_items(b) if b.grad_tier is not None else []
+        return self.swapped(index) + grads
 
     def _release(self, swap: SwapStore, index: int) -> None:
         # a pipelined copy-back from an fp32 master may still read it: done before its memory goes

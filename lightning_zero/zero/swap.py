@@ -74,9 +74,10 @@ def check_space(
     if offload.optimizer_tier != "nvme" or nvme is None:
         return
     trainable = [p for p in module.parameters() if p.requires_grad]
-    per_rank = bytes_needed(
-        -(-sum(p.numel() for p in trainable) // data_parallel_size), len(trainable), nvme.block_size
-    )
+    numel = -(-sum(p.numel() for p in trainable) // data_parallel_size)
+    per_rank = bytes_needed(numel, len(trainable), nvme.block_size)
+    # gradient slices (zero/swap_grads.py), in the compute dtype (stage 1 keeps them in memory: counted anyway)
+    per_rank += param_bytes_needed(numel, len(trainable), nvme.block_size, param_itemsize)
     if offload.parameter_tier == "nvme":  # every parameter shard, in the compute dtype
         every = list(module.parameters())
         per_rank += param_bytes_needed(
@@ -104,7 +105,8 @@ class EngineSwap:
                 )
             kernels.append(s.kernel)
             for b in s.buffers:
-                if b.param_shard.untyped_storage().data_ptr() == b.master.untyped_storage().data_ptr():
+                # (_cdata: the storage itself; a data pointer is 0 for every storage the build freed)
+                if b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata:
                     # fp32 stage 3 without a separate master: the parameter shard *is* the master
                     # tensor. It must stay in memory for the forward, so it gets its own copy.
                     b.param_shard = b.master.detach().clone()
@@ -112,6 +114,10 @@ class EngineSwap:
         self.kernels = kernels
         for kernel in kernels:
             kernel.swap = self.store
+            for index in range(len(kernel.buffers)):
+                for name, tensor in kernel.swapped(index):
+                    if not SwapStore.resident(tensor):
+                        self.store.rename(tensor, name)  # written by the build (BuildToDisk): its file, renamed
         self.settle()
 
     def items_of(self, buffer: FlatBuffer, master_only: bool = False) -> list[Swapped]:
@@ -199,7 +205,10 @@ class ParamTier:
             assert not b.persistent and b.state is ParamState.RELEASED
             b.shard_tier = self
             b.bind_released()  # empty tensors from now on: the shards are about to lose their memory
-        items = [self._item(b) for b in buffers]
+        items = [self._item(b) for b in buffers if SwapStore.resident(b.param_shard)]
+        for b in buffers:
+            if not SwapStore.resident(b.param_shard):
+                store.rename(b.param_shard, self._names[id(b)])  # written by the build (BuildToDisk)
         store.evict(items)
         store.release(items)
 
@@ -326,3 +335,50 @@ class ParamTier:
             b.shard_tier = None
         self.store.forget([name for name, _ in map(self._item, self.buffers)])
         self._in_memory.clear()
+
+
+class BuildToDisk:
+    """Stage 3's sharded build straight into the disk tier: called by
+    :func:`~lightning_zero.zero.build.build_sharded` with each sharded buffer as soon as it is built
+    (its module just materialized), it writes the buffer's fp32 master (``masters``:
+    ``offload_optimizer="nvme"``) and its parameter shard (``params``: ``offload_parameters="nvme"``)
+    to files and frees them, and frees the (zero) gradient slice when the gradient tier will hold it
+    (``grads``), before the next module is materialized. So a model built in ``configure_model`` is
+    never whole in memory: at most one module's full tensors and one buffer's slices are. The files
+    are renamed to their owners' names when the tiers take them over (:meth:`SwapStore.rename`).
+    """
+
+    def __init__(self, store: SwapStore, *, masters: bool, params: bool, grads: bool) -> None:
+        self.store = store
+        self.masters, self.params, self.grads = masters, params, grads
+        self.count = 0
+        #: bytes of earlier buffers' masters, parameter shards and gradient slices still in memory
+        #: when each buffer was written, the most seen (tests read it: 0 when nothing stays behind)
+        self.peak_left_behind = 0
+        self._built: list[FlatBuffer] = []
+
+    def __call__(self, b: FlatBuffer) -> None:
+        left = sum(
+            t.untyped_storage().nbytes()
+            for w in self._built
+            for t in (w.master, w.param_shard, w.grad_shard)
+            if t is not None
+        )
+        self.peak_left_behind = max(self.peak_left_behind, left)
+        n, items = self.count, list[Swapped]()
+        self.count += 1
+        if self.masters and b.trainable and b.separate_master:
+            if b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata:
+                b.param_shard = b.master.detach().clone()  # fp32: the shard stays apart from the master (EngineSwap)
+                b.bind_released()
+            items.append((f"build{n}.master", b.master))
+        if self.params:
+            items.append((f"build{n}.param", b.param_shard))
+            empty = torch.empty(0, dtype=b.param_shard.dtype, device=b.param_shard.device)
+            for param in b.params:
+                param.data = empty  # not views of a shard about to lose its memory (ParamTier binds the same)
+        self.store.evict(items)
+        self.store.release(items)
+        if self.grads and b.grad_shard is not None:
+            b.grad_shard.untyped_storage().resize_(0)  # zero until the first reduction (GradTier)
+        self._built.append(b)

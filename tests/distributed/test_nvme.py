@@ -56,8 +56,22 @@ class _SwappedOut(Callback):
         self.bytes_read = 0
         self.params_resting: list[bool] = []
         self.peak = 0
+        self.grads_resting: list[bool] = []
+        self.grad_peak = (0, 0, 0)
+        self.grad_bytes = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        grads = trainer.strategy._engine.grad_tier
+        if grads is not None and batch_idx > 0:
+            # between backwards (inside an accumulation window too) and between steps: no gradient
+            # slice holds memory; the files hold them
+            self.grads_resting.append(all(b.grad_shard.untyped_storage().nbytes() == 0 for b in grads.buffers))
+            self.grad_peak = (grads.peak, grads.peak_buckets, len(grads.buffers))
+            names = [grads.item(b)[0] for b in grads.buffers]
+            directory = grads.store.directory
+            self.grad_bytes = sum(
+                os.path.getsize(directory / f"{n}.swp") for n in names if (directory / f"{n}.swp").exists()
+            )
         swap = trainer.strategy._engine.swap  # reaches inside on purpose: a test of where the states are
         if swap is None or trainer.global_step == 0:
             return  # CPU offload, or nothing stepped yet
@@ -84,6 +98,9 @@ def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict
             "bytes_read": probe.bytes_read,
             "params_resting": probe.params_resting,
             "peak": probe.peak,
+            "grads_resting": probe.grads_resting,
+            "grad_peak": probe.grad_peak,
+            "grad_bytes": probe.grad_bytes,
             # this rank's directory only: the other rank may still be cleaning up its own
             "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
         }
@@ -104,6 +121,15 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                     assert torch.equal(got["state"][key], value), (name, key)
                 assert got["resting"] and all(got["resting"]), (name, got["resting"])
                 assert got["bytes_read"] > 0, name
+                # the gradient slices rest in their files between backwards and steps (accumulate=2,
+                # clip=0.5: read-add-write and deferred clipping are exercised) ...
+                assert got["grads_resting"] and all(got["grads_resting"]), (name, got["grads_resting"])
+                assert got["grad_bytes"] > 0, name
+                # ... and at most buffer_count (2) written behind plus one per reduction bucket alive
+                # (those being reduced into) are in memory at once: bounded by counts, not the model
+                peak, buckets, total = got["grad_peak"]
+                assert 1 <= peak <= 2 + buckets, (name, got["grad_peak"])
+                assert peak < total or total <= 2 + buckets, (name, got["grad_peak"])  # (stage 2: 5 buffers)
                 if name.endswith("params_on_disk"):
                     assert got["params_resting"] and all(got["params_resting"]), got["params_resting"]
                     # param_buffer_count=2 read ahead, plus the one being gathered (not read ahead)
@@ -348,8 +374,70 @@ def test_free_space_is_checked_before_training(tmp_path):
     from models import ParityModel
 
     # ParityModel's trainable elements * 12 bytes (fp32 master + 2 moments) on the one rank, plus
-    # a 4096-byte block of padding for each of 3 files per buffer, at most one buffer per tensor
+    # a 4096-byte block of padding for each of 3 files per buffer, at most one buffer per tensor;
+    # and the gradient slices' files (fp32 here: 4 bytes per element, one block of padding each)
     trainable = [p for p in ParityModel().parameters() if p.requires_grad]
-    needed = 12 * sum(p.numel() for p in trainable) + 3 * 4096 * len(trainable)
+    numel = sum(p.numel() for p in trainable)
+    needed = 12 * numel + 3 * 4096 * len(trainable) + 4 * numel + 4096 * len(trainable)
     assert f"writes {needed} bytes" in message and "only 1000 bytes" in message, message
     assert not (tmp_path / "swap").exists()  # refused before anything was created
+
+
+class _InitialWeights(Callback):
+    """The full weights at the start of training (gathered from the shards), and what the build
+    left in memory while it wrote each flat buffer to disk."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        with torch.no_grad(), trainer.strategy.gathered_parameters(pl_module):
+            self.initial = state(pl_module)
+        sink = trainer.strategy._engine.build_to_disk  # reaches inside on purpose: what the build kept
+        self.left_behind = None if sink is None else sink.peak_left_behind
+        self.written = 0 if sink is None else sink.count
+        tier = trainer.strategy._engine.param_tier
+        self.sharded = 0 if tier is None else len(tier.buffers)
+
+
+def _configure_model_worker(rank: int, nvme_path: str) -> dict:
+    from models import BuiltInConfigureModel
+
+    out = {}
+    for name, spec in (
+        ("memory", {"stage": 3, "offload_optimizer": True, **SMALL}),
+        ("disk", {**_params_on_disk(nvme_path), **SMALL}),
+    ):
+        probe = _InitialWeights()
+        _, model = fit(
+            spec,
+            precision="bf16-mixed",
+            max_steps=2,
+            devices=1,
+            model_cls=BuiltInConfigureModel,
+            trainer_kwargs={"callbacks": [probe]},
+        )
+        out[name] = {
+            "initial": probe.initial,
+            "final": state(model),
+            "left_behind": probe.left_behind,
+            "written": probe.written,
+            "sharded": probe.sharded,
+        }
+    return out
+
+
+def test_configure_model_builds_straight_to_disk(tmp_path):
+    # One rank: what is checked (the values written, what stays in memory) does not depend on the
+    # rank count. (On 2 ranks this model with parameters on disk hangs in a backward gather, a
+    # mismatched all-gather order found 2026-12-04 and not fixed yet: see the README's limits.)
+    for res in run_ranks(_configure_model_worker, str(tmp_path / "swap"), world_size=1):
+        memory, disk = res["memory"], res["disk"]
+        # Exact: the same recorded ops replayed into the same shards; only where they rest differs.
+        for key, value in memory["initial"].items():
+            assert torch.equal(disk["initial"][key], value), key
+        for key, value in memory["final"].items():
+            assert torch.equal(disk["final"][key], value), key
+        # Every sharded buffer (5 here) went to disk as it was built, and when each was written no
+        # earlier buffer's master, shard or gradient slice held a byte of memory: the build holds one
+        # module at a time, never the model (the in-memory build keeps them all).
+        assert disk["written"] == disk["sharded"] >= 4, disk
+        assert disk["left_behind"] == 0, disk["left_behind"]
+        assert memory["left_behind"] is None

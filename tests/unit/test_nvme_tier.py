@@ -53,6 +53,23 @@ def test_swap_round_trip_is_exact_and_frees_memory(tmp_path, engine):
     assert not store.directory.exists()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rename_hands_a_written_file_to_its_owner(tmp_path, engine):
+    # The sharded build writes a master before its optimizer exists (BuildToDisk); the tier that
+    # takes it over later reads it under its own name.
+    store = SwapStore(_config(tmp_path, block_size=4096), rank=0, engine=engine)
+    tensor = torch.randn(5003)
+    expected = tensor.clone()
+    store.evict([("build0.master", tensor)])
+    store.release([("build0.master", tensor)])
+    store.rename(tensor, "0.master")
+    assert not (store.directory / "build0.master.swp").exists()
+    store.fetch([("0.master", tensor)])
+    store.wait([("0.master", tensor)])
+    assert torch.equal(tensor, expected)
+    store.close(bring_back=False)
+
+
 def test_python_engine_is_the_fallback_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme, "compiled_engine", lambda: False)
     monkeypatch.setattr(nvme, "_warned", False)
@@ -123,6 +140,7 @@ def test_directory_of_a_live_run_is_an_error(tmp_path):
         ({"threads": 65}, "threads=65 must be an integer from 1 to 64"),
         ({"buffer_count": 1}, "buffer_count=1 must be an integer from 2"),
         ({"param_buffer_count": 0}, "param_buffer_count=0 must be an integer from 1 to 64"),
+        ({"restore_after_fit": "no"}, "restore_after_fit='no' must be True or False"),
     ],
 )
 def test_invalid_knobs(tmp_path, knobs, match):
