@@ -11,7 +11,7 @@
 // five to seven streams of one tile (~400 KiB) stay in L2 while a thread works on it; tiles are also
 // the unit of the LAMB norm reduction, which is summed tile by tile in a fixed order, so the norms
 // do not depend on the number of threads.
-// Tiles are handed out one at a time from an atomic counter (for_each_tile), not in one static block
+// Tiles are handed out in short runs from an atomic counter (for_each_tile), not in one static block
 // per thread: on a shared host (other ranks, dataloader workers, other jobs) a preempted thread
 // would otherwise hold its whole block while the others wait at the end of the region; now they
 // take its remaining tiles. Which tile a thread runs does not change any result.
@@ -41,10 +41,14 @@ void for_each_tile(int64_t tiles, const F& fn) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tiles);
   // one index per worker: each runs the take-a-tile loop (serially, one call drains them all)
+  // Runs of RUN consecutive tiles: a thread streams 1 MiB per array before it jumps, so the
+  // hardware prefetchers stay on (single tiles from interleaved threads measured ~3% slower than
+  // one static block per thread at 100M parameters, 2 threads); still 8+ runs per worker to share.
+  const int64_t run = std::max<int64_t>(1, std::min<int64_t>(16, tiles / (8 * std::max<int64_t>(workers, 1))));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < tiles;
-         t = next.fetch_add(1, std::memory_order_relaxed))
-      fn(t);
+    for (int64_t first = next.fetch_add(run, std::memory_order_relaxed); first < tiles;
+         first = next.fetch_add(run, std::memory_order_relaxed))
+      for (int64_t t = first; t < std::min(first + run, tiles); ++t) fn(t);
   });
 }
 
