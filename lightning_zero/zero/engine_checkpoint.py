@@ -1,0 +1,219 @@
+"""The checkpoint surface of :class:`~lightning_zero.zero.engine.ZeroEngine`: this rank's pieces of
+every held parameter and optimizer state out (:meth:`CheckpointSurface.local_pieces`) and back in
+(:meth:`~CheckpointSurface.load_pieces`, :meth:`~CheckpointSurface.load_optimizer_pieces`,
+:meth:`~CheckpointSurface.load_consolidated`), streaming through the disk tier one flat buffer at a
+time. A mixin: the engine owns the buffers, optimizers and tiers it reads (declared below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from lightning_zero.config import StrategyConfig
+from lightning_zero.offload.nvme import SwapStore
+from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.step import ShardedOptimizer
+from lightning_zero.zero.surface import (
+    HeldParam,
+    LocalPiece,
+    OptimizerPiece,
+    OptimizerPieceReader,
+    PieceReader,
+)
+from lightning_zero.zero.swap import EngineSwap, ParamTier
+
+
+def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    # Lightning hands hooks a LightningOptimizer wrapper; the engine keys on the wrapped optimizer.
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _host_copy(tensor: torch.Tensor, own: bool = False) -> torch.Tensor:
+    """``tensor`` on the CPU in a storage of its own size: torch.save writes a view's whole storage,
+    and without a separate master the master slice is a view of the full flat buffer. ``own``:
+    always a copy (the disk tier frees the original's storage once the checkpoint has read it)."""
+    tensor = tensor.detach()
+    exact = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    if tensor.device.type == "cpu" and exact and not own:
+        return tensor
+    return tensor.to("cpu", copy=True).contiguous()
+
+
+class CheckpointSurface:
+    """Checkpoint methods of the engine (see the module docstring)."""
+
+    config: StrategyConfig
+    swap: EngineSwap | None
+    param_tier: ParamTier | None
+    _states_dropped: bool
+    _optimizers: list[torch.optim.Optimizer]
+    _sharded: dict[int, ShardedOptimizer]
+    _held: list[HeldParam]
+
+    def _all_buffers(self) -> list[FlatBuffer]:
+        raise NotImplementedError  # the engine's
+
+    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
+        raise NotImplementedError  # the engine's
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """Swapped masters and states in host memory for the block (no-op without the disk tier);
+        under the parameter disk tier also the shards of frozen buffers (their own masters)."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident())
+            if self.param_tier is not None:
+                stack.enter_context(self.param_tier.resident_masters())
+            yield
+
+    def _store(self) -> SwapStore | None:
+        if self.swap is not None:
+            return self.swap.store
+        return self.param_tier.store if self.param_tier is not None else None
+
+    @contextmanager
+    def _buffer_resident(self, b: FlatBuffer) -> Iterator[None]:
+        """``b``'s master in host memory for the block when the disk tier holds it (one buffer at a
+        time: checkpoints stream through the tier), written back after."""
+        with contextlib.ExitStack() as stack:
+            if self.swap is not None:
+                stack.enter_context(self.swap.resident_buffer(b, master_only=True))
+            if self.param_tier is not None and b.master is b.param_shard:
+                stack.enter_context(self.param_tier.resident_one(b))
+            yield
+
+    def _snapshot(self, tensor: torch.Tensor, own: bool) -> torch.Tensor:
+        """A host copy of ``tensor``, or under the disk tier a memory map of its swap file."""
+        store = self._store()
+        mapped = store.mapped(tensor) if store is not None else None
+        return mapped if mapped is not None else _host_copy(tensor, own)
+
+    def local_pieces(self) -> list[LocalPiece | None]:
+        """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
+        host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
+        tier the swapped masters and states are memory maps of their files, valid until the next step
+        (a save streams them from disk; nothing is brought into anonymous memory). Local."""
+        if self._states_dropped:
+            raise ValueError(
+                "the optimizer states and fp32 masters of this run were on the disk tier and were removed at the "
+                "end of fit without being read back (nvme restore_after_fit=False, or fit failed); save "
+                "checkpoints during fit (ModelCheckpoint), or keep restore_after_fit=True when they fit in RAM."
+            )
+        buffers = self._all_buffers()
+        if self.config.zero.absorb_param_edits:
+            for b in buffers:
+                if not b.separate_master or b.shard_tier is not None:
+                    continue  # nothing to absorb (see FlatBuffer.absorb_edits): no disk round trip
+                with self._buffer_resident(b):
+                    b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
+        own = self._store() is not None
+        # per buffer: the master's host copy and, per optimizer holding it, its states' copies
+        copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
+        for b in buffers:
+            states = {}
+            for o_index, optimizer in enumerate(self._optimizers):
+                if all(b is not mine for mine in self._sharded[id(optimizer)].buffers):
+                    continue
+                raw = optimizer.state.get(b.master, {})
+                slices = {k: self._snapshot(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+                scalars = {
+                    k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                    for k, v in raw.items()
+                    if not self._is_slice(v, b)
+                }
+                states[o_index] = (slices, scalars)
+            copies.append((self._snapshot(b.master, own), states))
+        out: list[LocalPiece | None] = []
+        for held in self._held:
+            if held.local is None:
+                out.append(None)
+                continue
+            _, shard_offset, numel = held.local
+            window = slice(shard_offset, shard_offset + numel)
+            master, states = copies[held.buffer]
+            pieces = {
+                o_index: OptimizerPiece({k: v[window] for k, v in slices.items()}, scalars)
+                for o_index, (slices, scalars) in states.items()
+            }
+            out.append(LocalPiece(master[window], pieces))
+        return out
+
+    @staticmethod
+    def _is_slice(value: Any, buffer: FlatBuffer) -> bool:
+        # one element per master element (exp_avg), not a scalar (step)
+        return torch.is_tensor(value) and value.shape == buffer.master.shape
+
+    def load_pieces(self, read: PieceReader) -> None:
+        """Overwrite this rank's master pieces with ``read(param, param_offset, numel)`` (where it
+        returns a tensor). Local: call :meth:`publish` afterwards."""
+        buffers = self._all_buffers()
+        by_buffer: dict[int, list[HeldParam]] = {}
+        for held in self._held:
+            if held.local is not None:
+                by_buffer.setdefault(held.buffer, []).append(held)
+        with torch.no_grad():
+            for index, pieces in by_buffer.items():
+                with self._buffer_resident(buffers[index]):  # the disk tier: one buffer in memory at a time
+                    for held in pieces:
+                        assert held.local is not None
+                        param_offset, shard_offset, numel = held.local
+                        value = read(held, param_offset, numel)
+                        if value is not None:
+                            buffers[index].master[shard_offset : shard_offset + numel].copy_(value)
+
+    def load_optimizer_pieces(
+        self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader
+    ) -> None:
+        """Load ``optimizer``'s state piece by piece (``read`` returns each piece's states) and the
+        hyperparameters of ``saved_groups``. Local."""
+        index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
+        buffers = self._all_buffers()
+        state: dict[int, dict[str, Any]] = {}
+        current: FlatBuffer | None = None  # the buffer being filled (held params come buffer by buffer)
+        for held in self._held:
+            if index not in held.optimizers or held.local is None:
+                continue
+            if self.swap is not None and current is not None and current is not buffers[held.buffer]:
+                self._adopt(current, state)  # the disk tier: one buffer's states in memory at a time
+            current = buffers[held.buffer]
+            param_offset, shard_offset, numel = held.local
+            piece = read(held, param_offset, numel)
+            if piece is None:
+                continue
+            buffer = buffers[held.buffer]
+            # Cloned: Adam increments "step" in place, so buffers must not share one tensor.
+            scalars = {k: v.clone() if torch.is_tensor(v) else v for k, v in piece.scalars.items()}
+            target = state.setdefault(id(buffer), scalars)
+            for key, value in piece.slices.items():
+                if key not in target:
+                    target[key] = torch.zeros(buffer.layout.shard_numel, dtype=value.dtype)
+                target[key][shard_offset : shard_offset + numel] = value
+        if self.swap is not None and current is not None:
+            self._adopt(current, state)
+        if self.swap is None:
+            self._get(optimizer).load_slices(state, saved_groups)
+            return
+        # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
+        # dtype and device); a state tensor that torch replaced anyway takes over its file.
+        self._get(optimizer).load_slices(state, saved_groups)
+        self.swap.settle()
+
+    def _adopt(self, buffer: FlatBuffer, state: dict[int, dict[str, Any]]) -> None:
+        assert self.swap is not None
+        slices = {
+            k: v for k, v in state.get(id(buffer), {}).items() if torch.is_tensor(v) and self._is_slice(v, buffer)
+        }
+        if slices and all(SwapStore.resident(v) for v in slices.values()):
+            self.swap.adopt(buffer, slices)
+
+    def load_consolidated(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded optimizer state (a plain optimizer's); every rank keeps its slice. Local:
+        call :meth:`publish` afterwards (it may carry fp32 masters)."""
+        with self._resident():
+            self._get(optimizer).load_consolidated_state_dict(state_dict)
