@@ -96,10 +96,6 @@ def _entry(
         buffer = io.BytesIO()
         torch.save(fn(rank, *args), buffer)
         queue.put((rank, "ok", buffer.getvalue()))
-        # Rank 0 hosts the rendezvous store: leaving while a peer still talks to it (a worker whose
-        # rank 0 raised an expected error before any collective) resets the peer's connection.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
         raise

@@ -347,6 +347,9 @@ def _errors_worker(rank: int) -> dict:
     import os
 
     messages["nvme_created"] = str(os.path.exists(nvme_path))
+    # Leave together: rank 0 hosts the rendezvous store, and its expected error comes before any
+    # collective, so without this it could exit while rank 1 still registers with the store.
+    torch.distributed.barrier()
     return messages
 
 
