@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -120,18 +121,7 @@ def child(args: argparse.Namespace) -> dict:
                 self.bytes = (store.bytes_read, store.bytes_written)
 
     timer = Timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision=args.precision,
-        max_steps=args.steps,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy, args.precision, args.steps, timer)
     trainer.fit(module, DataLoader(batch, batch_size=4))
     psi = sum(p.numel() for p in module.parameters() if p.requires_grad)
     rest = slice(1, None) if args.steps > 1 else slice(None)
@@ -151,13 +141,29 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
-def _vm(key: str) -> float:
-    """``VmHWM`` (peak) or ``VmRSS`` of this process as the OS counts it, GiB."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+def _peak_gib() -> float:
+    """This process's peak resident set (``VmHWM``) as the OS counts it, GiB."""
+    from lightning_zero.memory import resident_bytes
+
+    return resident_bytes().get("peak_resident", float("nan")) / 2**30
+
+
+def _trainer(strategy: Any, precision: str, steps: int, timer: Any) -> Any:
+    """A one-process CPU Trainer with no logging or checkpoints: only ``timer`` watches."""
+    import lightning.pytorch as pl  # in the child only, as the callers' imports
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def capacity_child(args: argparse.Namespace) -> dict:
@@ -216,7 +222,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
             return trainer.strategy._engine._store()
 
         def on_train_start(self, trainer, pl_module) -> None:
-            self.setup_hwm = _vm("VmHWM")
+            self.setup_hwm = _peak_gib()
             # (the module's parameters are empty tensors here: their shards are on disk)
             self.params = sum(math.prod(h.shape) for h in trainer.strategy._engine.held_params())
 
@@ -235,26 +241,15 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "read_gb": (s.bytes_read - read0) / 1e9,
                     "written_gb": (s.bytes_written - written0) / 1e9,
                     "loss": float(outputs["loss"]),
-                    "hwm_gib": _vm("VmHWM"),
+                    "hwm_gib": _peak_gib(),
                 }
             )
 
         def on_train_end(self, trainer, pl_module) -> None:
-            self.train_hwm = _vm("VmHWM")
+            self.train_hwm = _peak_gib()
 
     timer = Timer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=args.steps,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(strategy, "bf16-mixed", args.steps, timer)
     start = time.perf_counter()
     trainer.fit(Deferred(), DataLoader(batch, batch_size=1))
     return {
@@ -262,7 +257,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
         "rows": timer.rows,
         "setup_hwm_gib": timer.setup_hwm,
         "train_hwm_gib": timer.train_hwm,
-        "process_hwm_gib": _vm("VmHWM"),
+        "process_hwm_gib": _peak_gib(),
         "fit_s": time.perf_counter() - start,
         "clean": not any(Path(args.nvme_path).glob("lightning_zero-rank*")),
     }

@@ -21,11 +21,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import re
 import time
 import warnings
 
 import torch
+
+from lightning_zero.memory import reset_peak_resident, resident_bytes
 
 #: system -> ZeRO stage whose formula applies; the dtype it keeps parameters in decides mixed vs fp32
 STAGE = {
@@ -109,14 +110,6 @@ class Baseline:
         return sum(live_tensor_bytes().values()) - self.before
 
 
-def _status_kib(field: str) -> int:
-    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in KiB."""
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    assert match is not None, f"{field} missing from /proc/self/status"
-    return int(match.group(1))
-
-
 def _trim_heap() -> None:
     """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
     name = ctypes.util.find_library("c")
@@ -136,17 +129,13 @@ class PeakRss:
     def __init__(self) -> None:
         gc.collect()
         _trim_heap()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset = True
-        except OSError:  # without it VmHWM may hold an earlier peak (then it is an upper bound)
-            self.reset = False
-        self.before = _status_kib("VmRSS")
+        # without the reset VmHWM may hold an earlier peak (then it is an upper bound)
+        self.reset = reset_peak_resident()
+        self.before = resident_bytes()["resident"]
 
     def grown(self) -> int:
         """Bytes: the peak resident set since construction minus the resident set at construction."""
-        return (_status_kib("VmHWM") - self.before) * 1024
+        return resident_bytes()["peak_resident"] - self.before
 
 
 class Clock:

@@ -185,7 +185,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _reset_peak_resident() -> bool:
+def reset_peak_resident() -> bool:
     """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs`` = 5)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -227,7 +227,7 @@ class MemoryMonitor(pl.Callback):
         self._base = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        _reset_peak_resident()
+        reset_peak_resident()
         resident = resident_bytes().get("resident", 0)
         self._base = resident - _storage_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from test_checkpoint import DropoutModel, _loader
+from test_checkpoint_io import _error
 
 from lightning_zero.testing import run_ranks
 
@@ -65,14 +66,6 @@ def _fit(
     )
     trainer.fit(model, train_dataloaders=_loader(rank, 2), ckpt_path=ckpt_path)
     return trainer, model.losses
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def _worker(rank: int, tmp: str) -> dict:
