@@ -58,14 +58,14 @@ if [ -z "$SMOKE" ]; then
   # ~1-3 min: nvcc compiles csrc/cuda/*.cu; MAX_JOBS bounds ninja's parallel compiles.
   section build 240 env MAX_JOBS=${MAX_JOBS:-8} "$PYTHON" -m pip install --no-deps --no-build-isolation -e .
   section ops_available 60 "$PYTHON" -c "import lightning_zero.ops as o; print(o.available()); assert o.available()['fused_adam'] == 'cuda'"
-  section tests_gpu 120 "$PYTHON" -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+  section tests_gpu 180 "$PYTHON" -m pytest -m gpu tests/gpu -q -p no:cacheprovider
 else
   section tests_gpu 150 "$PYTHON" -m pytest -m gpu tests/gpu -q -p no:cacheprovider
 fi
 
 section optim 60 "$PYTHON" benchmarks/gpu_bench.py optim --out "$OUT" $SMOKE
 # ddp first: the baseline; then zero2 (the MFU target), the rest; offload is the slowest (CPU step).
-for config in ddp zero2 zero1 zero3 zero2_fusedadam zero2_offload zero3_offload; do
+for config in ddp zero2 zero3 zero2_offload zero2_offload_serial zero1 zero2_fusedadam zero3_offload; do
   section "train_$config" 60 "$PYTHON" benchmarks/gpu_bench.py train "$config" --out "$OUT" $SMOKE
 done
 

@@ -5,7 +5,8 @@
     python benchmarks/gpu_bench.py table --out DIR                 # gather DIR/*.json into one table
 
 CONFIG: ``ddp`` (Lightning's single-device baseline), ``zero1``, ``zero2``, ``zero3``,
-``zero2_offload`` (optimizer offload), ``zero3_offload``, and ``zero2_fusedadam`` (zero2 with
+``zero2_offload`` (optimizer offload, pipelined), ``zero2_offload_serial`` (the same with
+``offload_pipeline=False``), ``zero3_offload``, and ``zero2_fusedadam`` (zero2 with
 ``lightning_zero.ops.FusedAdam`` instead of ``torch.optim.AdamW(fused=True)``). World size 1: nothing
 is sharded, but every step still goes through the ZeRO data path (flat buffers, reduce, sharded
 step, publish; the host copies and the CPU step with offload).
@@ -42,7 +43,16 @@ GPT_350M = GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n
 TINY = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64)
 #: dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name()
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
-CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_fusedadam")
+CONFIGS = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero2_offload",
+    "zero2_offload_serial",
+    "zero3_offload",
+    "zero2_fusedadam",
+)
 
 
 class Module(pl.LightningModule):
@@ -100,10 +110,12 @@ def train(config_name: str, steps: int, warmup: int, batch: int, smoke: bool) ->
     if config_name == "ddp":
         strategy = "auto"  # one device: Lightning's SingleDeviceStrategy, the baseline without ZeRO
     else:
-        name = config_name.replace("_fusedadam", "")
+        name = config_name.replace("_fusedadam", "").replace("_serial", "")
         offload = (
             {"offload_optimizer": True, "offload_parameters": name == "zero3_offload"} if "offload" in name else {}
         )
+        if config_name.endswith("_serial"):  # every bucket stepped on the host first, then copied back
+            offload["offload_pipeline"] = False
         strategy = lightning_zero.ZeroStrategy(stage=int(name[4]), **offload)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
