@@ -289,11 +289,18 @@ class FlatBuffer:
 
     def bind_released(self) -> None:
         """Point each parameter of a released buffer at its piece of ``param_shard`` (see
-        :meth:`_own_piece`), or at an empty tensor under a :class:`ShardTier` (the shard has memory
-        only while gathered or stepped)."""
-        empty = torch.empty(0, dtype=self.param_shard.dtype, device=self.param_shard.device)
+        :meth:`_own_piece`), or at an empty tensor where the shard cannot stand in for it: under a
+        :class:`ShardTier` (the shard has memory only while gathered or stepped) and where the shard
+        lives on another device or in another dtype than the gathered parameters (parameter offload
+        on a GPU: the shard is in host memory). A parameter's data never changes device or dtype:
+        autograd drops a leaf's gradient accumulator when it does, so a parameter used twice in one
+        forward (tied embeddings) would get two accumulators and two gradient hooks in one backward."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        own = (
+            self.shard_tier is None and self.param_shard.device == self.device and self.param_shard.dtype == self.dtype
+        )
         for index, param in enumerate(self.params):
-            param.data = empty if self.shard_tier is not None else self._own_piece(index, empty)
+            param.data = self._own_piece(index, empty) if own else empty
 
     def _own_piece(self, index: int, empty: torch.Tensor) -> torch.Tensor:
         """What parameter ``index`` holds while released: a view of this rank's piece of it in

@@ -374,7 +374,7 @@ class BuildToDisk:
             items.append((f"build{n}.master", b.master))
         if self.params:
             items.append((f"build{n}.param", b.param_shard))
-            empty = torch.empty(0, dtype=b.param_shard.dtype, device=b.param_shard.device)
+            empty = torch.empty(0, dtype=b.dtype, device=b.device)  # as bind_released: never another device
             for param in b.params:
                 param.data = empty  # not views of a shard about to lose its memory (ParamTier binds the same)
         self.store.evict(items)

@@ -39,16 +39,21 @@ def _fit(strategy, precision: str) -> tuple[list[float], dict[str, torch.Tensor]
     class Model(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            # odd shapes: small buckets cut through parameters; a bias-free layer and a LayerNorm
+            # odd shapes: small buckets cut through parameters; a bias-free layer and a LayerNorm; a
+            # weight shared by the first and the last layer (tied embeddings): under parameter offload
+            # its shard lives on the host between the two uses, which must not split its gradient
+            self.enc = nn.Linear(15, 15)
             self.net = nn.Sequential(
-                nn.Linear(15, 37), nn.LayerNorm(37), nn.GELU(), nn.Linear(37, 13, bias=False), nn.Tanh()
+                nn.Linear(15, 37), nn.LayerNorm(37), nn.GELU(), nn.Linear(37, 15, bias=False), nn.Tanh()
             )
-            self.head = nn.Linear(13, 3)
+            self.dec = nn.Linear(15, 15, bias=False)
+            self.dec.weight = self.enc.weight
+            self.head = nn.Linear(15, 3)
             self.losses: list[float] = []
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            loss = nn.functional.mse_loss(self.head(self.net(x)).float(), y)
+            loss = nn.functional.mse_loss(self.head(self.dec(self.net(self.enc(x)))).float(), y)
             self.losses.append(loss.item())
             return loss
 
@@ -76,16 +81,26 @@ def _fit(strategy, precision: str) -> tuple[list[float], dict[str, torch.Tensor]
     return model.losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
-CASES = [(1, False), (2, False), (3, False), (2, True), (3, True)]
+CASES = [(1, False), (2, False), (3, False), (2, True), (3, True), (3, "params")]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize(("stage", "offload"), CASES, ids=[f"zero{s}{'_offload' if o else ''}" for s, o in CASES])
+@pytest.mark.parametrize(
+    ("stage", "offload"),
+    CASES,
+    ids=[f"zero{s}{'_offload' if o else ''}{'_params' if o == 'params' else ''}" for s, o in CASES],
+)
 def test_stage_matches_lightning_ddp_on_gpu(stage, offload, precision):
     from lightning_zero import ZeroStrategy
 
     ref_losses, ref_state = _fit("ddp", precision)
-    strategy = ZeroStrategy(stage=stage, offload_optimizer=offload, reduce_bucket_size=64, allgather_bucket_size=128)
+    strategy = ZeroStrategy(
+        stage=stage,
+        offload_optimizer=bool(offload),
+        offload_parameters=offload == "params",
+        reduce_bucket_size=64,
+        allgather_bucket_size=128,
+    )
     losses, state = _fit(strategy, precision)
     assert state.keys() == ref_state.keys()
     if precision == "32-true":  # see the module docstring for each bound
