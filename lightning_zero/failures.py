@@ -208,6 +208,15 @@ def lost_rank_message(error: BaseException, rank: int, world_size: int, processe
     return f"{names}: stopping {below}. Look for the first error in the log of the lost rank."
 
 
+def _quarter(name: str, value: int | str) -> str:
+    """``name=<a quarter of value> (now value)``; an unresolved ``"auto"`` counts as its largest size."""
+    from lightning_zero.config import AUTO_BUCKET_MAX
+
+    size = AUTO_BUCKET_MAX if isinstance(value, str) else value
+    now = f"{value!r}, at most {AUTO_BUCKET_MAX:_}" if isinstance(value, str) else f"{value:_}"
+    return f"{name}={max(size // 4, 1):_} (now {now})"
+
+
 def oom_message(
     error: BaseException, breakdown: dict[str, dict[str, int]] | None, config: ZeroConfig, registered: list[str]
 ) -> str:
@@ -224,12 +233,10 @@ def oom_message(
                 lines.append(f"This rank holds on {where}: {parts} (total {sum(used.values()) / 2**20:.1f} MiB).")
     lines.append("Settings to try, cheapest first:")
     lines.append("- a smaller micro-batch with Trainer(accumulate_grad_batches=...) to keep the global batch;")
-    lines.append(
-        f"- reduce_bucket_size={max(config.reduce_bucket_size // 4, 1):_} (now {config.reduce_bucket_size:_}): smaller gradient buckets;"
-    )
+    lines.append(f"- {_quarter('reduce_bucket_size', config.reduce_bucket_size)}: smaller gradient buckets;")
     if config.stage == 3:
         lines.append(
-            f"- prefetch_bucket_size={max(config.prefetch_bucket_size // 4, 1):_} (now {config.prefetch_bucket_size:_}) "
+            f"- {_quarter('prefetch_bucket_size', config.prefetch_bucket_size)} "
             f"and max_live_parameters={max(config.max_live_parameters // 4, 1):_}: fewer gathered parameters at once;"
         )
     else:

@@ -35,10 +35,10 @@ from lightning_zero.precision import OffloadPrecision
 
 def strategy_config(
     stage: int = 2,
-    reduce_bucket_size: int = 5_000_000,
+    reduce_bucket_size: int | str = "auto",
     allgather_bucket_size: int = 50_000_000,
     overlap_comm: bool = True,
-    prefetch_bucket_size: int = 5_000_000,
+    prefetch_bucket_size: int | str = "auto",
     param_persistence_threshold: int = 100_000,
     max_live_parameters: int = 1_000_000_000,
     allow_untested_optimizer: bool = False,

@@ -72,10 +72,12 @@ class ZeroStrategy(DDPStrategy):
 
     Args:
         stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
-        reduce_bucket_size: elements per gradient bucket (one flat buffer, one reduce-scatter).
+        reduce_bucket_size: elements per gradient bucket (one flat buffer, one reduce-scatter);
+            "auto" (the default): 5M from 80M parameters on, a sixteenth of the model below.
         allgather_bucket_size: most elements of parameter all-gathers in flight after a step.
         overlap_comm: reduce buckets during backward as they fill (False: after backward).
-        prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order.
+        prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order
+            ("auto": as reduce_bucket_size).
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
@@ -147,10 +149,10 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         stage: int = 2,
-        reduce_bucket_size: int = 5_000_000,
+        reduce_bucket_size: int | str = "auto",
         allgather_bucket_size: int = 50_000_000,
         overlap_comm: bool = True,
-        prefetch_bucket_size: int = 5_000_000,
+        prefetch_bucket_size: int | str = "auto",
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,
@@ -252,7 +254,8 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def zero_config(self) -> ZeroConfig:
-        return self.config.zero
+        """The ZeRO options; once the model is set up, with ``"auto"`` sizes resolved for it."""
+        return self._engine.config.zero if self._engine is not None else self.config.zero
 
     @property
     def failure_config(self) -> FailureConfig:

@@ -25,6 +25,7 @@ Checkpoints and reports: :meth:`held_params`, :meth:`publish`, :meth:`param_grou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -87,6 +88,9 @@ class ZeroEngine(CheckpointSurface):
         optimizers = [_unwrap(o) for o in optimizers]
         for optimizer in optimizers:
             check_optimizer(optimizer, config.zero.allow_untested_optimizer)
+        # "auto" bucket sizes from the model's size (every rank sees the same module: same sizes)
+        numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if p.is_floating_point())
+        config = dataclasses.replace(config, zero=config.zero.sized_for(numel))
         self.config = config
         self.group = group = parallel.data
         self.device = device

@@ -60,6 +60,7 @@ def test_oom_advice_follows_the_settings():
     )
     assert "This rank holds on device: parameters 3.0 MiB (total 3.0 MiB)." in stage2
     assert "stage=3 (now 2)" in stage2 and "prefetch_bucket_size" not in stage2 and "offload" not in stage2
+    assert "reduce_bucket_size=1_250_000 (now 'auto', at most 5_000_000)" in stage2  # before the engine resolves it
     config = ZeroConfig(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=400)
     stage3 = failures.oom_message(RuntimeError("x"), None, config, ["zero3", "zero3_offload"])
     assert "reduce_bucket_size=250 (now 1_000)" in stage3 and "prefetch_bucket_size=100 (now 400)" in stage3

@@ -179,3 +179,55 @@ def test_loss_scaler_state_round_trip():
     restored = OffloadPrecision("16-mixed")
     restored.load_state_dict(plugin.state_dict())
     assert restored.scaler.state_dict() == plugin.scaler.state_dict()
+
+
+def test_auto_bucket_sizes_follow_the_model():
+    from lightning_zero.config import ZeroConfig
+
+    auto = ZeroConfig(stage=3)
+    assert auto.reduce_bucket_size == auto.prefetch_bucket_size == "auto"
+    small = auto.sized_for(13_800_001)  # the benchmark GPT: a sixteenth of it
+    assert small.reduce_bucket_size == small.prefetch_bucket_size == 862_500
+    assert auto.sized_for(1000).reduce_bucket_size == 1 << 18  # floor: tiny models do not get tiny buckets
+    assert auto.sized_for(10**9).prefetch_bucket_size == 5_000_000  # DeepSpeed's default from 80M on
+    explicit = ZeroConfig(stage=3, reduce_bucket_size=123, prefetch_bucket_size=456).sized_for(10**6)
+    assert (explicit.reduce_bucket_size, explicit.prefetch_bucket_size) == (123, 456)  # the user's choice stays
+    with pytest.raises(ValueError, match='or "auto"'):
+        ZeroConfig(reduce_bucket_size="large")
+    with pytest.raises(ValueError, match=r"allgather_bucket_size='auto' must be a positive number of elements \(e"):
+        ZeroConfig(allgather_bucket_size="auto")  # type: ignore[arg-type]  # only the two sized options take it
+
+
+def test_strategy_resolves_auto_sizes_for_its_model():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.Linear(700, 900), torch.nn.Linear(900, 3))
+
+        def training_step(self, batch, batch_idx):
+            return self.layers(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    strategy = ZeroStrategy(stage=2)
+    assert strategy.zero_config.reduce_bucket_size == "auto"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Model()
+    numel = sum(p.numel() for p in model.parameters())  # 633,603: a sixteenth is 39,600, under the floor
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(4, 700)), batch_size=2))
+    assert strategy.zero_config.reduce_bucket_size == max(1 << 18, numel // 16) == 1 << 18
+    sizes = [b.layout.numel for b in strategy._engine._buffers]
+    # the 630,000-element weight is a bucket of its own; the rest share one of at most 262,144
+    assert sorted(sizes) == [3 + 900 + 2700, 630_000], sizes
