@@ -92,6 +92,14 @@ AUTO_SIZED = ("reduce_bucket_size", "prefetch_bucket_size")
 AUTO_BUCKET_MIN, AUTO_BUCKET_MAX = 1 << 18, 5_000_000
 
 
+def _resolved(name: str, value: int | str) -> int:
+    if isinstance(value, str):
+        raise RuntimeError(
+            f'{name}="auto" is resolved when the engine is built (ZeroConfig.sized_for); call that first.'
+        )
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """What ZeRO shards and how gradients and parameters move between ranks."""
@@ -222,6 +230,16 @@ class ZeroConfig:
         for name in ("overlap_comm", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+
+    @property
+    def reduce_bucket_numel(self) -> int:
+        """``reduce_bucket_size`` once :meth:`sized_for` resolved it."""
+        return _resolved("reduce_bucket_size", self.reduce_bucket_size)
+
+    @property
+    def prefetch_bucket_numel(self) -> int:
+        """``prefetch_bucket_size`` once :meth:`sized_for` resolved it."""
+        return _resolved("prefetch_bucket_size", self.prefetch_bucket_size)
 
     def sized_for(self, numel: int) -> ZeroConfig:
         """This config with its ``"auto"`` bucket sizes resolved for a model of ``numel`` parameters

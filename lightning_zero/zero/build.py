@@ -88,7 +88,7 @@ class BuildContext:
         )
 
     def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:
-        runs = plan_buckets([p.numel() for p in params], self.config.reduce_bucket_size)
+        runs = plan_buckets([p.numel() for p in params], self.config.reduce_bucket_numel)
         return [self.buffer([params[i] for i in run], group, persistent=True) for run in runs]
 
 

@@ -212,7 +212,7 @@ class GatherCoordinator:
         return sum(b.numel for needed in self.needs for b in needed if b.state is not ParamState.RELEASED)
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        budget = self.config.prefetch_bucket_size
+        budget = self.config.prefetch_bucket_numel
         live = self._live_numel()
         seen: set[int] = set()
         for index in upcoming:
@@ -266,7 +266,7 @@ class GatherCoordinator:
             if upcoming == index:
                 return True
             window += sum(b.numel for b in self.needs[upcoming])
-            if window > self.config.prefetch_bucket_size:
+            if window > self.config.prefetch_bucket_numel:
                 return False
         return False
 
