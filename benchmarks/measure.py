@@ -59,6 +59,7 @@ def formula_bytes(system: str, precision: str, psi: int, n: int) -> dict[str, fl
     4Ψ + 12Ψ/N, 16Ψ/N. Offload moves the fp32 master and the states (12Ψ/N) to the host, and with
     stage 3's parameter offload the 16-bit parameter shard (2Ψ/N) too.
     """
+    system = system.split("@")[0]  # a variant with options (systems.variant) has its system's formula
     stage = STAGE[system]
     mixed = precision != "32-true" and system not in FP32_STATES
     if mixed:

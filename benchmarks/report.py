@@ -89,14 +89,15 @@ def _ratios(records: list[dict]) -> None:
     for r in records:
         if "median_s" not in r:
             continue
+        base = r["system"].split("@")[0]  # a variant with options (systems.variant): its system's peers
         peers = {
             name: index.get((r["workload"], r["precision"], name))
-            for name in ("ddp", DEEPSPEED_TWIN.get(r["system"], r["system"]), NO_OFFLOAD.get(r["system"], ""))
+            for name in ("ddp", DEEPSPEED_TWIN.get(base, r["system"]), NO_OFFLOAD.get(base, ""))
         }
         for label, name in (
             ("ddp", "ddp"),
-            ("ds", DEEPSPEED_TWIN.get(r["system"], r["system"])),
-            ("no_offload", NO_OFFLOAD.get(r["system"], "")),
+            ("ds", DEEPSPEED_TWIN.get(base, r["system"])),
+            ("no_offload", NO_OFFLOAD.get(base, "")),
         ):
             peer = peers.get(name)
             if peer and "median_s" in peer:

@@ -147,7 +147,10 @@ def main() -> None:
         "--quick", action="store_true", help="GPT, this CPU's fastest precision, fewer steps: < 15 min on 2 cores"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"), help="directory for results.json and *.png")
-    parser.add_argument("--systems", help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--systems",
+        help="comma-separated subset (default: all); ours take options: zero2@host_mmap_threshold=131072",
+    )
     parser.add_argument("--workloads", help="gpt,bert (default: both; --quick: gpt)")
     parser.add_argument(
         "--precisions",

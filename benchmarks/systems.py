@@ -23,6 +23,7 @@ in Lightning (measured "after the optimizer step, gradients still held").
 
 from __future__ import annotations
 
+import ast
 import os
 from typing import Any
 
@@ -70,8 +71,21 @@ class _Measure(pl.Callback):
         self.clock.tick()  # the count is not part of any step: restart the interval after it
 
 
+def variant(system: str) -> tuple[str, dict[str, Any]]:
+    """``"zero2@host_mmap_threshold=131072@reduce_bucket_size=1000000"`` -> ``("zero2", {...})``: one
+    of our systems with strategy options, to compare settings side by side in one run."""
+    base, *pairs = system.split("@")
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = ast.literal_eval(value)
+    return base, options
+
+
 def _lightning(rank: int, system: str, precision: str, workload: str, total: int) -> dict:
-    options = {"gradient_as_bucket_view": True} if system == "ddp" else {}
+    system, options = variant(system)
+    if system == "ddp":
+        options = {"gradient_as_bucket_view": True, **options}
     rss = PeakRss()
     baseline, clock = Baseline(), Clock()
     module = common.WORKLOADS[workload]()
@@ -198,7 +212,7 @@ def _deepspeed(rank: int, system: str, precision: str, workload: str, total: int
 def run(rank: int, system: str, precision: str, workload: str, total: int) -> dict:
     """Train ``total`` steps of ``workload`` under ``system``; stamps and bytes of this rank."""
     common.ensure_process_group()
-    if system in LIGHTNING:
+    if variant(system)[0] in LIGHTNING:
         pl.seed_everything(0, verbose=False)
         return _lightning(rank, system, precision, workload, total)
     if system in TORCH:
