@@ -39,7 +39,6 @@ import shutil
 import threading
 import traceback
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +57,7 @@ from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
 from lightning_zero.checkpoint.pieces import overrides, param_names, rank_payload, rank_report
 from lightning_zero.layout import ParallelLayout
+from lightning_zero.ops import checksum
 
 if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
@@ -155,7 +155,7 @@ class _Checksummed:
             view = view.cast("B")
         for start in range(0, view.nbytes, self.CHUNK):
             piece = view[start : start + self.CHUNK]
-            self.crc32 = zlib.crc32(piece, self.crc32)
+            self.crc32 = checksum.crc32(piece, self.crc32)
             self.f.write(piece)
         self.size += view.nbytes
         if self.flusher is not None:
@@ -265,7 +265,7 @@ def _write_files(
             if file.local:
                 f.flush()
                 os.fsync(f.fileno())
-        lightning_crc = zlib.crc32(lightning_bytes)
+        lightning_crc = checksum.crc32(lightning_bytes)
     return size, crc, lightning_crc
 
 
@@ -274,10 +274,11 @@ class HostBuffer:
     save of a run (one per strategy): the copy is the only work the training loop waits for, and
     writing into pages already touched costs no page faults (a fresh 1 GiB allocation costs about as
     much as the copy). One buffer per dtype (``torch.save`` refuses one storage seen as two dtypes);
-    every storage the payload's tensors view is copied whole into its own 64-byte aligned slot, so the
-    file holds what it would without the buffer, in one record per dtype. Reallocated only when the
-    payload's sizes change; the gaps between slots stay zero. A copy waits for the previous save's
-    writer, which reads the buffer."""
+    of every storage the payload's tensors view, the range they cover is copied into its own 64-byte
+    aligned slot (a piece of a flat buffer on the GPU: that piece, not the buffer), so the file holds
+    what it would without the buffer, in one record per dtype. Reallocated only when the payload's
+    sizes change (not zero-filled first: the copy writes every slot, and the gaps between slots are zeroed). A
+    copy waits for the previous save's writer, which reads the buffer."""
 
     ALIGN = 64
 
@@ -290,37 +291,61 @@ class HostBuffer:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flat.values())
 
+    @staticmethod
+    def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+        """``[first, end)`` element of its storage that ``tensor`` views."""
+        first = tensor.storage_offset()
+        if tensor.numel() == 0:
+            return first, first
+        return first, first + 1 + sum(
+            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+        )
+
     def copy(self, payload: dict[str, Any]) -> dict[str, Any]:
         """``payload`` with every tensor moved into the buffer (same values, shapes and strides)."""
         if self.user is not None:
             self.user.wait()
             self.user = None
-        storages: dict[tuple[int, int], tuple[torch.UntypedStorage, torch.dtype, int]] = {}
-        sizes: dict[torch.dtype, int] = {}
+        # per storage: (storage, dtype, first element, end element, byte offset of its slot)
+        covered: dict[tuple[int, int], list[Any]] = {}
         for tensor in (t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)):
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            if key not in storages:
-                start = sizes.get(tensor.dtype, 0)
-                storages[key] = (storage, tensor.dtype, start)
-                sizes[tensor.dtype] = start + -(-storage.nbytes() // self.ALIGN) * self.ALIGN
+            first, end = self._extent(tensor)
+            if key not in covered:
+                covered[key] = [storage, tensor.dtype, first, end, 0]
+            else:
+                covered[key][2] = min(covered[key][2], first)
+                covered[key][3] = max(covered[key][3], end)
+        sizes: dict[torch.dtype, int] = {}
+        for entry in covered.values():
+            _, dtype, first, end, _ = entry
+            entry[4] = sizes.get(dtype, 0)
+            nbytes = (end - first) * torch.empty(0, dtype=dtype).element_size()
+            sizes[dtype] = entry[4] + -(-nbytes // self.ALIGN) * self.ALIGN
         for dtype, nbytes in sizes.items():
             numel = nbytes // torch.empty(0, dtype=dtype).element_size()
             if dtype not in self._flat or self._flat[dtype].numel() != numel:
-                self._flat[dtype] = torch.zeros(numel, dtype=dtype)
+                self._flat[dtype] = torch.empty(numel, dtype=dtype)
         for dtype in [d for d in self._flat if d not in sizes]:
             del self._flat[dtype]
         with torch.no_grad():
-            for storage, dtype, start in storages.values():
-                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
-                size = source.element_size()
-                self._flat[dtype][start // size : start // size + source.numel()].copy_(source)
+            written: dict[torch.dtype, int] = {}
+            for storage, dtype, first, end, start in covered.values():
+                flat = self._flat[dtype]
+                size = flat.element_size()
+                flat[written.get(dtype, 0) // size : start // size].zero_()  # the alignment gap before the slot
+                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, first, (end - first,))
+                flat[start // size : start // size + end - first].copy_(source)
+                written[dtype] = start + (end - first) * size
+            for dtype, flat in self._flat.items():
+                flat[written.get(dtype, 0) // flat.element_size() :].zero_()  # the last slot's
 
         def moved(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            _, dtype, start = storages[(storage.data_ptr(), storage.nbytes())]
+            _, dtype, first, _, start = covered[(storage.data_ptr(), storage.nbytes())]
             flat = self._flat[dtype]
-            offset = start // flat.element_size() + tensor.storage_offset()
+            offset = start // flat.element_size() + tensor.storage_offset() - first
             return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), offset, tensor.size(), tensor.stride())
 
         return tree_map_only(torch.Tensor, moved, payload)
