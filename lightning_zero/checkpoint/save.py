@@ -47,15 +47,22 @@ from typing import TYPE_CHECKING, Any
 import lightning
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng, store
+from lightning_zero.checkpoint.host_buffer import HostBuffer
 from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
-from lightning_zero.checkpoint.pieces import overrides, param_names, rank_payload, rank_report
+from lightning_zero.checkpoint.pieces import (
+    local_shards,
+    overrides,
+    param_names,
+    partitioned_params,
+    rank_payload,
+    rank_report,
+)
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.ops import checksum
 
@@ -267,88 +274,6 @@ def _write_files(
                 os.fsync(f.fileno())
         lightning_crc = checksum.crc32(lightning_bytes)
     return size, crc, lightning_crc
-
-
-class HostBuffer:
-    """Host memory for an asynchronous save's copy of this rank's shards, kept and reused by every
-    save of a run (one per strategy): the copy is the only work the training loop waits for, and
-    writing into pages already touched costs no page faults (a fresh 1 GiB allocation costs about as
-    much as the copy). One buffer per dtype (``torch.save`` refuses one storage seen as two dtypes);
-    of every storage the payload's tensors view, the range they cover is copied into its own 64-byte
-    aligned slot (a piece of a flat buffer on the GPU: that piece, not the buffer), so the file holds
-    what it would without the buffer, in one record per dtype. Reallocated only when the payload's
-    sizes change (not zero-filled first: the copy writes every slot, and the gaps between slots are zeroed). A
-    copy waits for the previous save's writer, which reads the buffer."""
-
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._flat: dict[torch.dtype, torch.Tensor] = {}
-        self.user: PendingSave | None = None
-        """The save whose writer reads the buffer now."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-    @staticmethod
-    def _extent(tensor: torch.Tensor) -> tuple[int, int]:
-        """``[first, end)`` element of its storage that ``tensor`` views."""
-        first = tensor.storage_offset()
-        if tensor.numel() == 0:
-            return first, first
-        return first, first + 1 + sum(
-            (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-        )
-
-    def copy(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """``payload`` with every tensor moved into the buffer (same values, shapes and strides)."""
-        if self.user is not None:
-            self.user.wait()
-            self.user = None
-        # per storage: (storage, dtype, first element, end element, byte offset of its slot)
-        covered: dict[tuple[int, int], list[Any]] = {}
-        for tensor in (t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)):
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            first, end = self._extent(tensor)
-            if key not in covered:
-                covered[key] = [storage, tensor.dtype, first, end, 0]
-            else:
-                covered[key][2] = min(covered[key][2], first)
-                covered[key][3] = max(covered[key][3], end)
-        sizes: dict[torch.dtype, int] = {}
-        for entry in covered.values():
-            _, dtype, first, end, _ = entry
-            entry[4] = sizes.get(dtype, 0)
-            nbytes = (end - first) * torch.empty(0, dtype=dtype).element_size()
-            sizes[dtype] = entry[4] + -(-nbytes // self.ALIGN) * self.ALIGN
-        for dtype, nbytes in sizes.items():
-            numel = nbytes // torch.empty(0, dtype=dtype).element_size()
-            if dtype not in self._flat or self._flat[dtype].numel() != numel:
-                self._flat[dtype] = torch.empty(numel, dtype=dtype)
-        for dtype in [d for d in self._flat if d not in sizes]:
-            del self._flat[dtype]
-        with torch.no_grad():
-            written: dict[torch.dtype, int] = {}
-            for storage, dtype, first, end, start in covered.values():
-                flat = self._flat[dtype]
-                size = flat.element_size()
-                flat[written.get(dtype, 0) // size : start // size].zero_()  # the alignment gap before the slot
-                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, first, (end - first,))
-                flat[start // size : start // size + end - first].copy_(source)
-                written[dtype] = start + (end - first) * size
-            for dtype, flat in self._flat.items():
-                flat[written.get(dtype, 0) // flat.element_size() :].zero_()  # the last slot's
-
-        def moved(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            _, dtype, first, _, start = covered[(storage.data_ptr(), storage.nbytes())]
-            flat = self._flat[dtype]
-            offset = start // flat.element_size() + tensor.storage_offset() - first
-            return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), offset, tensor.size(), tensor.stride())
-
-        return tree_map_only(torch.Tensor, moved, payload)
 
 
 @dataclass(eq=False)
@@ -612,6 +537,17 @@ def save_sharded(
     pending.start(lambda: _write_files(tmp, rank, payload, lightning_bytes))
     buffer.user = pending
     return pending
+
+
+def reserve_host_buffer(
+    buffer: HostBuffer, module: nn.Module, engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Have ``buffer`` allocate, in a background thread, the host memory an async save of this rank's
+    shards will copy into (the masters and optimizer states as they are now: call after the first
+    optimizer step has created the states), so that the first save's stall is the copy alone and
+    not also the page faults of a fresh allocation. Local."""
+    values, optim = local_shards(partitioned_params(module, engine), engine, optimizers, views=True)
+    buffer.reserve({"params": values, "optim": optim})
 
 
 def remove_sharded(filepath: fmt.PathLike) -> None:

@@ -23,10 +23,13 @@ from lightning_zero.ops._load import _warn_fallback, compiled
 _SMALL = 1 << 16
 """Below this many bytes zlib is as fast as a call through the dispatcher."""
 
-# torch.frombuffer warns once per process that a read-only buffer (what torch.save hands its writer,
-# a bytes object) gives a writable tensor; the kernel only reads, so the warning is noise for us.
-# Scoped to this module: a user's own frombuffer elsewhere still warns.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=r"lightning_zero\.ops\.checksum\Z")
+# torch.frombuffer warns, once per process (TORCH_WARN_ONCE), that a read-only buffer (what torch.save
+# hands its writer, a memory map opened for reading) gives a writable tensor; the kernel only reads,
+# so for us it is noise: the one warning is spent here, at import, in silence. (A later frombuffer of
+# a read-only buffer elsewhere in the process then does not warn either, as after any first one.)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 def crc32(data: Any, value: int = 0) -> int:

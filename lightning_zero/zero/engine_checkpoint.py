@@ -106,11 +106,13 @@ class CheckpointSurface:
         mapped = store.mapped(tensor) if store is not None else None
         return mapped if mapped is not None else _host_copy(tensor, own)
 
-    def local_pieces(self) -> list[LocalPiece | None]:
+    def local_pieces(self, views: bool = False) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
-        host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
-        tier the swapped masters and states are memory maps of their files, valid until the next step
-        (a save streams them from disk; nothing is brought into anonymous memory). Local."""
+        host memory: views of one copy per flat buffer, so each buffer is written once (of host
+        memory itself, no copy). Under the disk tier the swapped masters and states are memory maps of
+        their files, valid until the next step (a save streams them from disk; nothing is brought into
+        anonymous memory). ``views``: the tensors where they are (a device, the disk tier), nothing
+        copied, mapped or absorbed: their sizes, for sizing an async save's host buffer. Local."""
         if self._states_dropped:
             raise ValueError(
                 "the optimizer states and fp32 masters of this run were on the disk tier and were removed at the "
@@ -118,13 +120,17 @@ class CheckpointSurface:
                 "checkpoints during fit (ModelCheckpoint), or keep restore_after_fit=True when they fit in RAM."
             )
         buffers = self._all_buffers()
-        if self.config.zero.absorb_param_edits:
+        if self.config.zero.absorb_param_edits and not views:
             for b in buffers:
                 if not b.separate_master or b.shard_tier is not None:
                     continue  # nothing to absorb (see FlatBuffer.absorb_edits): no disk round trip
                 with self._buffer_resident(b):
                     b.absorb_edits()  # a checkpoint saves the weights the model holds (edits in hooks included)
         own = self._store() is not None
+
+        def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.detach() if views else self._snapshot(tensor, own)
+
         # per buffer: the master's host copy and, per optimizer holding it, its states' copies
         copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
         for b in buffers:
@@ -133,14 +139,14 @@ class CheckpointSurface:
                 if all(b is not mine for mine in self._sharded[id(optimizer)].buffers):
                     continue
                 raw = optimizer.state.get(b.master, {})
-                slices = {k: self._snapshot(v, own) for k, v in raw.items() if self._is_slice(v, b)}
+                slices = {k: snapshot(v) for k, v in raw.items() if self._is_slice(v, b)}
                 scalars = {
                     k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                     for k, v in raw.items()
                     if not self._is_slice(v, b)
                 }
                 states[o_index] = (slices, scalars)
-            copies.append((self._snapshot(b.master, own), states))
+            copies.append((snapshot(b.master), states))
         out: list[LocalPiece | None] = []
         for held in self._held:
             if held.local is None:
