@@ -58,10 +58,12 @@ class HostBuffer:
     @staticmethod
     def _extent(tensor: torch.Tensor) -> tuple[int, int]:
         """``[first, end)`` element of its storage that ``tensor`` views."""
-        first = tensor.storage_offset()
+        first = int(tensor.storage_offset())
         if tensor.numel() == 0:
             return first, first
-        return first, first + 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+        return first, first + 1 + sum(
+            (int(n) - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True)
+        )
 
     def _plan(self, payload: Any) -> tuple[dict[tuple[int, int], list[Any]], dict[torch.dtype, int]]:
         """Per storage viewed by ``payload``'s tensors ``[storage, dtype, first, end, slot byte offset]``,
@@ -127,7 +129,7 @@ class HostBuffer:
             for storage, dtype, first, end, start in covered.values():
                 flat, size = self._flat[dtype], _itemsize(dtype)
                 flat[written.get(dtype, 0) // size : start // size].zero_()  # the alignment gap before the slot
-                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, first, (end - first,))
+                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, first, (end - first,), (1,))
                 flat[start // size : start // size + end - first].copy_(source)
                 written[dtype] = start + (end - first) * size
             for dtype, nbytes in sizes.items():
