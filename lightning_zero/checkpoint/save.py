@@ -26,6 +26,14 @@ the temporary directory (one name per node), ``lightning.pt`` (rank 0's bytes, g
 agreement that follows the snapshot), the whole tensors of its node (:func:`~lightning_zero.checkpoint.merge.keep_copies`),
 ``metadata.json`` (the same on every node, with ``rank_nodes``) and the rename.
 
+Speed (issue 24): a synchronous save pickles straight from the engine's host tensors (no copy of the
+shard), checksums with the compiled CRC-32 (:mod:`lightning_zero.ops.checksum`) and starts the disk
+writes along the way (:class:`_Flusher`). An asynchronous save's training-thread work is the copy
+into the run's :class:`~lightning_zero.checkpoint.host_buffer.HostBuffer` (allocated ahead, after the
+first optimizer step) and three small agreements; the pickling, checksum, writes and fsync run in
+the writer thread; the publication (``metadata.json``, rename) runs at the next step boundary that
+finds every writer done.
+
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
 ``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
