@@ -13,10 +13,11 @@ file), then, ``--repeats`` times each, with a barrier before and after (the slow
   rank 0 publishes); *load*: ``strategy.load_checkpoint`` + ``load_model_state_dict`` +
   ``load_optimizer_state_dict`` from it, as a resume does (CRC-32 of every file read checked);
 - the same save and load through s3fs against a local S3 server (moto's ``ThreadedMotoServer`` on
-  127.0.0.1, started by this script; it keeps objects in its own process's memory).
+  127.0.0.1, started by this script; it keeps objects in its own process's memory), and, as that
+  store's own speed, an s3fs ``put_file`` and ``get_file`` of the probe file (no checkpoint code).
 
 The ratio column is the save/load bandwidth over the disk's (target >= 0.8) and the S3 time over the
-local one (target <= 2). Each rank's file bytes are in the table; the run's best times are kept.
+local one (target <= 2) and over the plain upload/download of the same bytes. Each rank's file bytes are in the table; the run's best times are kept.
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ def _worker(rank: int, args: argparse.Namespace, directory: str, bucket: str | N
     for _ in range(args.repeats):
         times.setdefault("disk write", []).append(_timed(lambda: _write(probe, data)))
         times.setdefault("disk read", []).append(_timed(lambda: _read(probe)))
+        if bucket is not None:
+            # the store's own speed for the same bytes: one s3fs upload and download per rank, no checkpoint code
+            from s3fs import S3FileSystem
+
+            store, key = S3FileSystem(), f"{bucket}/probe-{rank}"
+            times.setdefault("s3 put", []).append(_timed(lambda store=store, key=key: store.put_file(str(probe), key)))
+            fetched = Path(directory) / f"fetched-{rank}"
+            times.setdefault("s3 get", []).append(
+                _timed(lambda store=store, key=key, fetched=fetched: store.get_file(key, str(fetched)))
+            )
+            fetched.unlink()
+            store.rm(key)
         probe.unlink()
         for where, path in targets.items():
             times.setdefault(f"{where} save", []).append(_timed(lambda path=path: trainer.save_checkpoint(path)))
@@ -163,12 +176,14 @@ def main() -> None:
     if "s3 save" in t:
         local, remote = t["local save"] + t["local load"], t["s3 save"] + t["s3 load"]
         rows += [
+            ["s3fs put (file upload)", f"{probe_mib:.0f}", f"{t['s3 put']:.2f}", rate(t["s3 put"], probe_mib), ""],
             ["save, s3fs + moto", f"{mib:.0f}", f"{t['s3 save']:.2f}", rate(t["s3 save"]), ""],
+            ["s3fs get (file download)", f"{probe_mib:.0f}", f"{t['s3 get']:.2f}", rate(t["s3 get"], probe_mib), ""],
             ["load, s3fs + moto", f"{mib:.0f}", f"{t['s3 load']:.2f}", rate(t["s3 load"]), ""],
             ["save + load, s3 / local", "", f"{remote:.2f} / {local:.2f}", "", f"{remote / local:.2f} x local"],
         ]
-        rows[-3][4] = f"{t['s3 save'] / t['local save']:.2f} x local"
-        rows[-2][4] = f"{t['s3 load'] / t['local load']:.2f} x local"
+        rows[-4][4] = f"{t['s3 save'] / t['local save']:.2f} x local, {t['s3 save'] / t['s3 put']:.2f} x put"
+        rows[-2][4] = f"{t['s3 load'] / t['local load']:.2f} x local, {t['s3 load'] / t['s3 get']:.2f} x get"
     print(common.machine())
     print(f"load average: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} (1/5/15 min)")
     print(

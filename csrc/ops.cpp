@@ -17,6 +17,8 @@ namespace cpu {
 // csrc/cpu/swap_io.cpp: the disk tier's pread/pwrite engine
 int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
                 int64_t threads, bool direct);
+// csrc/cpu/crc32.cpp: checkpoint files' CRC-32 (zlib's)
+int64_t crc32(const at::Tensor& data, int64_t value);
 }  // namespace cpu
 }  // namespace lightning_zero
 
@@ -99,6 +101,7 @@ TORCH_LIBRARY(lightning_zero, m) {
   m.def("cpu_supported_isas() -> str[]", &lightning_zero::cpu::cpu_supported_isas);
   // Reads into `buffer` when write=False (hence (a!)); returns the bytes moved.
   m.def("swap_io(Tensor(a!) buffer, str path, bool write, int block_size, int threads, bool direct) -> int");
+  m.def("crc32(Tensor data, int value) -> int");
   m.def(
       "cpu_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_copy, float lr, float beta1, float beta2, float eps, float weight_decay, "
@@ -134,6 +137,7 @@ TORCH_LIBRARY(lightning_zero, m) {
 
 TORCH_LIBRARY_IMPL(lightning_zero, CPU, m) {
   m.impl("swap_io", &lightning_zero::cpu::swap_io);
+  m.impl("crc32", &lightning_zero::cpu::crc32);
   m.impl("cpu_adam_step", &lightning_zero::cpu::cpu_adam_step);
   m.impl("cpu_lamb_moments", &lightning_zero::cpu::cpu_lamb_moments);
   m.impl("cpu_lamb_apply", &lightning_zero::cpu::cpu_lamb_apply);

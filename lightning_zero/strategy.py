@@ -488,6 +488,15 @@ class ZeroStrategy(DDPStrategy):
         self._end_pass()
         if self._engine is not None:
             self._engine.add_param_groups()  # groups added by callbacks at epoch start (BackboneFinetuning)
+        if (
+            self.config.checkpoint.async_save
+            and not self._save_buffer.reserved
+            and self._engine is not None
+            and self.lightning_module is not None
+            and self.lightning_module.trainer.global_step > 0
+        ):
+            # after the first optimizer step (the states exist): the host copy's memory, allocated in a thread
+            ckpt_save.reserve_host_buffer(self._save_buffer, self.lightning_module, self._engine, self.optimizers)
         if self._pending_save is not None:
             # A step boundary (every rank passes it alike): publish the async save if every rank's
             # writer has finished, raising a writer's failure on every rank; one small all-gather.

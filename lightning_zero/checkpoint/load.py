@@ -12,6 +12,12 @@ data loader state), ``load_model_state_dict``, then, when fitting, ``load_optimi
 (and :func:`load_window`: the gradients of an accumulation window the checkpoint interrupted). A
 mid-epoch resume restores the random states once more at ``on_train_start``, after Lightning has
 created the train loader's iterator (see the strategy and the README, "Exact resume").
+
+Speed (issue 24; ``benchmarks/checkpoint_store.py``): each rank file is CRC-checked once (compiled,
+:mod:`lightning_zero.ops.checksum`) and memory-mapped; each piece is copied once, from the mapped file
+into the master or into the optimizer's existing state tensor
+(:meth:`~lightning_zero.zero.engine_checkpoint.CheckpointSurface.load_optimizer_pieces`). What remains
+of a resume beyond reading the bytes is the publish's all-gather of the parameters (stages 1/2).
 """
 
 from __future__ import annotations

@@ -128,15 +128,19 @@ def module_state_dict(module: nn.Module, engine: ZeroEngine | None, stage: int) 
 
 
 def local_shards(
-    params: dict[str, PartitionedParam], engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
+    params: dict[str, PartitionedParam],
+    engine: ZeroEngine,
+    optimizers: list[torch.optim.Optimizer],
+    views: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
     """This rank's pieces: ``({name: master piece}, [{name: {"slices": {key: piece}, "scalars": {key: value}}}
     per optimizer])``; ``slices`` are states with one element per parameter element (``exp_avg``),
     ``scalars`` the others (``step``).
 
-    Pieces are views of one CPU copy per flat buffer, so each buffer is written once.
+    Pieces are views of one CPU copy per flat buffer, so each buffer is written once. ``views``:
+    of the engine's tensors where they are, for their sizes only (see ``engine.local_pieces``).
     """
-    local = engine.local_pieces()
+    local = engine.local_pieces(views)
     values: dict[str, torch.Tensor] = {}
     optim: list[dict[str, dict[str, Any]]] = [{} for _ in optimizers]
     for p in params.values():

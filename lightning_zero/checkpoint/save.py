@@ -26,6 +26,14 @@ the temporary directory (one name per node), ``lightning.pt`` (rank 0's bytes, g
 agreement that follows the snapshot), the whole tensors of its node (:func:`~lightning_zero.checkpoint.merge.keep_copies`),
 ``metadata.json`` (the same on every node, with ``rank_nodes``) and the rename.
 
+Speed (issue 24): a synchronous save pickles straight from the engine's host tensors (no copy of the
+shard), checksums with the compiled CRC-32 (:mod:`lightning_zero.ops.checksum`) and starts the disk
+writes along the way (:class:`_Flusher`). An asynchronous save's training-thread work is the copy
+into the run's :class:`~lightning_zero.checkpoint.host_buffer.HostBuffer` (allocated ahead, after the
+first optimizer step) and three small agreements; the pickling, checksum, writes and fsync run in
+the writer thread; the publication (``metadata.json``, rename) runs at the next step boundary that
+finds every writer done.
+
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
 ``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
@@ -39,7 +47,6 @@ import shutil
 import threading
 import traceback
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,16 +55,24 @@ from typing import TYPE_CHECKING, Any
 import lightning
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng, store
+from lightning_zero.checkpoint.host_buffer import HostBuffer
 from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
-from lightning_zero.checkpoint.pieces import overrides, param_names, rank_payload, rank_report
+from lightning_zero.checkpoint.pieces import (
+    local_shards,
+    overrides,
+    param_names,
+    partitioned_params,
+    rank_payload,
+    rank_report,
+)
 from lightning_zero.layout import ParallelLayout
+from lightning_zero.ops import checksum
 
 if TYPE_CHECKING:
     from lightning_zero.zero.engine import ZeroEngine
@@ -155,7 +170,7 @@ class _Checksummed:
             view = view.cast("B")
         for start in range(0, view.nbytes, self.CHUNK):
             piece = view[start : start + self.CHUNK]
-            self.crc32 = zlib.crc32(piece, self.crc32)
+            self.crc32 = checksum.crc32(piece, self.crc32)
             self.f.write(piece)
         self.size += view.nbytes
         if self.flusher is not None:
@@ -265,65 +280,8 @@ def _write_files(
             if file.local:
                 f.flush()
                 os.fsync(f.fileno())
-        lightning_crc = zlib.crc32(lightning_bytes)
+        lightning_crc = checksum.crc32(lightning_bytes)
     return size, crc, lightning_crc
-
-
-class HostBuffer:
-    """Host memory for an asynchronous save's copy of this rank's shards, kept and reused by every
-    save of a run (one per strategy): the copy is the only work the training loop waits for, and
-    writing into pages already touched costs no page faults (a fresh 1 GiB allocation costs about as
-    much as the copy). One buffer per dtype (``torch.save`` refuses one storage seen as two dtypes);
-    every storage the payload's tensors view is copied whole into its own 64-byte aligned slot, so the
-    file holds what it would without the buffer, in one record per dtype. Reallocated only when the
-    payload's sizes change; the gaps between slots stay zero. A copy waits for the previous save's
-    writer, which reads the buffer."""
-
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._flat: dict[torch.dtype, torch.Tensor] = {}
-        self.user: PendingSave | None = None
-        """The save whose writer reads the buffer now."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-    def copy(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """``payload`` with every tensor moved into the buffer (same values, shapes and strides)."""
-        if self.user is not None:
-            self.user.wait()
-            self.user = None
-        storages: dict[tuple[int, int], tuple[torch.UntypedStorage, torch.dtype, int]] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for tensor in (t for t in tree_leaves(payload) if isinstance(t, torch.Tensor)):
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in storages:
-                start = sizes.get(tensor.dtype, 0)
-                storages[key] = (storage, tensor.dtype, start)
-                sizes[tensor.dtype] = start + -(-storage.nbytes() // self.ALIGN) * self.ALIGN
-        for dtype, nbytes in sizes.items():
-            numel = nbytes // torch.empty(0, dtype=dtype).element_size()
-            if dtype not in self._flat or self._flat[dtype].numel() != numel:
-                self._flat[dtype] = torch.zeros(numel, dtype=dtype)
-        for dtype in [d for d in self._flat if d not in sizes]:
-            del self._flat[dtype]
-        with torch.no_grad():
-            for storage, dtype, start in storages.values():
-                source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage)
-                size = source.element_size()
-                self._flat[dtype][start // size : start // size + source.numel()].copy_(source)
-
-        def moved(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            _, dtype, start = storages[(storage.data_ptr(), storage.nbytes())]
-            flat = self._flat[dtype]
-            offset = start // flat.element_size() + tensor.storage_offset()
-            return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), offset, tensor.size(), tensor.stride())
-
-        return tree_map_only(torch.Tensor, moved, payload)
 
 
 @dataclass(eq=False)
@@ -587,6 +545,17 @@ def save_sharded(
     pending.start(lambda: _write_files(tmp, rank, payload, lightning_bytes))
     buffer.user = pending
     return pending
+
+
+def reserve_host_buffer(
+    buffer: HostBuffer, module: nn.Module, engine: ZeroEngine, optimizers: list[torch.optim.Optimizer]
+) -> None:
+    """Have ``buffer`` allocate, in a background thread, the host memory an async save of this rank's
+    shards will copy into (the masters and optimizer states as they are now: call after the first
+    optimizer step has created the states), so that the first save's stall is the copy alone and
+    not also the page faults of a fresh allocation. Local."""
+    values, optim = local_shards(partitioned_params(module, engine), engine, optimizers, views=True)
+    buffer.reserve({"params": values, "optim": optim})
 
 
 def remove_sharded(filepath: fmt.PathLike) -> None:

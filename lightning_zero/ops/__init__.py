@@ -13,6 +13,7 @@ What is here
     ``functional``: the same as plain functions on flat buffers, including the two-phase LAMB that
     works on ZeRO shards whose boundaries cut through parameters (norm pieces summed across ranks).
     ``available()``: op name -> implementation in use, e.g. {"cpu_adam": "avx512", ...}.
+    ``checksum.crc32``: zlib's CRC-32 of checkpoint bytes, PCLMULQDQ-folded (``zlib.crc32`` is the reference).
 
 How it is built
     ``pip install --no-build-isolation -e .`` runs setup.py, which compiles csrc/ into

@@ -14,6 +14,7 @@ from lightning_zero.checkpoint.consolidate import _StorageRef, _TensorRef, strea
 from lightning_zero.checkpoint.io import location
 from lightning_zero.checkpoint.save import HostBuffer, remove_sharded
 from lightning_zero.cli import main
+from lightning_zero.zero.engine_checkpoint import exact_storage
 
 
 def _fake_checkpoint(path):
@@ -118,3 +119,41 @@ def test_host_buffer_copies_reuses_and_saves_the_same(tmp_path):
     assert {dtype: t.data_ptr() for dtype, t in buffer._flat.items()} == first  # reused, not reallocated
     assert torch.equal(again["params"]["a"], torch.arange(100.0, 107.0))
     assert torch.equal(copied["params"]["a"], again["params"]["a"])  # (the buffer is one: copies share it)
+
+
+def test_host_buffer_copies_the_covered_range_into_reserved_memory(tmp_path):
+    """A piece of a larger storage (a master slice of a flat buffer) costs the buffer its own bytes,
+    not the storage's; memory reserved (and touched) ahead by a thread is what the copy writes into;
+    and the file written from the copy holds the piece's elements only, with the same values."""
+    flat = torch.arange(1000, dtype=torch.float32)
+    payload = {"params": {"a": flat[100:107], "b": flat[110:113]}, "optim": [], "rng": {}, "loader": None}
+    buffer = HostBuffer()
+    buffer.reserve(payload)
+    assert buffer.nbytes == 64  # elements 100..112 of one storage: 13 floats in one 64-byte aligned slot
+    reserved = buffer._flat[torch.float32].data_ptr()
+    copied = buffer.copy(payload)
+    assert copied["params"]["a"].data_ptr() == reserved  # written into the reserved memory
+    assert torch.equal(copied["params"]["a"], torch.arange(100.0, 107.0))
+    assert torch.equal(copied["params"]["b"], torch.arange(110.0, 113.0))
+    assert copied["params"]["a"].untyped_storage().nbytes() == 64  # the used part (one slot), what torch.save writes
+    torch.save(copied, tmp_path / "copy.pt")
+    torch.save({"params": {"a": flat[100:107].clone()}}, tmp_path / "one.pt")
+    assert (tmp_path / "copy.pt").stat().st_size < (tmp_path / "one.pt").stat().st_size + 1024  # not 4000 bytes
+    loaded = torch.load(tmp_path / "copy.pt", weights_only=True)
+    assert torch.equal(loaded["params"]["b"], torch.arange(110.0, 113.0))
+    bigger = {**payload, "params": {"a": flat[:500]}}
+    assert torch.equal(buffer.copy(bigger)["params"]["a"], flat[:500])  # grown when a payload needs more
+
+
+def test_exact_storage_is_the_same_memory_without_the_rest():
+    """What a save hands torch.save for a view of a flat buffer: the same memory (no copy), in a
+    storage of exactly its bytes, valid after the flat buffer's last reference is gone."""
+    flat = torch.arange(100, dtype=torch.float32)
+    piece = exact_storage(flat[10:30])
+    assert piece.data_ptr() == flat[10:30].data_ptr() and piece.untyped_storage().nbytes() == 80
+    half = exact_storage(torch.zeros(10, dtype=torch.bfloat16)[2:5])  # (NumPy has no bfloat16)
+    assert half.dtype == torch.bfloat16 and half.untyped_storage().nbytes() == 6
+    whole = torch.ones(4)
+    assert exact_storage(whole) is whole
+    del flat
+    assert torch.equal(piece, torch.arange(10.0, 30.0))

@@ -133,6 +133,53 @@ def test_local_pieces_load_back(stage):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_pieces_load_in_place_and_zero_the_rest(stage):
+    """A load into an optimizer that already has states (a resume during or after fit) writes into
+    its tensors (no new allocation), and every element no piece covers (a parameter the checkpoint
+    lacks, the shard's padding) is zero, as in a zero-filled state: the target's states are filled
+    with NaN first, so a missed element shows."""
+    source = _model(0)
+    optimizer, engine = _engine(source, stage)
+    _train(source, optimizer, engine, steps=2)
+    names = {id(p): n for n, p in source.named_parameters()}
+    by_name = {names[id(h.param)]: piece for h, piece in zip(engine.held_params(), engine.local_pieces(), strict=True)}
+
+    target = _model(5)
+    target_optimizer, target_engine = _engine(target, stage)
+    _train(target, target_optimizer, target_engine, steps=1)  # its own states exist now
+    before = {}
+    for param, state in target_optimizer.state.items():  # keyed by the engine's master slices
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() == 1:
+                value.fill_(float("nan"))
+                before[(id(param), key)] = value.data_ptr()
+    assert before
+    target_names = {id(p): n for n, p in target.named_parameters()}
+    groups = [{**g.hyper, "params": []} for g in engine.param_groups(optimizer)]
+
+    skipped = "2.weight"  # not in the checkpoint (strict=False): its states read back as zero
+
+    def read(h, offset, numel):
+        if target_names[id(h.param)] == skipped:
+            return None
+        state = by_name[target_names[id(h.param)]].states[0]
+        return OptimizerPiece(slices=state.slices, scalars=state.scalars)
+
+    target_engine.load_optimizer_pieces(target_optimizer, groups, read)
+    after = {(id(state), key): value for state in target_optimizer.state.values() for key, value in state.items()}
+    assert all(after[k].data_ptr() == ptr for k, ptr in before.items() if k in after)  # written in place
+    for value in after.values():
+        if torch.is_tensor(value) and value.dim() == 1:
+            assert not value.isnan().any()  # every element written: a piece, or zero (padding)
+    for h, piece in zip(target_engine.held_params(), target_engine.local_pieces(), strict=True):
+        for key, value in by_name[target_names[id(h.param)]].states[0].slices.items():
+            expected = torch.zeros_like(value) if target_names[id(h.param)] == skipped else value
+            torch.testing.assert_close(piece.states[0].slices[key], expected, rtol=0, atol=0)  # copies: exact
+    engine.close()
+    target_engine.close()
+
+
 @pytest.mark.parametrize(
     "sections,match",
     [
