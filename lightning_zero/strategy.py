@@ -88,9 +88,11 @@ class ZeroStrategy(DDPStrategy):
         host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
             bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
             live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
-        expose_param_grads: ``param.grad`` as under DDP in ``on_before_optimizer_step`` and
-            ``configure_gradient_clipping``, and after ``manual_backward`` (stages 1/2); off by
-            default: it costs the full-size gradients (see :class:`~lightning_zero.config.ZeroConfig`).
+        expose_param_grads: ``param.grad`` as under DDP. ``None`` (default): after ``manual_backward``
+            in manual optimization (stage 3's sharded parameters: this rank's piece); ``True``: also
+            in ``on_before_optimizer_step`` and ``configure_gradient_clipping``; ``False``: never. A
+            full exposure costs an all-gather and the full-size gradients (see
+            :class:`~lightning_zero.config.ZeroConfig`).
         reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
             mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
             parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
@@ -157,7 +159,7 @@ class ZeroStrategy(DDPStrategy):
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
         host_mmap_threshold: int | None = 1 << 20,
-        expose_param_grads: bool = False,
+        expose_param_grads: bool | None = None,
         reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,

@@ -485,14 +485,16 @@ class ZeroEngine(CheckpointSurface):
                 self._exposed = outer
 
     def expose_window(self, module: nn.Module, inv_scale: float = 1.0) -> None:
-        """Manual optimization with ``expose_param_grads``, stages 1/2: after a backward, the
-        trainable parameters of ``module`` that received a gradient in the window get ``.grad``, the
-        full averaged, unscaled gradient so far (DDP's value after ``manual_backward``), until the
-        next backward, step or ``zero_grad`` (:meth:`release_window`). Read-only: edits are not
-        applied (clip with ``self.clip_gradients``). Stage 3: nothing (its parameters are shards
-        here; use ``strategy.full_gradients`` before the step). Call on all ranks."""
+        """Manual optimization (``expose_param_grads`` not False): after a backward, the trainable
+        parameters of ``module`` that received a gradient in the window get ``.grad``, the averaged,
+        unscaled gradient so far (DDP's value after ``manual_backward``), until the next backward,
+        step or ``zero_grad`` (:meth:`release_window`). Stages 1/2 and stage 3's whole (small)
+        parameters: the full gradient (one all-gather of the slices). Stage 3's sharded parameters
+        hold this rank's piece of the weight here, and get the same piece of the gradient (no
+        communication; ``strategy.full_gradients`` gives whole ones). Read-only: edits are not
+        applied (clip with ``self.clip_gradients``). Call on all ranks."""
         self.release_window()
-        if self.config.zero.stage == 3 or self._prepared:
+        if self._prepared:
             return
         ids = {id(p) for p in module.parameters()}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
@@ -505,7 +507,8 @@ class ZeroEngine(CheckpointSurface):
         for b in buffers:
             if b in self._shared:
                 got |= self._shared.with_grad(b)
-        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        local = frozenset(id(b) for b in buffers if self.config.zero.stage == 3 and not b.persistent)
+        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device, local=local)
         self._window.gather()
 
     def release_window(self) -> None:
