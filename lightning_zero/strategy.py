@@ -240,6 +240,10 @@ class ZeroStrategy(DDPStrategy):
         self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
+        # A resumed module state handed over before setup (Lightning restores the module and the
+        # callbacks before setup, as under DDP: see restore_checkpoint_after_setup), loaded by setup.
+        self._module_state: tuple[Mapping[str, Any], bool] | None = None
+        self._set_up = False
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
@@ -399,6 +403,11 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+        self._set_up = True
+        if self._module_state is not None:
+            checkpoint, strict = self._module_state
+            self._module_state = None
+            self.load_model_state_dict(checkpoint, strict)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -432,6 +441,8 @@ class ZeroStrategy(DDPStrategy):
             self._teardown_engine()
 
     def _teardown_engine(self) -> None:
+        self._set_up = False
+        self._module_state = None
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a
@@ -596,9 +607,12 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # Checkpoints load into the engine's slices, so after setup has built the engine (stage 3
-        # models may not even exist whole before that).
-        return True
+        # Lightning then restores the module and the callbacks before setup and before the callbacks'
+        # on_fit_start, as under DDP: a callback that acts there on its restored state (BaseFinetuning
+        # re-adds its parameter groups) sees it. The module state loads into the engine's slices, so
+        # load_model_state_dict keeps it until setup has built the engine (stage 3 models may not even
+        # exist whole before that); the optimizer states load after setup anyway.
+        return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
@@ -720,6 +734,9 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if not self._set_up:
+            self._module_state = (checkpoint, strict)  # loaded at the end of setup
+            return
         ckpt_load.load_model(
             checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
         )
