@@ -617,11 +617,14 @@ class ZeroStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
         so callbacks that keep it (an EMA callback moves it to ``current_model_state``) have every
-        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers).
+        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers); with
+        ``state_dict_type="full"`` on rank 0 the whole one too, the partitioned parameters gathered
+        one flat buffer at a time into its host memory (as FSDP's full state dict; a collective).
         ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
         values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
-        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage)
+        full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
+        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
@@ -735,7 +738,16 @@ class ZeroStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         if not self._set_up:
-            self._module_state = (checkpoint, strict)  # loaded at the end of setup
+            # Before setup (Lightning restores the module, then the callbacks, as under DDP): into the
+            # whole module, from which setup builds the flat buffers and masters. A model still on
+            # the meta device (stage 3's configure_model) or about to be split for tensor or pipeline
+            # parallelism takes it at the end of setup instead.
+            module = self.lightning_module
+            meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+            if meta or self._parallel.tensor > 1 or self._parallel.pipelined:
+                self._module_state = (checkpoint, strict)
+                return
+            ckpt_load.load_model(checkpoint, module, None, [], strict, self._parallel.layout)
             return
         ckpt_load.load_model(
             checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
