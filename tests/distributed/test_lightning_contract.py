@@ -354,6 +354,9 @@ FINETUNING = {
     "ddp": "ddp",
     "zero1": SPECS["zero1"],
     "zero2": {**SPECS["zero2"], "state_dict_type": "full"},  # the resume reads one file here
+    # threshold 10: the backbone's weights and first bias are sharded (their frozen buffers become
+    # trainable in place), its last bias (5 elements) stays whole (a bucket is built for it)
+    "zero3": {**SPECS["zero3"], "state_dict_type": "full"},
 }
 
 
@@ -407,10 +410,11 @@ def test_backbone_finetuning_adds_a_param_group_during_fit_and_resumes_as_ddp(tm
     for res in run_ranks(_finetuning_worker, str(tmp_path), timeout=600):
         ref = res["ddp"]
         assert ref["groups"] == 2
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             # fp32, identical data on both ranks: the same arithmetic up to the reduction order and
             # the compiled Adam kernel's (a few ulps a step); 1e-5 over 12 steps. Before: a KeyError
-            # in BackboneFinetuning (param_groups held ZeRO's masters), then the new group was refused.
+            # in BackboneFinetuning (param_groups held ZeRO's masters), then the new group was refused
+            # (stage 3: until issue 23).
             assert res[name]["groups"] == 2
             torch.testing.assert_close(res[name]["losses"], ref["losses"], rtol=1e-5, atol=0, msg=name)
             torch.testing.assert_close(res[name]["weights"], ref["weights"], rtol=1e-5, atol=1e-7, msg=name)
