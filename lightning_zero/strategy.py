@@ -243,6 +243,7 @@ class ZeroStrategy(DDPStrategy):
         # A resumed module state handed over before setup (Lightning restores the module and the
         # callbacks before setup, as under DDP: see restore_checkpoint_after_setup), loaded by setup.
         self._module_state: tuple[Mapping[str, Any], bool] | None = None
+        self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
         self._set_up = False
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
@@ -624,7 +625,24 @@ class ZeroStrategy(DDPStrategy):
         values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
         full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
-        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
+        out = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
+        self._module_state_out = out  # see _complete_moved_module_state
+        return out
+
+    def _complete_moved_module_state(self, checkpoint: dict[str, Any]) -> None:
+        """Stage 3, sharded format: a callback that kept the module state under another key of the
+        checkpoint (EMA's ``current_model_state``, with its averaged weights in ``state_dict``) gets
+        the partitioned parameters there too, gathered into rank 0's host memory (only then: this
+        is the whole model, which the checkpoint then stores beside the shards, as DDP's does).
+        Call on all ranks (every rank runs the same callbacks)."""
+        returned, self._module_state_out = self._module_state_out, None
+        if returned is None or self._engine is None or self.zero_config.stage < 3 or not comm.initialized():
+            return
+        moved = [k for k, v in checkpoint.items() if k != "state_dict" and v is returned]
+        if moved:
+            full = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, 3, full=True)
+            for key in moved:
+                checkpoint[key] = full
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
@@ -644,6 +662,7 @@ class ZeroStrategy(DDPStrategy):
         if not comm.initialized() and not self.is_global_zero:
             return
         if self.config.checkpoint.state_dict_type == "full":
+            self._module_state_out = None  # rank 0's module state is whole already
             where = ckpt_io.location(filepath)
             if not where.local:
                 raise ValueError(
@@ -652,6 +671,7 @@ class ZeroStrategy(DDPStrategy):
                 )
             self._save_full(checkpoint, where.as_path())
             return
+        self._complete_moved_module_state(checkpoint)
         self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
 
     def _finish_pending_save(self, abandon: bool = False) -> None:

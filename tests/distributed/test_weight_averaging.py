@@ -32,8 +32,13 @@ def _ema():
     return EMAWeightAveraging(decay=0.5)  # a short memory: the average differs from the weights
 
 
-# the module state as DDP's in the full checkpoint: current_model_state keeps every weight
-EMA_SPECS = {**SPECS, "zero3": {"stage": 3, "reduce_bucket_size": 40, "state_dict_type": "full"}}
+# stage 3: current_model_state keeps every weight, in the full checkpoint (the module state as
+# DDP's) and in the sharded one (filled in on rank 0 because the callback moved it there)
+EMA_SPECS = {
+    **SPECS,
+    "zero3": {"stage": 3, "reduce_bucket_size": 40, "state_dict_type": "full"},
+    "zero3_sharded": {"stage": 3, "reduce_bucket_size": 40},
+}
 
 
 def _worker(rank: int, tmp: str) -> dict:
@@ -61,7 +66,7 @@ def _saved_weights(path: Path) -> dict[str, torch.Tensor]:
 def test_ema_callback_save_and_resume_match_ddp(tmp_path):
     results = run_ranks(_worker, str(tmp_path))
     ref_saved = _saved_weights(tmp_path / "ddp.ckpt")
-    for name in ("zero1", "zero2", "zero3"):
+    for name in ("zero1", "zero2", "zero3", "zero3_sharded"):
         saved = _saved_weights(tmp_path / f"{name}.ckpt")
         # The averaged weights are what the checkpoint stores (before: the current weights, 9.6e-2
         # relative off). fp32: the same arithmetic up to the reduction order (~1e-7 a step).
