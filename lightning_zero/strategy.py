@@ -640,6 +640,7 @@ class ZeroStrategy(DDPStrategy):
             return
         moved = [k for k, v in checkpoint.items() if k != "state_dict" and v is returned]
         if moved:
+            assert self.lightning_module is not None
             full = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, 3, full=True)
             for key in moved:
                 checkpoint[key] = full
