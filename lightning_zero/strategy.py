@@ -240,11 +240,7 @@ class ZeroStrategy(DDPStrategy):
         self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
-        # A resumed module state handed over before setup (Lightning restores the module and the
-        # callbacks before setup, as under DDP: see restore_checkpoint_after_setup), loaded by setup.
-        self._module_state: tuple[Mapping[str, Any], bool] | None = None
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
-        self._set_up = False
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
@@ -404,11 +400,6 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
-        self._set_up = True
-        if self._module_state is not None:
-            checkpoint, strict = self._module_state
-            self._module_state = None
-            self.load_model_state_dict(checkpoint, strict)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -442,8 +433,6 @@ class ZeroStrategy(DDPStrategy):
             self._teardown_engine()
 
     def _teardown_engine(self) -> None:
-        self._set_up = False
-        self._module_state = None
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a
@@ -608,12 +597,11 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # Lightning then restores the module and the callbacks before setup and before the callbacks'
-        # on_fit_start, as under DDP: a callback that acts there on its restored state (BaseFinetuning
-        # re-adds its parameter groups) sees it. The module state loads into the engine's slices, so
-        # load_model_state_dict keeps it until setup has built the engine (stage 3 models may not even
-        # exist whole before that); the optimizer states load after setup anyway.
-        return False
+        # Checkpoints load into the engine's slices, so after setup has built the engine (stage 3
+        # models may not even exist whole before that), each rank reading only its pieces. Lightning
+        # then restores the callbacks after their on_fit_start (as under FSDP and DeepSpeed): see
+        # _replay_callback_restores for the one that acts there on its restored state.
+        return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
@@ -758,30 +746,34 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        if not self._set_up:
-            # Before setup (Lightning restores the module, then the callbacks, as under DDP): into the
-            # whole module, from which setup builds the flat buffers and masters. A model still on
-            # the meta device (stage 3's configure_model) or about to be split for tensor or pipeline
-            # parallelism takes it at the end of setup instead.
-            module = self.lightning_module
-            meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-            if meta or self._parallel.tensor > 1 or self._parallel.pipelined:
-                self._module_state = (checkpoint, strict)
-                return
-            ckpt_load.load_model(checkpoint, module, None, [], strict, self._parallel.layout)
-            return
         ckpt_load.load_model(
             checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
         )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
+        self._replay_callback_restores()
         ckpt_load.load_optimizers(
             checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
         )
         ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
+
+    def _replay_callback_restores(self) -> None:
+        """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of
+        the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
+        restored before ``on_fit_start``; here (``restore_checkpoint_after_setup``) after it, so the
+        callback would never add them and the optimizer states of the resumed run would meet fewer
+        groups. Its restore is run now, before the optimizer states load, as DDP runs it before."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        for callback in trainer.callbacks:
+            if isinstance(callback, BaseFinetuning) and callback._restarting:
+                BaseFinetuning.on_fit_start(callback, trainer, self.lightning_module)
 
     # -- registration -------------------------------------------------------------------------------
 
