@@ -768,12 +768,13 @@ class ZeroStrategy(DDPStrategy):
         groups. Its restore is run now, before the optimizer states load, as DDP runs it before."""
         from lightning.pytorch.callbacks import BaseFinetuning
 
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return
         for callback in trainer.callbacks:
             if isinstance(callback, BaseFinetuning) and callback._restarting:
-                BaseFinetuning.on_fit_start(callback, trainer, self.lightning_module)
+                BaseFinetuning.on_fit_start(callback, trainer, module)
 
     # -- registration -------------------------------------------------------------------------------
 
