@@ -614,7 +614,8 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
         out = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
-        self._module_state_out = out  # see _complete_moved_module_state
+        if self.zero_config.stage == 3 and not full:
+            self._module_state_out = out  # see _complete_moved_module_state
         return out
 
     def _complete_moved_module_state(self, checkpoint: dict[str, Any]) -> None:
