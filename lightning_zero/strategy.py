@@ -24,6 +24,7 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Generator, Mapping
@@ -46,7 +47,7 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
+from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
@@ -659,6 +660,11 @@ class ZeroStrategy(DDPStrategy):
                     f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
                     "default, which writes to object stores too) or a local or shared path."
                 )
+            if not comm.initialized():
+                # Before fit nothing is partitioned: Lightning's dict is the whole checkpoint, written
+                # as DDP writes it (one torch.save; no staging through rank files).
+                write_file(where.as_path(), functools.partial(torch.save, checkpoint))
+                return
             self._save_full(checkpoint, where.as_path())
             return
         self._complete_moved_module_state(checkpoint)
