@@ -96,24 +96,6 @@ class CheckpointSurface:
         mapped = store.mapped(tensor) if store is not None else None
         return mapped if mapped is not None else _host_copy(tensor, own)
 
-    def full_params(self, keep: bool) -> dict[int, torch.Tensor]:
-        """``id(param) -> the whole parameter`` in the saved dtype (the fp32 master under mixed
-        precision), in host memory, for a "full" checkpoint's module state as DDP's: one flat buffer
-        all-gathered at a time; only a rank with ``keep`` (rank 0) keeps them (the whole model in its
-        host memory while the save runs), the others drop each buffer at once (empty result). Call
-        on all ranks."""
-        out: dict[int, torch.Tensor] = {}
-        for b in self._all_buffers():
-            with self._buffer_resident(b):
-                full = torch.empty(b.layout.padded_numel, dtype=b.master.dtype, device=b.master.device)
-                comm.all_gather(full, b.master.detach(), self.group, label="full checkpoint: module state")
-            if not keep:
-                continue
-            full = full.to("cpu")
-            for param, slot in zip(b.params, b.layout.slots, strict=True):
-                out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        return out
-
     def local_pieces(self) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
@@ -237,3 +219,21 @@ class CheckpointSurface:
         call :meth:`publish` afterwards (it may carry fp32 masters)."""
         with self._resident():
             self._get(optimizer).load_consolidated_state_dict(state_dict)
+
+    def full_params(self, keep: bool) -> dict[int, torch.Tensor]:
+        """``id(param) -> the whole parameter`` in the saved dtype (the fp32 master under mixed
+        precision), in host memory, for a "full" checkpoint's module state as DDP's: one flat buffer
+        all-gathered at a time; only a rank with ``keep`` (rank 0) keeps them (the whole model in its
+        host memory while the save runs), the others drop each buffer at once (empty result). Call
+        on all ranks."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self._all_buffers():
+            with self._buffer_resident(b):
+                full = torch.empty(b.layout.padded_numel, dtype=b.master.dtype, device=b.master.device)
+                comm.all_gather(full, b.master.detach(), self.group, label="full checkpoint: module state")
+            if not keep:
+                continue
+            full = full.to("cpu")
+            for param, slot in zip(b.params, b.layout.slots, strict=True):
+                out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return out
