@@ -175,14 +175,17 @@ class ZeroConfig:
     Under the NVMe tier (``offload_optimizer="nvme"``) the masters are on disk between steps and the
     check runs only before a checkpoint."""
 
-    expose_param_grads: bool = False
-    """Give user code DDP's ``param.grad`` where Lightning runs it: in ``on_before_optimizer_step``
-    and ``configure_gradient_clipping`` (every stage: elementwise edits such as ``p.grad.clamp_``
-    reach the step), and after ``manual_backward`` in manual optimization (stages 1/2, read-only
-    until the next backward, step or ``zero_grad``). Off by default: each exposure all-gathers the
-    gradients and holds them at full size (fp32 under mixed precision: 4 bytes per parameter, plus
-    2 for the 16-bit ``.grad`` copies), the memory stage 2 exists to save; on demand, wrap the code
-    in ``strategy.full_gradients(module)`` instead (:mod:`lightning_zero.zero.grads`)."""
+    expose_param_grads: bool | None = None
+    """Give user code DDP's ``param.grad`` where Lightning runs it. ``None`` (default): after each
+    ``manual_backward`` in manual optimization only (read-only, until the next backward, step or
+    ``zero_grad``; stage 3's sharded parameters hold this rank's piece of the weight there and get the
+    same piece of the gradient). ``True``: also in ``on_before_optimizer_step`` and
+    ``configure_gradient_clipping`` (every stage: elementwise edits such as ``p.grad.clamp_`` reach
+    the step). ``False``: never. Each full exposure all-gathers the gradients and holds them at full
+    size (fp32 under mixed precision: 4 bytes per parameter, plus 2 for the 16-bit ``.grad`` copies),
+    the memory stage 2 exists to save; stage 3's pieces cost a slice-sized copy and no communication.
+    On demand, wrap the code in ``strategy.full_gradients(module)`` instead
+    (:mod:`lightning_zero.zero.grads`)."""
 
     def __post_init__(self) -> None:
         if self.stage == 0 and type(self.stage) is int:
@@ -207,8 +210,11 @@ class ZeroConfig:
             )
         if not isinstance(self.absorb_param_edits, bool):
             raise ValueError(f"absorb_param_edits={self.absorb_param_edits!r} must be True or False.")
-        if not isinstance(self.expose_param_grads, bool):
-            raise ValueError(f"expose_param_grads={self.expose_param_grads!r} must be True or False.")
+        if self.expose_param_grads is not None and not isinstance(self.expose_param_grads, bool):
+            raise ValueError(
+                f"expose_param_grads={self.expose_param_grads!r} must be None (after manual_backward only), "
+                "True or False."
+            )
         if self.on_nonfinite not in ("error", "skip", "ignore"):
             raise ValueError(
                 f"on_nonfinite={self.on_nonfinite!r} must be 'error' (stop before the weights are touched), "

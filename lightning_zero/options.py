@@ -45,7 +45,7 @@ def strategy_config(
     on_nonfinite: str = "error",
     absorb_param_edits: bool = True,
     host_mmap_threshold: int | None = 1 << 20,
-    expose_param_grads: bool = False,
+    expose_param_grads: bool | None = None,
     reduce_dtype: str | torch.dtype | None = None,
     offload_optimizer: bool | str = False,
     offload_parameters: bool | str = False,

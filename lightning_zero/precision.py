@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
@@ -133,6 +133,7 @@ class OffloadPrecision(HalfPrecision):
         self.device_type = "cpu"
         #: optimizer steps skipped for non-finite gradients ("16-mixed" counts in ``scaler.skipped_steps``)
         self.nonfinite_steps = 0
+        self._told_exposed = False  # the one-time note on expose_param_grads=None
         self._engine: ZeroEngine | None = None
         self._pipelined = False
 
@@ -212,8 +213,16 @@ class OffloadPrecision(HalfPrecision):
             return tensor
         if self._engine is not None:
             self._engine.backward_done()
-            if self._engine.config.zero.expose_param_grads and not module.automatic_optimization:
+            if self._engine.config.zero.expose_param_grads is not False and not module.automatic_optimization:
                 self._engine.expose_window(module, 1.0 / self.loss_scale)
+                if self._engine.config.zero.expose_param_grads is None and not self._told_exposed:
+                    self._told_exposed = True
+                    rank_zero_info(
+                        "ZeRO, manual optimization: param.grad holds the averaged gradient after each "
+                        "manual_backward, as under DDP (stage 3: this rank's piece of a sharded parameter), "
+                        "at the cost of an all-gather and full-size gradients until the step (stages 1/2). "
+                        "ZeroStrategy(expose_param_grads=False) keeps ZeRO's gradient memory."
+                    )
         tensor = super().post_backward(tensor, module)
         return tensor / self.scaler.scale if self.scaler is not None else tensor
 
@@ -271,7 +280,7 @@ class OffloadPrecision(HalfPrecision):
         inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP
         (the parameters of the optimizer stepping; another optimizer's keep None)."""
         assert self._engine is not None
-        if not self._engine.config.zero.expose_param_grads:
+        if self._engine.config.zero.expose_param_grads is not True:
             return self._after_closure(model, optimizer)
         with self._engine.full_gradients(model, 1.0 / self.loss_scale, optimizer=optimizer):
             self._after_closure(model, optimizer)

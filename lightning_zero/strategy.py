@@ -24,6 +24,7 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Generator, Mapping
@@ -46,7 +47,7 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint
+from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
@@ -90,9 +91,11 @@ class ZeroStrategy(DDPStrategy):
         host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
             bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
             live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
-        expose_param_grads: ``param.grad`` as under DDP in ``on_before_optimizer_step`` and
-            ``configure_gradient_clipping``, and after ``manual_backward`` (stages 1/2); off by
-            default: it costs the full-size gradients (see :class:`~lightning_zero.config.ZeroConfig`).
+        expose_param_grads: ``param.grad`` as under DDP. ``None`` (default): after ``manual_backward``
+            in manual optimization (stage 3's sharded parameters: this rank's piece); ``True``: also
+            in ``on_before_optimizer_step`` and ``configure_gradient_clipping``; ``False``: never. A
+            full exposure costs an all-gather and the full-size gradients (see
+            :class:`~lightning_zero.config.ZeroConfig`).
         reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
             mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
             parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
@@ -159,7 +162,7 @@ class ZeroStrategy(DDPStrategy):
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
         host_mmap_threshold: int | None = 1 << 20,
-        expose_param_grads: bool = False,
+        expose_param_grads: bool | None = None,
         reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | str = False,
         offload_parameters: bool | str = False,
@@ -240,6 +243,7 @@ class ZeroStrategy(DDPStrategy):
         self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
+        self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
@@ -607,17 +611,41 @@ class ZeroStrategy(DDPStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints load into the engine's slices, so after setup has built the engine (stage 3
-        # models may not even exist whole before that).
+        # models may not even exist whole before that), each rank reading only its pieces. Lightning
+        # then restores the callbacks after their on_fit_start (as under FSDP and DeepSpeed): see
+        # _replay_callback_restores for the one that acts there on its restored state.
         return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
         so callbacks that keep it (an EMA callback moves it to ``current_model_state``) have every
-        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers).
+        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers); with
+        ``state_dict_type="full"`` on rank 0 the whole one too, the partitioned parameters gathered
+        one flat buffer at a time into its host memory (as FSDP's full state dict; a collective).
         ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
         values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
         assert self.lightning_module is not None
-        return ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage)
+        full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
+        out = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
+        if self.zero_config.stage == 3 and not full:
+            self._module_state_out = out  # see _complete_moved_module_state
+        return out
+
+    def _complete_moved_module_state(self, checkpoint: dict[str, Any]) -> None:
+        """Stage 3, sharded format: a callback that kept the module state under another key of the
+        checkpoint (EMA's ``current_model_state``, with its averaged weights in ``state_dict``) gets
+        the partitioned parameters there too, gathered into rank 0's host memory (only then: this
+        is the whole model, which the checkpoint then stores beside the shards, as DDP's does).
+        Call on all ranks (every rank runs the same callbacks)."""
+        returned, self._module_state_out = self._module_state_out, None
+        if returned is None or self._engine is None or self.zero_config.stage < 3 or not comm.initialized():
+            return
+        moved = [k for k, v in checkpoint.items() if k != "state_dict" and v is returned]
+        if moved:
+            assert self.lightning_module is not None
+            full = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, 3, full=True)
+            for key in moved:
+                checkpoint[key] = full
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
@@ -637,14 +665,21 @@ class ZeroStrategy(DDPStrategy):
         if not comm.initialized() and not self.is_global_zero:
             return
         if self.config.checkpoint.state_dict_type == "full":
+            self._module_state_out = None  # rank 0's module state is whole already
             where = ckpt_io.location(filepath)
             if not where.local:
                 raise ValueError(
                     f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
                     "default, which writes to object stores too) or a local or shared path."
                 )
+            if not comm.initialized():
+                # Before fit nothing is partitioned: Lightning's dict is the whole checkpoint, written
+                # as DDP writes it (one torch.save; no staging through rank files).
+                write_file(where.as_path(), functools.partial(torch.save, checkpoint))
+                return
             self._save_full(checkpoint, where.as_path())
             return
+        self._complete_moved_module_state(checkpoint)
         self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
 
     def _finish_pending_save(self, abandon: bool = False) -> None:
@@ -736,12 +771,29 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
+        self._replay_callback_restores()
         ckpt_load.load_optimizers(
             checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
         )
         ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
+
+    def _replay_callback_restores(self) -> None:
+        """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of
+        the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
+        restored before ``on_fit_start``; here (``restore_checkpoint_after_setup``) after it, so the
+        callback would never add them and the optimizer states of the resumed run would meet fewer
+        groups. Its restore is run now, before the optimizer states load, as DDP runs it before."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        for callback in trainer.callbacks:
+            if isinstance(callback, BaseFinetuning) and callback._restarting:
+                BaseFinetuning.on_fit_start(callback, trainer, module)
 
     # -- registration -------------------------------------------------------------------------------
 

@@ -234,7 +234,8 @@ def to_lightning_checkpoint(
                 index += 1
             groups.append(entry)
         states.append({"state": per_param, "param_groups": groups})
-    checkpoint["optimizer_states"] = states
+    if "optimizer_states" in checkpoint:  # a weights-only save (ModelCheckpoint(save_weights_only=True)) has none
+        checkpoint["optimizer_states"] = states
     write_file(out, functools.partial(torch.save, checkpoint))
 
 

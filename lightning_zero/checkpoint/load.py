@@ -351,6 +351,10 @@ def load_optimizers(
             f"the checkpoint has {len(states)} optimizer states but configure_optimizers returned "
             f"{len(optimizers)} optimizers."
         )
+    if engine is not None:
+        # Groups a callback added back before the states load (BaseFinetuning re-adds the groups of
+        # the run it resumes in on_fit_start) are partitioned first, so that the states find them.
+        engine.add_param_groups()
     params = partitioned_params(module, engine)
     reader = reader_for(checkpoint)
     placement = Placement.of(comm.rank(None), comm.world_size(None), layout)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.parallel.tensor import is_tensor_parallel
 from lightning_zero.zero.gather import placeholders_allowed
@@ -118,13 +119,24 @@ def non_partitioned_state_dict(module: nn.Module, params: dict[str, PartitionedP
         return {k: v for k, v in module.state_dict().items() if k not in skip}
 
 
-def module_state_dict(module: nn.Module, engine: ZeroEngine | None, stage: int) -> dict[str, Any]:
+def module_state_dict(module: nn.Module, engine: ZeroEngine | None, stage: int, full: bool = False) -> dict[str, Any]:
     """What a checkpoint's ``state_dict`` holds: stages 1/2 the module's whole state dict (views of
     the parameters, no copy); stage 3 only the tensors ZeRO does not partition (frozen parameters,
-    buffers), the partitioned ones being written from every rank's slices. Local."""
+    buffers), the partitioned ones being written from every rank's slices. Local. Stage 3 with
+    ``full`` (a "full" checkpoint, as FSDP's full state dict): on global rank 0 the whole state dict,
+    the partitioned parameters gathered (in the saved dtype, into its host memory), so that
+    callbacks that keep it elsewhere in the checkpoint (an EMA's ``current_model_state``) keep
+    every weight, as under DDP; a collective then (call on all ranks)."""
     if stage < 3:
         return module.state_dict()
-    return non_partitioned_state_dict(module, partitioned_params(module, engine))
+    params = partitioned_params(module, engine)
+    out = non_partitioned_state_dict(module, params)
+    if full and engine is not None:
+        whole = engine.full_params(keep=comm.rank(None) == 0)
+        for p in params.values():
+            if id(p.held.param) in whole:
+                out.update(dict.fromkeys((p.name, *p.aliases), whole[id(p.held.param)]))
+    return out
 
 
 def local_shards(

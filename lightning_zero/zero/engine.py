@@ -324,15 +324,15 @@ class ZeroEngine(CheckpointSurface):
         return overflow
 
     def add_param_groups(self) -> None:
-        """Stages 1/2: partition the parameter groups added to an optimizer since setup
+        """Partition the parameter groups added to an optimizer since setup
         (``optimizer.add_param_group`` during fit: Lightning's ``BackboneFinetuning`` unfreezing the
-        backbone) into flat buffers of their own, with masters, gradient hooks and optimizer states,
-        as if they had been there from the start (their current values are every rank's: parameters
-        are broadcast at setup and frozen ones do not change). The strategy calls it before each
-        batch, and the step before it steps (a gradient autograd already left in ``param.grad`` is
-        taken). Under stage 3 the step refuses such groups. Call on all ranks."""
-        if self.config.zero.stage == 3:
-            return
+        backbone) into flat buffers, with masters, gradient hooks and optimizer states, as if they
+        had been there from the start (their current values are every rank's: parameters are
+        broadcast at setup and frozen ones do not change). Stages 1/2: buffers of their own. Stage 3:
+        a frozen module's sharded buffer becomes trainable in place (:meth:`FlatBuffer.make_trainable`;
+        every parameter of it must join the group), small whole parameters get persistent buckets.
+        The strategy calls it before each batch, and the step before it steps (a gradient autograd
+        already left in ``param.grad`` is taken). Call on all ranks."""
         known = {id(p) for b in self._buffers for p in b.params}
         for sharded in self._sharded.values():
             groups = sharded.optimizer.param_groups
@@ -349,11 +349,43 @@ class ZeroEngine(CheckpointSurface):
                             "built for all of them): give it to each of them in configure_optimizers."
                         )
                     known.add(id(p))
+                if self.config.zero.stage == 3:
+                    converted = self._unfreeze_sharded(params, g_index)
+                    done = {id(p) for b in converted for p in b.params}
+                    params = [p for p in params if id(p) not in done]
+                    new.extend(converted)
                 new.extend(self._ctx.buckets(params, g_index))
             self._buffers.extend(new)
             self._reducer.add_buffers(new)
             sharded.add_groups(new)
         self._held = self._describe()
+
+    def _unfreeze_sharded(self, params: list[nn.Parameter], g_index: int) -> list[FlatBuffer]:
+        """Stage 3: the frozen sharded buffers holding ``params`` (parameters of a group added during
+        fit), made trainable in place for group ``g_index``; ``ValueError`` before any change when
+        one holds a parameter the group does not take, or under a disk tier."""
+        ids = {id(p) for p in params}
+        touched = [b for b in self._frozen if any(id(p) in ids for p in b.params)]
+        for b in touched:
+            left = [tuple(p.shape) for p in b.params if id(p) not in ids]
+            if left:
+                raise ValueError(
+                    f"optimizer.add_param_group() under stage 3 took some parameters of a frozen module but not "
+                    f"those of shapes {left}: a module's frozen parameters are sharded together. Add all of the "
+                    "module's parameters to the group (requires_grad=True), or give the group to the optimizer in "
+                    "configure_optimizers."
+                )
+        if touched and (self.param_tier is not None or self.swap is not None):
+            raise ValueError(
+                "optimizer.add_param_group() under stage 3 with a disk tier (offload_optimizer or "
+                "offload_parameters='nvme') is not supported: the frozen shards live in files without masters. "
+                "Give every parameter group to the optimizer in configure_optimizers (lr=0 until it should train), "
+                "or use the host-memory tier."
+            )
+        for b in touched:
+            b.make_trainable(g_index, self._ctx.separate_master, self.config.offload)
+            self._frozen.remove(b)
+        return touched
 
     def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer:
         """Once per optimizer step: finish the window's reductions and expose the reduced, unscaled
@@ -489,14 +521,16 @@ class ZeroEngine(CheckpointSurface):
                 self._exposed = outer
 
     def expose_window(self, module: nn.Module, inv_scale: float = 1.0) -> None:
-        """Manual optimization with ``expose_param_grads``, stages 1/2: after a backward, the
-        trainable parameters of ``module`` that received a gradient in the window get ``.grad``, the
-        full averaged, unscaled gradient so far (DDP's value after ``manual_backward``), until the
-        next backward, step or ``zero_grad`` (:meth:`release_window`). Read-only: edits are not
-        applied (clip with ``self.clip_gradients``). Stage 3: nothing (its parameters are shards
-        here; use ``strategy.full_gradients`` before the step). Call on all ranks."""
+        """Manual optimization (``expose_param_grads`` not False): after a backward, the trainable
+        parameters of ``module`` that received a gradient in the window get ``.grad``, the averaged,
+        unscaled gradient so far (DDP's value after ``manual_backward``), until the next backward,
+        step or ``zero_grad`` (:meth:`release_window`). Stages 1/2 and stage 3's whole (small)
+        parameters: the full gradient (one all-gather of the slices). Stage 3's sharded parameters
+        hold this rank's piece of the weight here, and get the same piece of the gradient (no
+        communication; ``strategy.full_gradients`` gives whole ones). Read-only: edits are not
+        applied (clip with ``self.clip_gradients``). Call on all ranks."""
         self.release_window()
-        if self.config.zero.stage == 3 or self._prepared:
+        if self._prepared:
             return
         ids = {id(p) for p in module.parameters()}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
@@ -509,7 +543,8 @@ class ZeroEngine(CheckpointSurface):
         for b in buffers:
             if b in self._shared:
                 got |= self._shared.with_grad(b)
-        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
+        local = frozenset(id(b) for b in buffers if self.config.zero.stage == 3 and not b.persistent)
+        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device, local=local)
         self._window.gather()
 
     def release_window(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_zero import comm
 from lightning_zero.config import StrategyConfig
 from lightning_zero.offload.nvme import SwapStore
 from lightning_zero.zero.flat import FlatBuffer
@@ -66,6 +67,7 @@ class CheckpointSurface:
     """Checkpoint methods of the engine (see the module docstring)."""
 
     config: StrategyConfig
+    group: comm.ProcessGroup
     swap: EngineSwap | None
     param_tier: ParamTier | None
     _states_dropped: bool
@@ -279,3 +281,21 @@ class CheckpointSurface:
         call :meth:`publish` afterwards (it may carry fp32 masters)."""
         with self._resident():
             self._get(optimizer).load_consolidated_state_dict(state_dict)
+
+    def full_params(self, keep: bool) -> dict[int, torch.Tensor]:
+        """``id(param) -> the whole parameter`` in the saved dtype (the fp32 master under mixed
+        precision), in host memory, for a "full" checkpoint's module state as DDP's: one flat buffer
+        all-gathered at a time; only a rank with ``keep`` (rank 0) keeps them (the whole model in its
+        host memory while the save runs), the others drop each buffer at once (empty result). Call
+        on all ranks."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self._all_buffers():
+            with self._buffer_resident(b):
+                full = torch.empty(b.layout.padded_numel, dtype=b.master.dtype, device=b.master.device)
+                comm.all_gather(full, b.master.detach(), self.group, label="full checkpoint: module state")
+            if not keep:
+                continue
+            full = full.to("cpu")
+            for param, slot in zip(b.params, b.layout.slots, strict=True):
+                out[id(param)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return out

@@ -231,6 +231,27 @@ class FlatBuffer:
     def numel(self) -> int:
         return self.layout.padded_numel
 
+    def make_trainable(self, optimizer_group: int, separate_master: bool, offload: OffloadConfig | None) -> None:
+        """Stage 3: a frozen buffer joins an optimizer's parameter group added during fit
+        (``add_param_group``, Lightning's ``BackboneFinetuning``): it gets the roles a trainable
+        buffer is built with, from its own shard (no communication; the same object stays in the
+        gather hooks). The master starts from ``param_shard``: under mixed precision a frozen shard
+        was kept in the compute dtype, so the master starts from its 16-bit values."""
+        assert not self.trainable and self.shard_tier is None
+        self.optimizer_group = optimizer_group
+        self.trainable = True
+        self.offloaded = bool(offload and offload.offload_optimizer)
+        self.separate_master = separate_master or self.offloaded
+        if self.separate_master:
+            master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            master = self.param_shard.to(device=self.device, dtype=master_dtype, copy=True)
+            if offload is not None and self.offloaded and master.device.type != "cpu":
+                master = host_copy(master, pin=offload.pin_memory)
+            self.master = master
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        if offload is not None and self.offloaded and self.device.type != "cpu":
+            self.host_grad = host_empty(self.layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
+
     def bind_params(self) -> None:
         """Make every parameter's ``.data`` a view into ``flat_param`` (identity of the Parameter kept)."""
         assert self.flat_param is not None

@@ -37,6 +37,9 @@ class ExposedGrads:
         wanted: ids of the parameters that get ``.grad`` (those that received a gradient, as DDP).
         group: the data-parallel group.
         device: where the full gradients are gathered (the compute device).
+        local: ids of stage-3 buffers whose parameters are released (each a view of this rank's
+            piece of it): they get the matching piece of the slice as ``.grad``, without
+            communication (read-only; see :meth:`ZeroEngine.expose_window`).
     """
 
     def __init__(
@@ -46,12 +49,14 @@ class ExposedGrads:
         wanted: set[int],
         group: comm.ProcessGroup,
         device: torch.device,
+        local: frozenset[int] = frozenset(),
     ) -> None:
         self.buffers = [b for b in buffers if id(b) in slices]
         self.slices = slices
         self.wanted = wanted
         self.group = group
         self.device = device
+        self.local = local
         self.full: dict[int, torch.Tensor] = {}
         self.assigned: list[tuple[FlatBuffer, int, nn.Parameter]] = []
 
@@ -59,6 +64,9 @@ class ExposedGrads:
         """All-gather every buffer's slices and set ``param.grad``. Call on all ranks."""
         self.release()
         for b in self.buffers:
+            if id(b) in self.local:
+                self._own_pieces(b)
+                continue
             grad = self.slices[id(b)]
             full = torch.empty(b.layout.padded_numel, dtype=grad.dtype, device=self.device)
             comm.all_gather(full, grad.to(self.device), self.group, label="full_gradients")
@@ -68,16 +76,37 @@ class ExposedGrads:
                     param.grad = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(param.dtype)
                     self.assigned.append((b, index, param))
 
+    def _own_pieces(self, b: FlatBuffer) -> None:
+        """A released stage-3 parameter holds this rank's piece of it (1-D, or its own shape when
+        the piece is all of it; empty where the rank holds none): its ``.grad`` is the same piece of
+        the gradient, as FSDP2's sharded ``.grad`` of a sharded parameter."""
+        grad = self.slices[id(b)]
+        pieces = {s.param_index: s for s in b.shards}
+        for index, param in enumerate(b.params):
+            if id(param) not in self.wanted:
+                continue
+            piece = pieces.get(index)
+            if piece is None:
+                value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            else:
+                value = grad[piece.shard_offset : piece.shard_offset + piece.numel].view(param.shape)
+            param.grad = value.to(device=param.device, dtype=param.dtype)
+            self.assigned.append((b, index, param))
+
     def write_back(self) -> None:
         """Elementwise edits of the exposed ``param.grad`` (in place or a replaced tensor) into this
         rank's slices. Local."""
         with torch.no_grad():
             for b, index, param in self.assigned:
+                if id(b) in self.local:
+                    continue  # (read-only pieces)
                 full, slot = self.full[id(b)], b.layout.slots[index]
                 region = full[slot.offset : slot.offset + slot.numel]
                 if param.grad is not None and param.grad.data_ptr() != region.data_ptr():
                     region.copy_(param.grad.reshape(-1))  # a cast copy (mixed precision) or a new tensor
             for b in self.buffers:
+                if id(b) in self.local:
+                    continue
                 start, end = b.layout.shard_range(b.rank)
                 own, grad = self.full[id(b)][start:end].to(self.slices[id(b)].device), self.slices[id(b)]
                 rounded = grad.to(b.dtype).to(grad.dtype)  # what an unedited copy in the parameter's dtype holds

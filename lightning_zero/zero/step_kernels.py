@@ -58,15 +58,22 @@ def _adam_family() -> tuple[type, ...]:
     return (torch.optim.Adam, torch.optim.AdamW, ops.CPUAdam, ops.FusedAdam)
 
 
-#: torch's own ``step`` of the classes the kernels replace, unwrapped from torch's profiling wrapper.
-_TORCH_STEPS = {cls: inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)}
+#: the classes whose own ``step`` the kernels replace
+_KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 
 
 def _step_replaced(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the class's ``step`` is no longer torch's (patched or wrapped on the class, e.g. by
-    instrumentation): then that ``step`` runs, as under DDP, instead of a kernel that would bypass it."""
+    instrumentation or ``mock.patch("torch.optim.Adam.step")``): then that ``step`` runs, as under
+    DDP, instead of a kernel that would bypass it. Decided by what the step is now (torch's function
+    of that class, under torch's own wrappers), not against a copy taken at import: a patch made
+    before this package was imported would be that copy."""
     cls = type(optimizer)
-    return cls in _TORCH_STEPS and inspect.unwrap(cls.step) is not _TORCH_STEPS[cls]
+    if cls not in _KERNEL_CLASSES:
+        return False
+    step = inspect.unwrap(cls.step)
+    torch_steps = {(k.__module__, f"{k.__name__}.step") for k in cls.__mro__ if k.__module__.startswith("torch.optim")}
+    return not (inspect.isfunction(step) and (step.__module__, step.__qualname__) in torch_steps)
 
 
 def _one_state_kind(optimizer: torch.optim.Optimizer) -> str | None:

@@ -5,8 +5,11 @@ DDP's values (issue 23), on 2 gloo ranks against Lightning's DDP, fp32.
   Lightning's ``grad_norm(self, 2)`` utility and the ``.grad`` sums; ``configure_gradient_clipping``
   clamps ``p.grad`` in place (the edit must reach the step) and then clips the norm through Lightning
   (``self.clip_gradients``), at stages 1-3.
-* Manual optimization: after each ``manual_backward`` (two per step: the window accumulates) the
-  ``.grad`` values, at stages 1 and 2 (stage 3 leaves them None there: documented).
+* Manual optimization, with the default ``expose_param_grads=None``: after each ``manual_backward``
+  (two per step: the window accumulates) the ``.grad`` values, at stages 1 and 2 DDP's on every rank;
+  at stage 3 a sharded parameter holds this rank's piece of the weight there and its ``.grad`` is the
+  same piece of DDP's (the pieces of the two ranks add up to DDP's sum), a whole (small) one DDP's
+  ``.grad``; with ``expose_param_grads=False`` ``.grad`` stays None (the opt-out).
 """
 
 from __future__ import annotations
@@ -51,7 +54,12 @@ class GradReader(pl.LightningModule):
         opt.zero_grad()
         for scale in (1.0, 0.5):  # two backwards: the second .grad is the sum so far, as DDP's
             self.manual_backward(self._loss(batch) * scale)
-            self.seen.append({n: float(p.grad.sum()) for n, p in self.named_parameters()})
+            self.seen.append(
+                {
+                    n: None if p.grad is None else (float(p.grad.sum()), p.grad.numel())
+                    for n, p in self.named_parameters()
+                }
+            )
         opt.step()
         return None
 
@@ -69,6 +77,14 @@ class GradReader(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
 
 
+def _spec(name: str) -> dict:
+    """``"zero2"`` -> its options with ``expose_param_grads=True`` (the automatic hooks need it);
+    ``"zero2:default"`` / ``"zero2:off"``: the default (None) / False."""
+    name, _, mode = name.partition(":")
+    expose = {"": True, "default": None, "off": False}[mode]
+    return {**SPECS[name], "expose_param_grads": expose}
+
+
 def _worker(rank: int, manual: bool, names: list[str]) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -79,11 +95,7 @@ def _worker(rank: int, manual: bool, names: list[str]) -> dict:
     for name in ["ddp", *names]:
         pl.seed_everything(7, verbose=False)
         model = GradReader(manual)
-        strategy = (
-            DDPStrategy(find_unused_parameters=True)
-            if name == "ddp"
-            else ZeroStrategy(**SPECS[name], expose_param_grads=True)
-        )
+        strategy = DDPStrategy(find_unused_parameters=True) if name == "ddp" else ZeroStrategy(**_spec(name))
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -124,7 +136,33 @@ def test_grads_in_hooks_and_clipping_edits_match_ddp():
         _check(res, names, count=2)  # 4 batches per rank, windows of 2
 
 
+def _close(got: float, want: float) -> bool:
+    # fp32, summation order only: the bound of the other parity tests
+    return abs(got - want) <= 1e-5 * abs(want) + 1e-6
+
+
 def test_grads_after_manual_backward_match_ddp():
-    names = ["zero1", "zero2"]
-    for res in run_ranks(_worker, True, names, timeout=600):
-        _check(res, names, count=8)  # 4 steps, two backwards each
+    names = ["zero1:default", "zero2:default", "zero3:default", "zero2:off"]
+    ranks = run_ranks(_worker, True, names, timeout=600)
+    for name in names:
+        sharded = 0
+        for seen in [r[name]["seen"] for r in ranks] + [r["ddp"]["seen"] for r in ranks]:
+            assert len(seen) == 8, name  # 4 steps, two backwards each
+        for step in range(8):
+            want = ranks[0]["ddp"]["seen"][step]
+            got = [r[name]["seen"][step] for r in ranks]
+            assert all(set(g) == set(want) for g in got), name
+            for key, (value, numel) in want.items():
+                if name.endswith(":off"):
+                    assert all(g[key] is None for g in got), (name, key)
+                elif all(g[key][1] == numel for g in got):  # a whole gradient on every rank: DDP's
+                    assert all(_close(g[key][0], value) for g in got), (name, step, key, got, value)
+                else:  # stage 3, a sharded parameter: this rank's piece; the pieces make up DDP's
+                    assert name.startswith("zero3"), (name, key)
+                    assert sum(g[key][1] for g in got) == numel, (name, key)
+                    assert _close(sum(g[key][0] for g in got), value), (name, step, key, got, value)
+                    sharded += 1
+        assert sharded > 0 if name.startswith("zero3") else sharded == 0, name  # (both weights are sharded)
+        # the weights trained as under DDP (exposing is read-only)
+        for key, value in ranks[0]["ddp"]["state"].items():
+            torch.testing.assert_close(ranks[0][name]["state"][key], value, rtol=1e-5, atol=1e-6, msg=(name, key))

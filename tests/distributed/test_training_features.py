@@ -56,7 +56,7 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
     common = {"precision": precision, "accumulate": 1, "loader": loader}
     no_sampler = {"use_distributed_sampler": False}
     with_ckpt = {"callbacks": [every_epoch], "enable_checkpointing": True, **no_sampler}
-    _, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
+    trainer, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
     path = f"{tmp}/epoch=0-step=4.ckpt"
     full_file = isinstance(first, dict) and first.get("state_dict_type") == "full"
     if full_file:  # one ordinary Lightning file, readable without lightning_zero
@@ -65,6 +65,12 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
         loaded = torch.load(path, weights_only=False, map_location="cpu")
         assert os.path.isfile(path) and "embed.weight" in loaded["state_dict"], sorted(loaded)
         assert not any(p.name.startswith(".") for p in __import__("pathlib").Path(tmp).iterdir())  # no staging
+        # a weights-only save (ModelCheckpoint(save_weights_only=True)) has no optimizer states, as DDP's
+        # (in a folder of its own: the other rank may still be looking for staging directories in tmp)
+        os.makedirs(f"{tmp}/weights", exist_ok=True)
+        trainer.save_checkpoint(f"{tmp}/weights/last.ckpt", weights_only=True)
+        weights = torch.load(f"{tmp}/weights/last.ckpt", weights_only=True)
+        assert "optimizer_states" not in weights and "embed.weight" in weights["state_dict"], sorted(weights)
     if second == "ddp" and first != "ddp" and not full_file:
         from lightning_zero.checkpoint import to_lightning_checkpoint
 

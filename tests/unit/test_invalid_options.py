@@ -34,6 +34,7 @@ STRATEGY_ROWS = [
     ({"reduce_dtype": 32}, "reduce_dtype=32"),
     ({"host_mmap_threshold": "1M"}, "host_mmap_threshold='1M'"),
     ({"host_mmap_threshold": True}, "host_mmap_threshold=True"),
+    ({"expose_param_grads": "manual"}, "expose_param_grads='manual'"),
     ({"max_live_parameters": 0}, "max_live_parameters=0"),
     ({"max_live_parameters": 1.5}, "max_live_parameters=1.5"),
     ({"param_persistence_threshold": -1}, "param_persistence_threshold=-1 must be an integer >= 0"),

@@ -6,6 +6,7 @@ group (every collective is the identity); odd shapes (15 -> 7 -> 3)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 from unittest import mock
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero.config import OffloadConfig, StrategyConfig, ZeroConfig
+from lightning_zero.zero import step_kernels
 from lightning_zero.zero.engine import ZeroEngine
 
 CPU = torch.device("cpu")
@@ -82,7 +84,8 @@ def test_step_keywords_and_closure_reach_the_optimizers_step(stage):
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_a_patched_adam_step_runs_instead_of_the_kernel(offload):
+@pytest.mark.parametrize("patched_before_import", [False, True])
+def test_a_patched_adam_step_runs_instead_of_the_kernel(offload, patched_before_import):
     original = torch.optim.Adam.step
     reference = _model()
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -90,6 +93,11 @@ def test_a_patched_adam_step_runs_instead_of_the_kernel(offload):
 
     model = _model()
     with mock.patch.object(torch.optim.Adam, "step", autospec=True, side_effect=original) as patched:
+        if patched_before_import:
+            # The patch was in place when the package was imported (Lightning's tests patch the class
+            # in a decorator and the strategy is imported inside the test): re-running the module
+            # then must not take the patched step for torch's own.
+            importlib.reload(step_kernels)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         config = StrategyConfig(
             zero=ZeroConfig(stage=2), offload=OffloadConfig(offload_optimizer=offload, pin_memory=False)
