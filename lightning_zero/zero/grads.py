@@ -20,11 +20,25 @@ copies): the memory that stage 2 saves. Used by :meth:`ZeroEngine.full_gradients
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
+
+_WARNED: set[str] = set()
+
+
+def _warn_no_piece() -> None:
+    if "piece" not in _WARNED:
+        _WARNED.add("piece")
+        warnings.warn(
+            "ZeRO stage 3 with offload_parameters on a GPU (or on disk): a released parameter is an empty "
+            "tensor, so its .grad is left None; read gradients with strategy.full_gradients(module) instead.",
+            stacklevel=3,
+        )
 
 
 class ExposedGrads:
@@ -88,6 +102,11 @@ class ExposedGrads:
             piece = pieces.get(index)
             if piece is None:
                 value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            elif param.numel() != piece.numel:
+                # the released parameter is an empty tensor (its shard is in host memory or on disk:
+                # FlatBuffer.bind_released), and autograd takes no .grad of another shape
+                _warn_no_piece()
+                continue
             else:
                 value = grad[piece.shard_offset : piece.shard_offset + piece.numel].view(param.shape)
             param.grad = value.to(device=param.device, dtype=param.dtype)
