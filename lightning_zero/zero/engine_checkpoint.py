@@ -94,17 +94,23 @@ class CheckpointSurface:
         mapped = store.mapped(tensor) if store is not None else None
         return mapped if mapped is not None else _host_copy(tensor, own)
 
+    def check_saveable(self) -> None:
+        """ValueError when the disk tier's files were removed unread at the end of fit (nothing to save)."""
+        if self._states_dropped:
+            raise ValueError(
+                "the optimizer states, fp32 masters (and parameter shards) of this run were on the disk tier and were "
+                "removed at the end of fit without being read back (nvme restore_after_fit=False, the default with "
+                'offload_parameters="nvme", or fit failed); save checkpoints during fit (ModelCheckpoint) and take the '
+                "weights from them (lightning_zero.checkpoint.consolidate), or set restore_after_fit=True when the "
+                "model and its states fit in RAM."
+            )
+
     def local_pieces(self) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once. Under the disk
         tier the swapped masters and states are memory maps of their files, valid until the next step
         (a save streams them from disk; nothing is brought into anonymous memory). Local."""
-        if self._states_dropped:
-            raise ValueError(
-                "the optimizer states and fp32 masters of this run were on the disk tier and were removed at the "
-                "end of fit without being read back (nvme restore_after_fit=False, or fit failed); save "
-                "checkpoints during fit (ModelCheckpoint), or keep restore_after_fit=True when they fit in RAM."
-            )
+        self.check_saveable()
         buffers = self._all_buffers()
         if self.config.zero.absorb_param_edits:
             for b in buffers:

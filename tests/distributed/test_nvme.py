@@ -35,8 +35,10 @@ def _specs(nvme_path: str) -> list[tuple[str, dict]]:
     ]
 
 
-def _params_on_disk(nvme_path: str, buffers: int = 2) -> dict:
-    knobs = {"block_size": 4096, "param_buffer_count": buffers}
+def _params_on_disk(nvme_path: str, buffers: int = 2, restore: bool | None = True) -> dict:
+    # restore=True: the tests compare the model after fit (the default with parameters on disk,
+    # None, leaves it sharded: test_default_end_of_fit_leaves_the_model_on_disk)
+    knobs = {"block_size": 4096, "param_buffer_count": buffers, "restore_after_fit": restore}
     return {
         "stage": 3,
         "offload_optimizer": "nvme",
@@ -441,3 +443,67 @@ def test_configure_model_builds_straight_to_disk(tmp_path):
         assert disk["written"] == disk["sharded"] >= 4, disk
         assert disk["left_behind"] == 0, disk["left_behind"]
         assert memory["left_behind"] is None
+
+
+class _SaveLast(Callback):
+    """Saves a checkpoint after the last optimizer step, inside fit (as ModelCheckpoint does)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == trainer.max_steps and not os.path.isdir(self.path):
+            trainer.save_checkpoint(self.path)
+
+
+def _end_of_fit_worker(rank: int, tmp: str) -> dict:
+    from lightning_zero.checkpoint.consolidate import consolidate
+
+    _, reference = fit({"stage": 3, "offload_optimizer": True, **SMALL}, precision="bf16-mixed", max_steps=3)
+    trainer, model = fit(
+        {**_params_on_disk(f"{tmp}/swap", restore=None), **SMALL},
+        precision="bf16-mixed",
+        max_steps=3,
+        trainer_kwargs={"callbacks": [_SaveLast(f"{tmp}/last.ckpt")]},
+    )
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    try:
+        trainer.save_checkpoint(f"{tmp}/after.ckpt")
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    dtypes = {k: v.dtype for k, v in reference.state_dict().items()}
+    out = {
+        "reference": state(reference),
+        "dtypes": dtypes,
+        "sizes": sizes,
+        "error": error,
+        "losses": (reference.losses, model.losses),
+    }
+    if rank == 0:
+        consolidate(f"{tmp}/last.ckpt", f"{tmp}/last.pt")
+        out["consolidated"] = torch.load(f"{tmp}/last.pt", weights_only=True)
+    out["left"] = os.path.exists(os.path.join(tmp, "swap", f"lightning_zero-rank{rank}"))
+    return out
+
+
+def test_default_end_of_fit_leaves_the_model_on_disk(tmp_path):
+    ranks = run_ranks(_end_of_fit_worker, str(tmp_path))
+    for res in ranks:
+        # As documented (NvmeConfig.restore_after_fit): with the parameters on disk a finished fit
+        # does not gather the model back; every sharded parameter is released (ParityModel's
+        # matrices are over param_persistence_threshold=10) and the files are removed ...
+        sharded = {n: size for n, size in res["sizes"].items() if res["reference"][n].numel() > 10}
+        assert sharded and all(size == 0 for size in sharded.values()), res["sizes"]
+        assert not res["left"]
+        # ... so saving after fit is refused with the way out, not written with empty weights.
+        assert "restore_after_fit" in res["error"] and "consolidate" in res["error"], res["error"]
+        assert res["losses"][0] == res["losses"][1]  # exact: same kernel, same order (see the parity test)
+    # The checkpoint saved inside fit holds the trained weights: consolidated (fp32 masters) and cast
+    # to the dtype the CPU-offload run's model holds after fit (its 16-bit copies of the same masters,
+    # bf16-mixed), bit-identical to that model: the same cast of the same values.
+    consolidated, reference, dtypes = ranks[0]["consolidated"], ranks[0]["reference"], ranks[0]["dtypes"]
+    assert set(consolidated) == set(reference)
+    assert any(dtype == torch.bfloat16 for dtype in dtypes.values())  # the cast is exercised
+    for key, value in reference.items():
+        assert torch.equal(consolidated[key].to(dtypes[key]).float(), value), key
