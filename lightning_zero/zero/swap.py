@@ -112,8 +112,9 @@ class EngineSwap:
                     b.param_shard = b.master.detach().clone()
         self.store = store
         self.kernels = kernels
-        for kernel in kernels:
+        for o, kernel in enumerate(kernels):
             kernel.swap = self.store
+            kernel.swap_prefix = f"opt{o}."  # file names unique per optimizer (two would collide on "0.master")
             for index in range(len(kernel.buffers)):
                 for name, tensor in kernel.swapped(index):
                     if not SwapStore.resident(tensor):

@@ -517,3 +517,21 @@ def test_default_end_of_fit_leaves_the_model_on_disk(tmp_path):
     assert any(dtype == torch.bfloat16 for dtype in dtypes.values())  # the cast is exercised
     for key, value in reference.items():
         assert torch.equal(consolidated[key].to(dtypes[key]).float(), value), key
+
+
+def test_two_optimizers_on_disk_match_cpu_offload(tmp_path):
+    from test_multiple_optimizers import _worker as gan_worker
+
+    # A GAN's two optimizers (Adam and AdamW) on one engine: their swap files are named per
+    # optimizer (each has a buffer 0, whose files collided before), and the run is bit-identical to
+    # CPU offload: same kernel, same inputs, same order.
+    nvme = {"offload_optimizer": "nvme", "nvme_path": str(tmp_path / "swap"), "nvme_config": {"block_size": 4096}}
+    specs = [
+        ("cpu", {"stage": 2, "offload_optimizer": True, "reduce_bucket_size": 40}),
+        ("nvme", {"stage": 2, **nvme, "reduce_bucket_size": 40}),
+    ]
+    for res in run_ranks(gan_worker, specs):
+        assert res["nvme"]["losses"] == res["cpu"]["losses"]
+        for key, value in res["cpu"]["state"].items():
+            assert torch.equal(res["nvme"]["state"][key], value), key
+    assert not list((tmp_path / "swap").glob("lightning_zero-rank*"))
