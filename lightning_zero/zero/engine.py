@@ -104,6 +104,7 @@ class ZeroEngine(CheckpointSurface):
         #: the stage-3 build's writer into the disk tier (None without one)
         self.build_to_disk = sink
         self._states_dropped = False  # the disk tier was closed without reading the states back
+        self._published_on_load: set[int] = set()  # buffers load_pieces already cast (the disk tier)
         try:
             self._build(module, optimizers, owners, precision, parallel, recordings, store, sink)
         except BaseException:
@@ -581,9 +582,10 @@ class ZeroEngine(CheckpointSurface):
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""
         buffers = self._all_buffers()
+        cast, self._published_on_load = self._published_on_load, set()
         for buffer in buffers:
-            if not buffer.separate_master:
-                continue  # the parameter slice is the master
+            if not buffer.separate_master or id(buffer) in cast:
+                continue  # the parameter slice is the master, or load_pieces cast it (no second read)
             with contextlib.ExitStack() as stack:  # the disk tier: one buffer in memory at a time
                 stack.enter_context(self._buffer_resident(buffer))
                 if buffer.shard_tier is not None:

@@ -51,6 +51,7 @@ class CheckpointSurface:
     swap: EngineSwap | None
     param_tier: ParamTier | None
     _states_dropped: bool
+    _published_on_load: set[int]
     _optimizers: list[torch.optim.Optimizer]
     _sharded: dict[int, ShardedOptimizer]
     _held: list[HeldParam]
@@ -163,15 +164,24 @@ class CheckpointSurface:
         for held in self._held:
             if held.local is not None:
                 by_buffer.setdefault(held.buffer, []).append(held)
+        disk = self._store() is not None
         with torch.no_grad():
             for index, pieces in by_buffer.items():
-                with self._buffer_resident(buffers[index]):  # the disk tier: one buffer in memory at a time
+                b = buffers[index]
+                with self._buffer_resident(b):  # the disk tier: one buffer in memory at a time
                     for held in pieces:
                         assert held.local is not None
                         param_offset, shard_offset, numel = held.local
                         value = read(held, param_offset, numel)
                         if value is not None:
-                            buffers[index].master[shard_offset : shard_offset + numel].copy_(value)
+                            b.master[shard_offset : shard_offset + numel].copy_(value)
+                    if disk and b.separate_master:
+                        # publish()'s cast into the parameter slice now, while the master is in memory,
+                        # so a resume reads each master from disk once (publish skips this buffer)
+                        tier = b.shard_tier.rewrite([b]) if b.shard_tier is not None else contextlib.nullcontext()
+                        with tier:
+                            b.params_from_master()
+                        self._published_on_load.add(id(b))
 
     def load_optimizer_pieces(
         self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader

@@ -251,12 +251,14 @@ def test_save_streams_from_the_swap_files(tmp_path):
         assert res["saved"]
         # moments and sharded masters and shards stayed on disk, read only through memory maps
         assert res["fetched"] and set(res["fetched"]) <= res["persistent"], (res["fetched"], res["persistent"])
-        # Loading reads masters one buffer at a time (to write their pieces, then to cast them into
-        # the parameter shards), and the shards of frozen buffers (their own masters); moments are
-        # written straight to their files, never read.
+        # Loading reads masters one buffer at a time, each once (its pieces are written and it is
+        # cast into the parameter shard while in memory), and the shards of frozen buffers (their own
+        # masters); moments are written straight to their files, never read.
         loaded = res["load_fetched"]
         moments = [n for n in loaded if not (n.endswith(".master") or n.startswith("param"))]
         assert loaded and not moments, moments
+        masters = [n for n in loaded if n.endswith(".master")]
+        assert masters and len(masters) == len(set(masters)), sorted(masters)
 
 
 class _FailAtStep(Callback):
