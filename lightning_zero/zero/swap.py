@@ -14,7 +14,8 @@ A sharded parameter buffer's ``param_shard`` ((shard_numel,), compute dtype) res
 * **gather** (forward, and again in backward): the gather hooks call :meth:`ParamTier.read_ahead`
   with the buffers of the next modules of the recorded order, which starts their reads while the
   current module computes, at most ``param_buffer_count`` shards in memory; the network prefetch
-  only gathers shards whose read is complete. :meth:`ParamTier.load` (from
+  only gathers shards whose read was started at an earlier hook (:meth:`ParamTier.ready`: a gate
+  of a collective, so the same on every rank, whatever each rank's disk timing). :meth:`ParamTier.load` (from
   :meth:`FlatBuffer.gather_start`) waits for the shard (or reads it now: first step, order
   changed), the gather copies it into the full buffer, and :meth:`ParamTier.unload` frees it at
   once: its file still holds the same values.
@@ -25,6 +26,9 @@ A sharded parameter buffer's ``param_shard`` ((shard_numel,), compute dtype) res
 * anything else that writes shards (:meth:`ZeroEngine.publish` after a checkpoint load,
   ``gathered_parameters(modifier_rank=...)``) goes through :meth:`ParamTier.rewrite`, one buffer
   at a time.
+
+A resume (:meth:`CheckpointSurface.load_pieces`) casts each loaded master into its parameter slice or
+shard while the master is in memory, so each master is read from disk once.
 
 While a parameter tier is active released parameters hold empty tensors (not views of their piece
 of the shard, which has no memory), so in-place edits of released parameters outside a forward do
