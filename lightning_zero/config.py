@@ -439,11 +439,16 @@ class NvmeConfig:
     """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
     Python fallback always goes through the page cache)."""
 
-    restore_after_fit: bool = True
-    """At the end of a finished fit read the optimizer states back into host memory before the files
-    are removed, so the optimizer stays usable (``trainer.save_checkpoint`` after fit). False removes
-    them without reading (a model whose states do not fit in RAM, the reason for the disk tier);
-    saving the optimizer after fit is then a ValueError."""
+    restore_after_fit: bool | None = None
+    """What the end of a finished fit brings back into host memory before the files are removed.
+    True: the optimizer states (so ``trainer.save_checkpoint`` after fit still works) and, at stage
+    3, the whole model (each parameter gathered for good, usable after fit). False: nothing; the
+    files are removed unread, stage-3 parameters stay released (empty tensors, or this rank's piece)
+    and saving after fit is a ValueError: a model whose training state does not fit in RAM, the
+    reason for the disk tier, saves its checkpoints during fit (``ModelCheckpoint``) and gets its
+    weights from them (``lightning_zero.checkpoint.consolidate``). None (default): False when the
+    parameters are on disk (``offload_parameters="nvme"``: gathering the whole model at the end of
+    fit would need the RAM the tier exists to avoid), else True."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -459,8 +464,8 @@ class NvmeConfig:
         _positive_int("param_buffer_count", self.param_buffer_count, 1, 64)
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
-        if not isinstance(self.restore_after_fit, bool):
-            raise ValueError(f"nvme restore_after_fit={self.restore_after_fit!r} must be True or False.")
+        if self.restore_after_fit is not None and not isinstance(self.restore_after_fit, bool):
+            raise ValueError(f"nvme restore_after_fit={self.restore_after_fit!r} must be True, False or None (auto).")
 
 
 def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeConfig | None:

@@ -485,7 +485,8 @@ class ZeroStrategy(DDPStrategy):
     # -- teardown ----------------------------------------------------------------------------------------
 
     def teardown(self) -> None:
-        """Remove the engine's hooks; stage 3 parameters become whole again (a collective)."""
+        """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
+        nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
         if self._eval_hook is not None:
             self._eval_hook.remove()
             self._eval_hook = None

@@ -664,6 +664,8 @@ class ZeroStrategy(DDPStrategy):
             )
         if not comm.initialized() and not self.is_global_zero:
             return
+        if self._engine is not None:
+            self._engine.check_saveable()  # after fit under nvme restore_after_fit=False: nothing left to save
         if self.config.checkpoint.state_dict_type == "full":
             self._module_state_out = None  # rank 0's module state is whole already
             where = ckpt_io.location(filepath)

@@ -9,8 +9,11 @@ frees the storage when the write is done. The tensor objects never change, so th
 ``param_groups``, its ``state`` keys and ``master.grad`` stay valid throughout.
 
 Files live in ``<nvme_path>/lightning_zero-rank<r>/``, with ``owner.json`` naming the pid and host
-of the run. A directory left by a killed run (its pid no longer alive on this host) is removed at
-the next start; one whose owner is alive is an error. :meth:`SwapStore.close` removes the directory
+of the run, one file per swapped tensor (``opt<o>.<buffer>.<key>.swp`` for optimizer ``o``'s
+states, ``param<i>.swp``, ``grad<i>.swp``). A second store of the same rank alive in this process
+(two strategies or engines at once) takes ``lightning_zero-rank<r>.1``, ``.2``, ..., so no two
+stores share a file. A directory left by a killed run (its pid no longer alive on this host) is
+removed at the next start; one whose owner is another live process is an error. :meth:`SwapStore.close` removes the directory
 (at the end of fit and from the strategy's failure path).
 
 Checkpoints read swapped tensors through :meth:`SwapStore.mapped` (a private memory map of the
@@ -108,8 +111,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def claim_directory(directory: Path) -> None:
-    """Create ``directory`` with this process's marker, removing a stale one left by a killed run."""
+_live: set[Path] = set()  # directories claimed by this process's open stores
+
+
+def claim_directory(directory: Path) -> Path:
+    """Create ``directory`` with this process's marker, removing a stale one left by a killed run;
+    when a store of this process holds it, the first free ``<directory>.<k>`` instead. Returns the
+    directory claimed (:func:`release_directory` when done)."""
+    k = 0
+    while directory in _live:
+        k += 1
+        directory = directory.with_name(f"{directory.name.split('.')[0]}.{k}")
     marker = directory / MARKER
     if directory.exists():
         owner = {}
@@ -127,6 +139,14 @@ def claim_directory(directory: Path) -> None:
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
     marker.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    _live.add(directory)
+    return directory
+
+
+def release_directory(directory: Path) -> None:
+    """Remove ``directory`` (claimed by :func:`claim_directory`) and its files."""
+    shutil.rmtree(directory, ignore_errors=True)
+    _live.discard(directory)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -154,8 +174,7 @@ class SwapStore:
     def __init__(self, config: NvmeConfig, rank: int, engine: str | None = None) -> None:
         self.config = config
         self.engine = choose_engine(engine)
-        self.directory = rank_directory(config, rank)
-        claim_directory(self.directory)
+        self.directory = claim_directory(rank_directory(config, rank))
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="lightning_zero_nvme")
         self._fds: dict[str, int] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # the tensor each file belongs to now
@@ -289,4 +308,4 @@ class SwapStore:
             os.close(fd)
         self._fds.clear()
         self._tensors.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        release_directory(self.directory)

@@ -108,6 +108,7 @@ class ZeroEngine(CheckpointSurface):
         #: the stage-3 build's writer into the disk tier (None without one)
         self.build_to_disk = sink
         self._states_dropped = False  # the disk tier was closed without reading the states back
+        self._published_on_load: set[int] = set()  # buffers load_pieces already cast (the disk tier)
         try:
             self._build(module, optimizers, owners, precision, parallel, recordings, store, sink)
         except BaseException:
@@ -620,9 +621,10 @@ class ZeroEngine(CheckpointSurface):
         """Master slices -> parameters, after loading (stages 1/2: all-gathered, as after a step).
         Call on all ranks."""
         buffers = self._all_buffers()
+        cast, self._published_on_load = self._published_on_load, set()
         for buffer in buffers:
-            if not buffer.separate_master:
-                continue  # the parameter slice is the master
+            if not buffer.separate_master or id(buffer) in cast:
+                continue  # the parameter slice is the master, or load_pieces cast it (no second read)
             with contextlib.ExitStack() as stack:  # the disk tier: one buffer in memory at a time
                 stack.enter_context(self._buffer_resident(buffer))
                 if buffer.shard_tier is not None:
@@ -657,8 +659,15 @@ class ZeroEngine(CheckpointSurface):
 
     def close(self, unshard: bool = True) -> None:
         """Remove the hooks. Stage 1/2 parameters stay views of the flat buffers; stage 3 ones become
-        whole again when ``unshard`` (a collective: call on all ranks), else stay empty."""
+        whole again when ``unshard`` (a collective: call on all ranks), else stay empty. With a disk
+        tier, ``unshard`` is also subject to nvme ``restore_after_fit`` (see :class:`NvmeConfig`): when
+        it resolves to False, neither the model nor the optimizer states come back into memory."""
         self._reducer.remove_hooks()
+        nvme = self.config.offload.nvme
+        if nvme is not None and (self.swap is not None or self.param_tier is not None):
+            restore = nvme.restore_after_fit
+            # default: the parameters on disk mean the whole model may not fit in RAM (same on every rank)
+            unshard = unshard and (restore if restore is not None else self.param_tier is None)
         if self._coordinator is not None and unshard:
             # Before the files go: under the parameter disk tier the gathers read the shards from them.
             for buffer in self._all_buffers():
@@ -675,13 +684,12 @@ class ZeroEngine(CheckpointSurface):
             # After a finished fit the states come back to host memory (a checkpoint after fit
             # still saves them) unless nvme restore_after_fit=False; after a failure the files are
             # simply removed.
-            nvme = self.config.offload.nvme
-            bring_back = unshard and (nvme is None or nvme.restore_after_fit)
-            self.swap.close(bring_back=bring_back)
+            self.swap.close(bring_back=unshard)
             self.swap = None
-            self._states_dropped = not bring_back
+            self._states_dropped = not unshard
         elif store is not None:
             store.close(bring_back=False)
+            self._states_dropped = not unshard  # the parameter shards went with their files
         for optimizer in self._routed:
             optimizer.__dict__.pop("zero_grad", None)  # back to the class's zero_grad
         self._routed.clear()

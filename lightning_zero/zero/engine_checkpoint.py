@@ -71,6 +71,7 @@ class CheckpointSurface:
     swap: EngineSwap | None
     param_tier: ParamTier | None
     _states_dropped: bool
+    _published_on_load: set[int]
     _optimizers: list[torch.optim.Optimizer]
     _sharded: dict[int, ShardedOptimizer]
     _held: list[HeldParam]
@@ -114,6 +115,17 @@ class CheckpointSurface:
         mapped = store.mapped(tensor) if store is not None else None
         return mapped if mapped is not None else _host_copy(tensor, own)
 
+    def check_saveable(self) -> None:
+        """ValueError when the disk tier's files were removed unread at the end of fit (nothing to save)."""
+        if self._states_dropped:
+            raise ValueError(
+                "the optimizer states, fp32 masters (and parameter shards) of this run were on the disk tier and were "
+                "removed at the end of fit without being read back (nvme restore_after_fit=False, the default with "
+                'offload_parameters="nvme", or fit failed); save checkpoints during fit (ModelCheckpoint) and take the '
+                "weights from them (lightning_zero.checkpoint.consolidate), or set restore_after_fit=True when the "
+                "model and its states fit in RAM."
+            )
+
     def local_pieces(self, views: bool = False) -> list[LocalPiece | None]:
         """This rank's piece of every :meth:`held_params` entry (``None`` where it holds none), in
         host memory: views of one copy per flat buffer, so each buffer is written once (of host
@@ -121,12 +133,7 @@ class CheckpointSurface:
         their files, valid until the next step (a save streams them from disk; nothing is brought into
         anonymous memory). ``views``: the tensors where they are (a device, the disk tier), nothing
         copied, mapped or absorbed: their sizes, for sizing an async save's host buffer. Local."""
-        if self._states_dropped:
-            raise ValueError(
-                "the optimizer states and fp32 masters of this run were on the disk tier and were removed at the "
-                "end of fit without being read back (nvme restore_after_fit=False, or fit failed); save "
-                "checkpoints during fit (ModelCheckpoint), or keep restore_after_fit=True when they fit in RAM."
-            )
+        self.check_saveable()
         buffers = self._all_buffers()
         if self.config.zero.absorb_param_edits and not views:
             for b in buffers:
@@ -183,15 +190,24 @@ class CheckpointSurface:
         for held in self._held:
             if held.local is not None:
                 by_buffer.setdefault(held.buffer, []).append(held)
+        disk = self._store() is not None
         with torch.no_grad():
             for index, pieces in by_buffer.items():
-                with self._buffer_resident(buffers[index]):  # the disk tier: one buffer in memory at a time
+                b = buffers[index]
+                with self._buffer_resident(b):  # the disk tier: one buffer in memory at a time
                     for held in pieces:
                         assert held.local is not None
                         param_offset, shard_offset, numel = held.local
                         value = read(held, param_offset, numel)
                         if value is not None:
-                            buffers[index].master[shard_offset : shard_offset + numel].copy_(value)
+                            b.master[shard_offset : shard_offset + numel].copy_(value)
+                    if disk and b.separate_master:
+                        # publish()'s cast into the parameter slice now, while the master is in memory,
+                        # so a resume reads each master from disk once (publish skips this buffer)
+                        tier = b.shard_tier.rewrite([b]) if b.shard_tier is not None else contextlib.nullcontext()
+                        with tier:
+                            b.params_from_master()
+                        self._published_on_load.add(id(b))
 
     def load_optimizer_pieces(
         self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader

@@ -230,7 +230,9 @@ class GatherCoordinator:
                         return
                     continue
                 if self.shard_tier is not None and b.shard_tier is not None and not self.shard_tier.ready(b):
-                    return  # its shard is still on its way from disk: gathering now would wait for it
+                    # its shard's read was not started at an earlier hook (ParamTier.ready: a decision
+                    # that gates a collective, so the same on every rank, not "has my read finished")
+                    return
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
                     return
                 b.gather_start(self.group, f"{self.names[index]} (prefetch)")

@@ -152,6 +152,8 @@ class KernelStep:
         self.kind = "adam" if lamb else (_one_state_kind(optimizer) or "adam")
         self._copy_out: dict[int, torch.Tensor] = {}
         self.copy_back = CopyBack()
+        #: the optimizer's part of its swap file names (EngineSwap sets ``opt<o>.``)
+        self.swap_prefix = ""
         #: LAMB with masters on a GPU: the multi-tensor kernels over one view per segment (the CPU
         #: kernels take segment offsets instead). Either computes the same numbers.
         self.fused = any(b.master.device.type != "cpu" for b in buffers)
@@ -265,10 +267,12 @@ class KernelStep:
         if copy is not None:
             self.copy_back.before_write(copy)
 
-    @staticmethod
-    def swap_name(index: int, key: str) -> str:
-        """The swap file name of ``self.buffers[index]``'s ``key`` ("master", "exp_avg", ...)."""
-        return f"{index}.{key}"
+    def swap_name(self, index: int, key: str) -> str:
+        """The swap file name of ``self.buffers[index]``'s ``key`` ("master", "exp_avg", ...):
+        ``opt<o>.<index>.<key>``, ``o`` being this optimizer's position in the engine
+        (``swap_prefix``, set by the disk tier), so two optimizers' files never share a name (the
+        store's directory is unique per process, rank and engine: :mod:`lightning_zero.offload.nvme`)."""
+        return f"{self.swap_prefix}{index}.{key}"
 
     def swapped(self, index: int) -> list[Swapped]:
         """The tensors of ``self.buffers[index]`` that the disk tier holds: master and moments."""

@@ -14,7 +14,8 @@ A sharded parameter buffer's ``param_shard`` ((shard_numel,), compute dtype) res
 * **gather** (forward, and again in backward): the gather hooks call :meth:`ParamTier.read_ahead`
   with the buffers of the next modules of the recorded order, which starts their reads while the
   current module computes, at most ``param_buffer_count`` shards in memory; the network prefetch
-  only gathers shards whose read is complete. :meth:`ParamTier.load` (from
+  only gathers shards whose read was started at an earlier hook (:meth:`ParamTier.ready`: a gate
+  of a collective, so the same on every rank, whatever each rank's disk timing). :meth:`ParamTier.load` (from
   :meth:`FlatBuffer.gather_start`) waits for the shard (or reads it now: first step, order
   changed), the gather copies it into the full buffer, and :meth:`ParamTier.unload` frees it at
   once: its file still holds the same values.
@@ -25,6 +26,9 @@ A sharded parameter buffer's ``param_shard`` ((shard_numel,), compute dtype) res
 * anything else that writes shards (:meth:`ZeroEngine.publish` after a checkpoint load,
   ``gathered_parameters(modifier_rank=...)``) goes through :meth:`ParamTier.rewrite`, one buffer
   at a time.
+
+A resume (:meth:`CheckpointSurface.load_pieces`) casts each loaded master into its parameter slice or
+shard while the master is in memory, so each master is read from disk once.
 
 While a parameter tier is active released parameters hold empty tensors (not views of their piece
 of the shard, which has no memory), so in-place edits of released parameters outside a forward do
@@ -112,8 +116,9 @@ class EngineSwap:
                     b.param_shard = b.master.detach().clone()
         self.store = store
         self.kernels = kernels
-        for kernel in kernels:
+        for o, kernel in enumerate(kernels):
             kernel.swap = self.store
+            kernel.swap_prefix = f"opt{o}."  # file names unique per optimizer (two would collide on "0.master")
             for index in range(len(kernel.buffers)):
                 for name, tensor in kernel.swapped(index):
                     if not SwapStore.resident(tensor):
@@ -199,6 +204,10 @@ class ParamTier:
         self._names = {id(b): f"param{i}" for i, b in enumerate(buffers)}
         self._in_memory: dict[int, FlatBuffer] = {}  # shards with storage: read ahead, being read or written
         self._writing: list[FlatBuffer] = []  # written behind, freed once written
+        # read_ahead calls so far, and per shard read ahead the call that started its read: what
+        # :meth:`ready` decides by (the same on every rank; a read's completion is not)
+        self._calls = 0
+        self._issued: dict[int, int] = {}
         #: the most shards in memory at once so far (tests and benchmarks read it)
         self.peak = 0
         for b in buffers:
@@ -225,6 +234,7 @@ class ParamTier:
     def read_ahead(self, upcoming: list[FlatBuffer]) -> None:
         """Start reading the shards of ``upcoming`` (in order of use) that are released and on disk,
         while fewer than ``param_buffer_count`` shards are in memory."""
+        self._calls += 1
         for b in upcoming:
             if len(self._in_memory) >= self.limit:
                 return
@@ -232,10 +242,17 @@ class ParamTier:
                 continue
             self.store.fetch([self._item(b)])
             self._hold(b)
+            self._issued[id(b)] = self._calls
 
     def ready(self, b: FlatBuffer) -> bool:
-        """Whether ``b``'s shard is in memory with its read complete (a gather would not wait on the disk)."""
-        return id(b) in self._in_memory and self.store.done(self._names[id(b)])
+        """Whether ``b``'s shard may be gathered ahead of its use (the gather hooks' network prefetch):
+        its read was started by an earlier :meth:`read_ahead` call than the latest, i.e. it has had at
+        least one module's compute to arrive (a gather waits for whatever is still in flight).
+
+        This gates a collective, so it depends only on the sequence of calls, which is the same on
+        every rank, never on whether this rank's read has completed: a check of completion let ranks
+        start their prefetch all-gathers in different orders, which hung on 2 ranks (issue 18)."""
+        return id(b) in self._in_memory and self._issued.get(id(b), self._calls) < self._calls
 
     def load(self, b: FlatBuffer) -> None:
         """``b.param_shard`` in memory with its values (blocking; a no-op wait when read ahead)."""
@@ -252,6 +269,7 @@ class ParamTier:
             return
         self.store.release([self._item(b)])
         self._in_memory.pop(id(b), None)
+        self._issued.pop(id(b), None)
 
     def end_pass(self) -> None:
         """Free shards read ahead but not gathered (the order changed, or the pass ended)."""
@@ -287,6 +305,7 @@ class ParamTier:
     def _free_written(self, b: FlatBuffer) -> None:
         self.store.release([self._item(b)])
         self._in_memory.pop(id(b), None)
+        self._issued.pop(id(b), None)
 
     @contextmanager
     def rewrite(self, buffers: list[FlatBuffer]) -> Iterator[None]:
@@ -335,6 +354,7 @@ class ParamTier:
             b.shard_tier = None
         self.store.forget([name for name, _ in map(self._item, self.buffers)])
         self._in_memory.clear()
+        self._issued.clear()
 
 
 class BuildToDisk:

@@ -140,7 +140,7 @@ def test_directory_of_a_live_run_is_an_error(tmp_path):
         ({"threads": 65}, "threads=65 must be an integer from 1 to 64"),
         ({"buffer_count": 1}, "buffer_count=1 must be an integer from 2"),
         ({"param_buffer_count": 0}, "param_buffer_count=0 must be an integer from 1 to 64"),
-        ({"restore_after_fit": "no"}, "restore_after_fit='no' must be True or False"),
+        ({"restore_after_fit": "no"}, "restore_after_fit=.no. must be True, False or None"),
     ],
 )
 def test_invalid_knobs(tmp_path, knobs, match):
@@ -167,3 +167,28 @@ def test_strategy_options():
     assert strategy.precision_plugin.offload.optimizer_tier == "nvme"
     assert strategy.precision_plugin.offload.nvme == NvmeConfig(path="/tmp", threads=4)
     assert ZeroStrategy(offload_optimizer="cpu").precision_plugin.offload.optimizer_tier == "cpu"
+
+
+def test_two_stores_of_one_rank_in_one_process_do_not_share_files(tmp_path):
+    # Two strategies (engines) alive at once in one process, same nvme_path and rank: each store gets
+    # its own directory, so the same tensor name ("opt0.0.master") in both is two files.
+    config = _config(tmp_path, block_size=4096)
+    first, second = SwapStore(config, rank=0), SwapStore(config, rank=0)
+    assert first.directory == rank_directory(config, 0) and second.directory != first.directory
+    a, b = torch.randn(1001), torch.randn(1001)
+    expected = {"a": a.clone(), "b": b.clone()}
+    first.evict([("opt0.0.master", a)])
+    second.evict([("opt0.0.master", b)])
+    for store, tensor in ((first, a), (second, b)):
+        store.release([("opt0.0.master", tensor)])
+    for store, tensor, key in ((first, a, "a"), (second, b, "b")):
+        store.fetch([("opt0.0.master", tensor)])
+        store.wait([("opt0.0.master", tensor)])
+        assert torch.equal(tensor, expected[key]), key  # exact: bytes written, bytes read back
+    first.close(bring_back=False)
+    assert not first.directory.exists() and second.directory.exists()  # closing one leaves the other
+    third = SwapStore(config, rank=0)  # the freed name is taken again
+    assert third.directory == rank_directory(config, 0)
+    for store in (second, third):
+        store.close(bring_back=False)
+    assert not list((tmp_path / "swap").iterdir())
