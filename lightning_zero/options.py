@@ -38,7 +38,7 @@ def strategy_config(
     reduce_bucket_size: int | str = "auto",
     allgather_bucket_size: int = 50_000_000,
     overlap_comm: bool = True,
-    prefetch_bucket_size: int | str = "auto",
+    prefetch_bucket_size: int | str = 5_000_000,
     param_persistence_threshold: int = 100_000,
     max_live_parameters: int = 1_000_000_000,
     allow_untested_optimizer: bool = False,

@@ -78,7 +78,7 @@ class ZeroStrategy(DDPStrategy):
         allgather_bucket_size: most elements of parameter all-gathers in flight after a step.
         overlap_comm: reduce buckets during backward as they fill (False: after backward).
         prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order
-            ("auto": as reduce_bucket_size).
+            ("auto": as reduce_bucket_size, less memory and less overlap on small models).
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
@@ -155,7 +155,7 @@ class ZeroStrategy(DDPStrategy):
         reduce_bucket_size: int | str = "auto",
         allgather_bucket_size: int = 50_000_000,
         overlap_comm: bool = True,
-        prefetch_bucket_size: int | str = "auto",
+        prefetch_bucket_size: int | str = 5_000_000,
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
         allow_untested_optimizer: bool = False,

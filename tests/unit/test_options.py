@@ -184,8 +184,9 @@ def test_loss_scaler_state_round_trip():
 def test_auto_bucket_sizes_follow_the_model():
     from lightning_zero.config import ZeroConfig
 
-    auto = ZeroConfig(stage=3)
-    assert auto.reduce_bucket_size == auto.prefetch_bucket_size == "auto"
+    assert ZeroConfig(stage=3).reduce_bucket_size == "auto"
+    assert ZeroConfig(stage=3).prefetch_bucket_size == 5_000_000  # auto only on request: see its docstring
+    auto = ZeroConfig(stage=3, prefetch_bucket_size="auto")
     small = auto.sized_for(13_800_001)  # the benchmark GPT: a sixteenth of it
     assert small.reduce_bucket_size == small.prefetch_bucket_size == 862_500
     assert auto.sized_for(1000).reduce_bucket_size == 1 << 18  # floor: tiny models do not get tiny buckets
