@@ -613,7 +613,7 @@ class ZeroStrategy(DDPStrategy):
         # Checkpoints load into the engine's slices, so after setup has built the engine (stage 3
         # models may not even exist whole before that), each rank reading only its pieces. Lightning
         # then restores the callbacks after their on_fit_start (as under FSDP and DeepSpeed): see
-        # _replay_callback_restores for the one that acts there on its restored state.
+        # checkpoint.load.replay_callback_restores for the one that acts there on its restored state.
         return True
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -773,29 +773,13 @@ class ZeroStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
-        self._replay_callback_restores()
+        ckpt_load.replay_callback_restores(self.lightning_module)
         ckpt_load.load_optimizers(
             checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
         )
         ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
-
-    def _replay_callback_restores(self) -> None:
-        """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of
-        the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
-        restored before ``on_fit_start``; here (``restore_checkpoint_after_setup``) after it, so the
-        callback would never add them and the optimizer states of the resumed run would meet fewer
-        groups. Its restore is run now, before the optimizer states load, as DDP runs it before."""
-        from lightning.pytorch.callbacks import BaseFinetuning
-
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None)
-        if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        for callback in trainer.callbacks:
-            if isinstance(callback, BaseFinetuning) and callback._restarting:
-                BaseFinetuning.on_fit_start(callback, trainer, module)
 
     # -- registration -------------------------------------------------------------------------------
 

@@ -378,3 +378,20 @@ def load_optimizers(
         # A consolidated state may carry fp32 masters. (A sharded one does not: load_model published
         # the masters already, and publishing again is a whole all-gather of the parameters.)
         engine.publish()
+
+
+def replay_callback_restores(module: Any) -> None:
+    """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of
+    the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
+    restored before ``on_fit_start``; under ZeRO (``restore_checkpoint_after_setup``) after it, so the
+    callback would never add them and the optimizer states of the resumed run would meet fewer
+    groups. The strategy runs its restore before the optimizer states load, as DDP runs it before."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = getattr(module, "_trainer", None)
+    if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning) and callback._restarting:
+            BaseFinetuning.on_fit_start(callback, trainer, module)
