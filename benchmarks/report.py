@@ -66,9 +66,10 @@ def summarize(
         peak = entry.get("peak")
         if isinstance(peak, int):
             record["peak_rss"] = peak
-            if entry.get("accounted"):
-                # memory_breakdown() + activations over what the OS saw (issue 17: within 10%)
-                record["rss_accounted"] = entry["accounted"] / peak
+            if entry.get("accounted") and entry.get("resident"):
+                # memory_breakdown() + activations + allocator slack + library pages over the resident
+                # set at the same moment, the end of a forward (issue 17: within 10%)
+                record["rss_accounted"] = entry["accounted"] / entry["resident"]
         elif peak is not None:
             record["errors"].append("peak RSS run: " + peak)
         records.append(record)

@@ -90,7 +90,7 @@ def _worker(rank: int, configs: list, warmup: int, steps: int, rounds: int, smok
 def rss_pass(configs: list, warmup: int, steps: int, smoke: bool) -> dict[str, dict[str, Any]]:
     """Per configuration, each in fresh ranks: the peak RSS growth per rank (the larger rank's; a
     string where the run failed) and, for ours, what memory_breakdown() plus the activations
-    account for on that rank (``accounted``)."""
+    account for on that rank at the end of a forward (``accounted``), with the resident set then (``resident``)."""
     peaks: dict[str, dict[str, Any]] = {}
     for config in configs:
         key = " ".join(config)
@@ -102,10 +102,16 @@ def rss_pass(configs: list, warmup: int, steps: int, smoke: bool) -> dict[str, d
                 peaks[key] = {"peak": failed[0]}
             else:
                 top = max(runs, key=lambda r: r["peak_rss"])
-                accounted = None
-                if top.get("split"):
-                    accounted = sum(sum(where.values()) for where in top["split"].values()) + top.get("activations", 0)
-                peaks[key] = {"peak": top["peak_rss"], "accounted": accounted}
+                accounted = resident = None
+                if top.get("split") and top.get("monitor"):
+                    # MemoryMonitor: memory_breakdown() + activations + what the OS adds (glibc's freed
+                    # heap memory, library pages), against the resident set at the same moment (the
+                    # end of a forward)
+                    accounted, resident = top["monitor"]["accounted"], top["monitor"]["resident"]
+                peaks[key] = {"peak": top["peak_rss"], "accounted": accounted, "resident": resident}
+                if top.get("monitor"):
+                    mib = {k: round(v / 2**20, 1) for k, v in top["monitor"].items()}
+                    print(f"[run.py] MemoryMonitor {key} (MiB): {mib}", file=sys.stderr, flush=True)
         except AssertionError as error:  # a rank died (e.g. killed for memory): say so, go on
             peaks[key] = {"peak": str(error)}
         if isinstance(peaks[key]["peak"], int):

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 from measure import Baseline, Clock, PeakRss
 
-from lightning_zero.memory import ActivationMeter
+from lightning_zero.memory import MemoryMonitor
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
 LIGHTNING = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
@@ -46,13 +46,21 @@ class _Measure(pl.Callback):
     def __init__(self, clock: Clock, baseline: Baseline, last: int, rss: PeakRss) -> None:
         self.clock, self.baseline, self.last, self.rss = clock, baseline, last, rss
         self.result: dict[str, Any] = {}
-        self.meter = ActivationMeter()  # bytes saved for backward: what the OS sees besides model states
+        # what the OS sees besides model states (activations, allocator slack, library pages), as the
+        # package's own callback counts it
+        self.monitor = MemoryMonitor(reset_peak=False)  # the peak column is PeakRss's, from before the model
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.monitor.setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.monitor.on_train_start(trainer, pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.meter.start()
+        self.monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self.meter.stop(pl_module)
+        self.monitor.on_before_backward(trainer, pl_module, loss)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.tick()
@@ -62,11 +70,13 @@ class _Measure(pl.Callback):
         split = None
         if hasattr(trainer.strategy, "memory_breakdown"):
             split = trainer.strategy.memory_breakdown()
+        self.monitor.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self.result = {
             "bytes": self.baseline.grown(),
             "split": split,
             "peak_rss": peak_rss,
-            "activations": self.meter.peak,
+            "activations": self.monitor.meter.peak,
+            "monitor": self.monitor.last,
         }
         self.clock.tick()  # the count is not part of any step: restart the interval after it
 

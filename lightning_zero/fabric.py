@@ -341,6 +341,8 @@ class ZeroStrategy(DDPStrategy):
             recordings=self._recordings,
         )
         self._optimizers = list(optimizers)
+        if self._mmap_fixed:
+            memory.trim_heap()  # the parameters' memory before flattening (see memory.trim_heap)
         for recording in self._recordings:
             recording.close()
         self._recordings.clear()

@@ -394,6 +394,8 @@ class ZeroStrategy(DDPStrategy):
         for recording in self._recordings:
             recording.close()
         self._recordings.clear()
+        if self._mmap_fixed:
+            memory.trim_heap()  # the parameters' memory before flattening (see trim_heap)
         if on_meta:
             self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
         precision.convert_module(self.model)

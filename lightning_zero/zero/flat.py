@@ -225,6 +225,7 @@ class FlatBuffer:
         self.pending_grad: Any = None
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
         self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice
+        self._bucket_adopted = False  # grad_bucket is autograd's own gradient tensor (see adopts())
         self._gather_handle: comm.Handle | None = None
 
     @property
@@ -366,12 +367,31 @@ class FlatBuffer:
         """Add parameter ``p_index``'s gradient into ``grad_bucket`` (taken from ``new_bucket`` when
         there is none): EMPTY -> COLLECTING, REDUCED/ON_HOST -> ACCUMULATING."""
         assert self.grad_state is not GradState.REDUCING, "a gradient arrived while its bucket is being reduced"
-        if self.grad_bucket is None:
-            self.grad_bucket = new_bucket()
         slot = self.layout.slots[p_index]
-        self.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        if self.grad_bucket is None and self.adopts(grad):
+            self.grad_bucket = grad.view(-1)
+            self._bucket_adopted = True
+        else:
+            if self.grad_bucket is None:
+                self.grad_bucket = new_bucket()
+            self.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
         self.grad_state = _ON_RECEIVE[self.grad_state]
         self.arrive(p_index)
+
+    def adopts(self, grad: torch.Tensor) -> bool:
+        """Stages 2/3: whether autograd's ``grad`` can be this buffer's bucket itself, with no copy and
+        no block from the pool: the buffer holds one parameter and no padding (a parameter larger
+        than ``reduce_bucket_size`` is a buffer of its own), and ``grad`` owns all of its storage in
+        the bucket's dtype, device and layout. The caller gives up ``param.grad`` right after (the
+        reduction then overwrites the tensor in place). Saves the copy, and the block of the
+        parameter's size that the pool would otherwise keep for every step: the 12 MiB embedding of
+        the 13.8M benchmark GPT, each 16 MiB layer of the square benchmark model."""
+        if self._bucket_kept or len(self.params) != 1 or grad.numel() != self.layout.padded_numel:
+            return False
+        if grad.dtype != self.grad_dtype or grad.device != self.device or not grad.is_contiguous():
+            return False
+        storage = grad.untyped_storage()
+        return grad.storage_offset() == 0 and storage.nbytes() == grad.numel() * grad.element_size()
 
     def start_reduce(self, new_bucket: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> REDUCING. Returns ``(bucket, out)``: the reduce-scatter's input (a zero bucket from
@@ -408,6 +428,9 @@ class FlatBuffer:
         if self._bucket_kept:
             return None
         bucket, self.grad_bucket = self.grad_bucket, None
+        if self._bucket_adopted:  # autograd's tensor, not the pool's: let it go
+            self._bucket_adopted = False
+            return None
         return bucket
 
     def end_backward(self) -> None:

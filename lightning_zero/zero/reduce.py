@@ -174,6 +174,8 @@ class GradReducer:
                 tied[0].add_(grad.reshape(-1))
                 buffer.arrive(p_index)
             else:
+                if buffer.grad_bucket is None:
+                    self._make_room()  # also when autograd's gradient becomes the bucket (FlatBuffer.adopts)
                 buffer.receive(p_index, grad, partial(self._new_bucket, buffer))
             self.side.keep_alive(grad)
         param.grad = None
@@ -189,10 +191,15 @@ class GradReducer:
     #: a 34M-parameter model's gradients alive at once at stage 2.
     MAX_BUCKETS = 2
 
-    def _new_bucket(self, buffer: FlatBuffer) -> torch.Tensor:
+    def _make_room(self) -> None:
+        """Stages 2/3: before a further bucket comes alive, wait for the oldest reductions until fewer
+        than :attr:`MAX_BUCKETS` are."""
         if self.stage >= 2:
             while self._pending and self._buckets_alive() >= self.MAX_BUCKETS:
                 self._drain(block=True, limit=1)
+
+    def _new_bucket(self, buffer: FlatBuffer) -> torch.Tensor:
+        self._make_room()
         return self.pool.take(buffer.layout.padded_numel, buffer.grad_dtype, buffer.device, zero=True)
 
     def _buckets_alive(self) -> int:

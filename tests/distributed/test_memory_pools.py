@@ -184,3 +184,70 @@ def test_pools_buckets_and_released_memory():
         torch.testing.assert_close(
             torch.tensor(res["fp32_reduce"]["losses"]), torch.tensor(res["ddp_bf16"]), rtol=1e-5, atol=0
         )
+
+
+BIG = 10  # Linear(10, 10): a 100-element weight (even: no padding on 2 ranks) larger than the buckets
+
+
+class Wide(Stack):
+    """Layers whose weight alone is larger than ``reduce_bucket_size``: each weight is a flat buffer of
+    its own, whose bucket is autograd's gradient itself (FlatBuffer.adopts), not a block of the pool."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(BIG, BIG), nn.Tanh()) for _ in range(3)))
+        self.losses = []
+
+
+def _wide_loader(rows: int = 48) -> DataLoader:
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2, rows, BIG, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+
+
+def _adopt_worker(rank: int) -> dict:
+    import lightning_zero  # noqa: F401 - registers the strategy names
+    from lightning_zero import ZeroStrategy
+
+    out: dict = {}
+    for name, strategy in (
+        ("ddp", "ddp"),
+        (2, ZeroStrategy(stage=2, reduce_bucket_size=16)),
+        (3, ZeroStrategy(stage=3, reduce_bucket_size=16, param_persistence_threshold=0, prefetch_bucket_size=16)),
+    ):
+        pl.seed_everything(11, verbose=False)
+        model = Wide()
+        probe = Probe()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=4,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[] if name == "ddp" else [probe],
+        )
+        trainer.fit(model, train_dataloaders=_wide_loader())
+        out[name] = {"losses": model.losses}
+        if name != "ddp":
+            pool = trainer.strategy._engine._ctx.pool if trainer.strategy._engine else None
+            out[name]["allocations"] = probe.allocations
+            out[name]["blocks"] = sorted(t.numel() for t in pool.free) if pool is not None else None
+    return out
+
+
+def test_a_parameter_larger_than_a_bucket_is_reduced_from_its_own_gradient():
+    for res in run_ranks(_adopt_worker):
+        for stage in (2, 3):
+            # fp32 on CPU; the same bound and reason as test_pools_buckets_and_released_memory
+            torch.testing.assert_close(
+                torch.tensor(res[stage]["losses"]), torch.tensor(res["ddp"]["losses"]), rtol=1e-5, atol=0
+            )
+            allocations = res[stage]["allocations"]
+            assert allocations[1:] == [allocations[1]] * (len(allocations) - 1), allocations
+        # stage 2: the pool holds buckets only, and none of a weight's 100 elements (the weights' own
+        # gradients were their buckets); the biases' buckets are the pool's
+        assert max(res[2]["blocks"], default=0) < BIG * BIG, res[2]["blocks"]
