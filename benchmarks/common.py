@@ -148,8 +148,8 @@ class SquareStack(torch.nn.Module):
 
 
 def square_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean squared error in fp32."""
-    return torch.nn.functional.mse_loss(model(inputs).float(), targets)
+    """Mean squared error in fp32 (FSDP2's bf16 policy casts the root's inputs, the targets too)."""
+    return torch.nn.functional.mse_loss(model(inputs).float(), targets.float())
 
 
 class SquareModule(GPTModule):
