@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import urllib.request
 
 import pytest
 import torch
@@ -42,6 +43,8 @@ def s3(monkeypatch):
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(key, value)
+    # moto's state lives in this process, shared by every server it starts: empty it for each test
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")).close()
     S3FileSystem.clear_instance_cache()  # an instance made before would keep the old endpoint
     fs = S3FileSystem()
     fs.mkdir(BUCKET)
