@@ -223,7 +223,11 @@ class ShardedReader:
         if optimizer not in holders or not entry["pieces"]:
             return None
         here = [piece[0] for piece in entry["pieces"] if piece[0] in self.rank_files]
-        saved = self.rank_data(here[0] if here else entry["pieces"][0][0])["optim"]
+        # Every file holding a piece holds the entry (the same dtypes and scalars): ask one already
+        # open. Taking the first piece's file instead made a resume open another rank's whole file for
+        # a parameter across the ranks' boundary (on a store a second download, 2.2x a plain get).
+        opened = [rank for rank in here if rank in self._files]
+        saved = self.rank_data((opened or here or [entry["pieces"][0][0]])[0])["optim"]
         if not saved:
             return None
         state = saved[optimizer].get(name)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import urllib.request
 
 import pytest
 import torch
-from models import state
+from models import ParityModel, fit, state
 from test_checkpoint import _fit
+from torch import nn
 
 from lightning_zero.testing import free_port, run_ranks
 
@@ -41,6 +43,8 @@ def s3(monkeypatch):
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(key, value)
+    # moto's state lives in this process, shared by every server it starts: empty it for each test
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset", method="POST")).close()
     S3FileSystem.clear_instance_cache()  # an instance made before would keep the old endpoint
     fs = S3FileSystem()
     fs.mkdir(BUCKET)
@@ -137,3 +141,51 @@ def test_save_resume_topk_consolidate_on_s3(s3, tmp_path):
         from lightning_zero.checkpoint import consolidate
 
         consolidate(f"{root}/final.ckpt", tmp_path / "bad.pt")
+
+
+class AllTrainable(ParityModel):
+    """ParityModel without its frozen layer: every tensor is partitioned (no whole tensor that only
+    rank 0's file holds), so a resume into the same layout needs no other rank's file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Identity()
+
+
+def _record_opened_files() -> list[str]:
+    """From now on, the names of the checkpoint files this process reads (from a store: downloads)."""
+    from lightning_zero.checkpoint import format as fmt
+
+    opened: list[str] = []
+    load_file = fmt.load_file
+
+    def recording(file, *args, **kwargs):
+        opened.append(os.path.basename(str(file)))
+        return load_file(file, *args, **kwargs)
+
+    fmt.load_file = recording
+    return opened
+
+
+def _own_file_worker(rank: int, path: str) -> dict:
+    trainer, saved = fit(ZERO2, max_steps=4, model_cls=AllTrainable)
+    trainer.save_checkpoint(path)
+    opened = _record_opened_files()
+    _, resumed = fit(ZERO2, max_steps=4, model_cls=AllTrainable, ckpt_path=path)  # restores, trains no further
+    return {"opened": opened, "saved": state(saved), "resumed": state(resumed)}
+
+
+def test_resume_downloads_only_its_own_rank_file(s3):
+    from lightning_zero.checkpoint import format as fmt
+
+    path = f"s3://{BUCKET}/own/last.ckpt"
+    results = run_ranks(_own_file_worker, path, timeout=600)
+    # The case that matters: a parameter across the ranks' boundary (pieces in both files). Its optimizer
+    # entry once made rank 1 open rank 0's file too: on a store, a download of a whole second shard.
+    meta = fmt.read_metadata(path)
+    assert any({piece[0] for piece in entry["pieces"]} == {0, 1} for entry in meta["params"].values())
+    for rank, res in enumerate(results):
+        assert sorted(res["opened"]) == ["lightning.pt", f"rank-{rank:05d}.pt"], (rank, res["opened"])
+        # loaded bit for bit: the fp32 masters of the same layout, nothing recomputed
+        for key, value in res["saved"].items():
+            assert torch.equal(res["resumed"][key], value), key
