@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -322,10 +323,30 @@ class SwapStore:
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError(f"swap tensor {name} must be contiguous host memory (got {tensor.device})")
             if name not in self._fds:
-                self._fds[name] = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+                self._fds[name] = fd = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+                self._reserve(fd, tensor)
             self.wait([(name, tensor)])
             self._tensors[name] = tensor
             self._submit(name, tensor, write=True)
+
+    def _reserve(self, fd: int, tensor: torch.Tensor) -> None:
+        """Allocate a new file's blocks up front (its padded size under the compiled engines): its
+        first write is then an overwrite of allocated (unwritten) extents, which ext4 and XFS take
+        under a shared lock, so concurrent O_DIRECT requests into one file proceed in parallel and
+        io_uring need not hand them to its worker threads; a full disk fails here (ENOSPC), before
+        any request. File systems without fallocate (tmpfs before 3.5, some network ones) skip it."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.engine != "python":
+            nbytes = -(-nbytes // self.config.block_size) * self.config.block_size
+        if nbytes > 0:
+            with contextlib.suppress(AttributeError):  # (no posix_fallocate: not Linux)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as error:
+                    if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise OSError(
+                            error.errno, f"reserving {nbytes} bytes for a swap file: {error.strerror}"
+                        ) from None
 
     def release(self, items: Iterable[Swapped]) -> None:
         """Wait for their writes, then shrink the storage of ``items`` to zero bytes."""
