@@ -251,6 +251,9 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "hwm_gib": _peak_gib(),
                 }
             )
+            # also at once on stderr (inherited by the parent): a run stopped later keeps its finished steps
+            print(f"step {len(self.rows)} done at load {os.getloadavg()}: {json.dumps(self.rows[-1])}", file=sys.stderr)
+            sys.stderr.flush()
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.train_hwm = _peak_gib()
@@ -282,9 +285,9 @@ def capacity(args: argparse.Namespace) -> None:
             f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s"
         )
         command = [sys.executable, __file__, *sys.argv[1:], "--tier", "capacity"]
-        out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # stderr inherited: the child's warnings and per-step lines appear as they happen
+        out = subprocess.run(command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         if out.returncode != 0:
-            print(out.stderr[-4000:])
             raise SystemExit(f"capacity run failed (exit {out.returncode})")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"load after: {os.getloadavg()}")
