@@ -20,11 +20,6 @@
 // our load of the CQ tail an acquire (the CQE is read after the kernel wrote it); our store of the
 // CQ head is a release (the CQE slot is free for the kernel only after we read it).
 #include <ATen/ATen.h>
-#include <fcntl.h>
-#include <linux/io_uring.h>
-#include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -34,14 +29,33 @@
 #include <string>
 #include <vector>
 
+// Headers of Linux 5.6 or later (IORING_OP_READ/WRITE came with IORING_FEAT_RW_CUR_POS); built
+// elsewhere, the probe says so and the disk tier uses the thread engine.
+#if defined(__linux__) && defined(__has_include)
+#if __has_include(<linux/io_uring.h>)
+#include <linux/io_uring.h>
+#endif
+#endif
+#if defined(IORING_FEAT_RW_CUR_POS)
+#define LIGHTNING_ZERO_IO_URING 1
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace lightning_zero {
 namespace cpu {
+
+namespace {
+constexpr int64_t kAlign = 4096;  // O_DIRECT's address/length/offset unit on the file systems we target
+}  // namespace
+
+#if defined(LIGHTNING_ZERO_IO_URING)
 
 int swap_open(const std::string& path, bool write, bool direct, bool* used_direct);  // swap_io.cpp
 
 namespace {
-
-constexpr int64_t kAlign = 4096;  // O_DIRECT's address/length/offset unit on the file systems we target
 
 template <typename T>
 T* at_offset(void* base, uint32_t offset) {
@@ -291,6 +305,17 @@ int64_t swap_uring(const at::Tensor& buffer, const std::string& path, bool write
               used_direct ? " (O_DIRECT)" : "");
   return nbytes;
 }
+
+#else  // no io_uring headers at build time
+
+std::string swap_uring_probe(int64_t) { return "lightning_zero._C was built without <linux/io_uring.h> (5.6+)"; }
+
+int64_t swap_uring(const at::Tensor&, const std::string& path, bool, int64_t, int64_t, bool) {
+  TORCH_CHECK(false, "swap_uring: lightning_zero._C was built without io_uring (", path, "); use aio_engine='threads'");
+  return 0;
+}
+
+#endif  // LIGHTNING_ZERO_IO_URING
 
 // Give `tensor`'s storage (a swapped-out tensor of the store: storage offset 0, resized to zero
 // bytes) memory for its numel() elements at a 4096-byte aligned address, so O_DIRECT needs no
