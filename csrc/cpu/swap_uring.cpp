@@ -195,7 +195,9 @@ struct Slot {
 // (seccomp in containers, kernel.io_uring_disabled, an old kernel: the caller falls back).
 std::string swap_uring_probe(int64_t depth) {
   if (depth < 1 || depth > 4096) return "queue_depth must be 1..4096";
-  Ring& ring = thread_ring(static_cast<unsigned>(depth));
+  // a ring of its own, closed on return: the caller's thread (often the main one, which a forked
+  // DataLoader worker copies) keeps no ring
+  Ring ring(static_cast<unsigned>(depth));
   if (!ring.error().empty()) return ring.error();
   ring.push(IORING_OP_NOP, -1, nullptr, 0, 0, 7);
   if (int err = ring.enter(1)) return std::string("io_uring_enter: ") + std::strerror(err);
