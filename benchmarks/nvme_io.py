@@ -10,8 +10,9 @@
    at most ``--window`` in memory, as the step's sub-groups; allocated by the store, so 4096-aligned
    under the compiled engines), fsync'd, dropped from the page cache (``POSIX_FADV_DONTNEED``, so
    the Python engine's reads come from the disk too), then read back the same way. GB/s of each
-   phase, its fraction of the disk's rate ("x disk"), and the busy thread's matmul rate next to
-   its rate alone (what the I/O costs the compute).
+   phase, its fraction of the disk's rate ("x disk"), the busy thread's matmul rate next to its
+   rate alone (what the I/O costs the compute), and without it the process's CPU seconds (user +
+   system, the kernel's io_uring workers included) per GB moved.
 
 The swap directory is removed at the end, whatever happens.
 """
@@ -128,7 +129,10 @@ def main() -> None:
             f"{count} tensors x {args.tensor_mib} MiB = {gb:.2f} GB written then read; block {args.block_size}, "
             f"queue_depth {args.queue_depth}, threads {args.threads}, window {args.window}"
         )
-        print("engine | CPU-busy thread | write GB/s (x disk) | read GB/s (x disk) | busy GFLOP/s (x alone) | load")
+        print(
+            "engine | CPU-busy thread | write GB/s (x disk) | read GB/s (x disk) | busy GFLOP/s (x alone) | "
+            "CPU s per GB moved | load"
+        )
         for engine in args.engines.split(","):
             for busy in (False, True):
                 config = NvmeConfig(
@@ -139,6 +143,7 @@ def main() -> None:
                     aio_engine=engine,
                 )
                 store = SwapStore(config, rank=0)
+                cpu = os.times()
                 try:
                     if busy:
                         with Busy() as b:
@@ -149,10 +154,13 @@ def main() -> None:
                         flops = "-"
                 finally:
                     store.close(bring_back=False)
+                after = os.times()
+                cpu_s = after.user - cpu.user + after.system - cpu.system
                 w, r = gb / write, gb / read
                 print(
                     f"{store.engine} | {'yes' if busy else 'no'} | {w:.3f} ({w / disk['write_gbs']:.2f}) | "
-                    f"{r:.3f} ({r / disk['read_gbs']:.2f}) | {flops} | {os.getloadavg()[0]:.2f}"
+                    f"{r:.3f} ({r / disk['read_gbs']:.2f}) | {flops} | "
+                    f"{'-' if busy else f'{cpu_s / (2 * gb):.2f}'} | {os.getloadavg()[0]:.2f}"
                 )
     finally:
         shutil.rmtree(args.nvme_path, ignore_errors=True)
