@@ -12,7 +12,8 @@
    the Python engine's reads come from the disk too), then read back the same way. GB/s of each
    phase, its fraction of the disk's rate ("x disk"), the busy thread's matmul rate next to its
    rate alone (what the I/O costs the compute), and without it the process's CPU seconds (user +
-   system, the kernel's io_uring workers included) per GB moved.
+   system, the kernel's io_uring workers included) per GB moved. First, the CPU cost of the
+   allocations alone (:func:`allocation_cost`).
 
 The swap directory is removed at the end, whatever happens.
 """
@@ -100,6 +101,27 @@ def push(store: SwapStore, count: int, numel: int, window: int) -> tuple[float, 
     return write, read
 
 
+def allocation_cost(numel: int, count: int) -> dict[str, float]:
+    """CPU seconds per GB to give a zero-byte tensor memory, fill it and free it again (what the tier
+    does to every buffer it reads or writes, every step): torch's allocator (``resize_``) against the
+    store's aligned one (``host_alloc_aligned``: 2 MiB-aligned with ``MADV_HUGEPAGE`` from 8 MiB)."""
+    tensor = torch.empty(numel)
+    tensor.untyped_storage().resize_(0)
+    out = {}
+    for how in ("torch", "aligned"):
+        before = os.times()
+        for i in range(count):
+            if how == "aligned":
+                torch.ops.lightning_zero.host_alloc_aligned(tensor)
+            else:
+                tensor.untyped_storage().resize_(numel * 4)
+            tensor.fill_(float(i))
+            tensor.untyped_storage().resize_(0)
+        after = os.times()
+        out[how] = (after.user - before.user + after.system - before.system) / (count * numel * 4 / 1e9)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", required=True)
@@ -125,6 +147,12 @@ def main() -> None:
         with Busy() as alone:
             time.sleep(3)
         print(f"busy thread alone: {alone.rate():.1f} GFLOP/s")
+        if hasattr(torch.ops.lightning_zero, "host_alloc_aligned"):
+            cost = allocation_cost(numel, 16)
+            print(
+                f"allocate + fill + free {args.tensor_mib} MiB tensors, CPU s per GB: torch's allocator "
+                f"{cost['torch']:.2f}, the store's aligned one {cost['aligned']:.2f}"
+            )
         print(
             f"{count} tensors x {args.tensor_mib} MiB = {gb:.2f} GB written then read; block {args.block_size}, "
             f"queue_depth {args.queue_depth}, threads {args.threads}, window {args.window}"
