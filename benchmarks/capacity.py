@@ -14,9 +14,10 @@
    include the parameter reads of forward and backward, whose wait is its own column), peak RSS, the first and last
    loss, and whether the swap directory is gone afterwards. The last row is the ratio nvme / cpu.
 
-Note: the swap files go through the page cache (the Python engine does not use O_DIRECT), so on a
-machine with free RAM the reads may be served from memory; the disk numbers of step 1 are the
-ceiling a compiled O_DIRECT engine would aim at.
+``--aio-engine`` picks the I/O engine (``NvmeConfig.aio_engine``, default "auto": io_uring where it
+works); the engine that ran is printed (a column, or the capacity run's header line). Under the
+Python engine the swap files go through the page cache, so on a machine with free RAM its reads may
+be served from memory. ``benchmarks/nvme_io.py`` measures the engines' I/O alone.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def child(args: argparse.Namespace) -> dict:
         offload_optimizer=tier,
         offload_parameters="nvme" if args.tier == "nvme+params" else False,
         nvme_path=args.nvme_path if tier == "nvme" else None,
+        nvme_config={"aio_engine": args.aio_engine} if tier == "nvme" else None,
     )
 
     class Timer(pl.Callback):
@@ -119,6 +121,7 @@ def child(args: argparse.Namespace) -> dict:
             self.stalls.append({k: after[k] - self.before[k] for k in after})
             if store:
                 self.bytes = (store.bytes_read, store.bytes_written)
+                self.engine = store.engine
 
     timer = Timer()
     trainer = _trainer(strategy, args.precision, args.steps, timer)
@@ -139,6 +142,7 @@ def child(args: argparse.Namespace) -> dict:
         "loss_first": timer.losses[0],
         "loss_last": timer.losses[-1],
         "clean": not any(Path(args.nvme_path).glob("lightning_zero-rank*")),
+        "engine": getattr(timer, "engine", "-"),
     }
 
 
@@ -210,6 +214,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
         offload_optimizer="nvme",
         offload_parameters="nvme",
         nvme_path=args.nvme_path,
+        nvme_config={"aio_engine": args.aio_engine},
         # restore_after_fit left at its default: with the parameters on disk the end of fit brings
         # neither the states (38 GB at 3.2B) nor the whole model (6.7 GB in bf16) back into RAM
     )
@@ -224,6 +229,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.setup_hwm = _peak_gib()
+            self.engine = self.store(trainer).engine  # the I/O engine that runs (aio_engine may fall back)
             # (the module's parameters are empty tensors here: their shards are on disk)
             self.params = sum(math.prod(h.shape) for h in trainer.strategy._engine.held_params())
 
@@ -245,6 +251,9 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "hwm_gib": _peak_gib(),
                 }
             )
+            # also at once on stderr (inherited by the parent): a run stopped later keeps its finished steps
+            print(f"step {len(self.rows)} done at load {os.getloadavg()}: {json.dumps(self.rows[-1])}", file=sys.stderr)
+            sys.stderr.flush()
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.train_hwm = _peak_gib()
@@ -261,6 +270,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
         "process_hwm_gib": _peak_gib(),
         "fit_s": time.perf_counter() - start,
         "clean": not any(Path(args.nvme_path).glob("lightning_zero-rank*")),
+        "engine": timer.engine,
     }
 
 
@@ -275,15 +285,15 @@ def capacity(args: argparse.Namespace) -> None:
             f"disk under {args.nvme_path}: O_DIRECT write {disk['write_gbs']:.3f} GB/s, read {disk['read_gbs']:.3f} GB/s"
         )
         command = [sys.executable, __file__, *sys.argv[1:], "--tier", "capacity"]
-        out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # stderr inherited: the child's warnings and per-step lines appear as they happen
+        out = subprocess.run(command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         if out.returncode != 0:
-            print(out.stderr[-4000:])
             raise SystemExit(f"capacity run failed (exit {out.returncode})")
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"load after: {os.getloadavg()}")
         print(
             f"{r['params'] / 1e9:.3f}B parameters, one CPU rank, bf16-mixed, stage 3, parameters + gradients + "
-            f"optimizer states on disk; {args.tokens} tokens per step; fit {r['fit_s']:.0f} s"
+            f"optimizer states on disk; {args.tokens} tokens per step; I/O engine {r['engine']}; fit {r['fit_s']:.0f} s"
         )
         print(
             "step | step s | compute s | read wait s | write wait s | GB read | GB written | read GB/s (x disk) | "
@@ -322,6 +332,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--aio-engine", default="auto", choices=["auto", "io_uring", "threads", "python"], help="NvmeConfig.aio_engine"
+    )
     parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params", "capacity"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tier == "capacity":
@@ -344,14 +357,14 @@ def main() -> None:
         rows[tier] = json.loads(out.stdout.strip().splitlines()[-1])
     bandwidth = (disk["read_gbs"] + disk["write_gbs"]) / 2
     header = (
-        "tier | params | step s | fwd/bwd read wait s | optimizer s | read wait s | write wait s | GB/step | "
+        "tier | engine | params | step s | fwd/bwd read wait s | optimizer s | read wait s | write wait s | GB/step | "
         "GB/s in opt phase (x disk) | peak RSS GiB | loss first -> last | clean"
     )
     print(header)
     for tier, r in rows.items():
         rate = r["bytes_per_step"] / r["optimizer_s"] / 1e9
         print(
-            f"{tier} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['compute_read_s']:.3f} | {r['optimizer_s']:.3f} | "
+            f"{tier} | {r['engine']} | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | {r['compute_read_s']:.3f} | {r['optimizer_s']:.3f} | "
             f"{r['read_stall_s']:.3f} | "
             f"{r['write_stall_s']:.3f} | {r['bytes_per_step'] / 1e9:.3f} | {rate:.3f} ({rate / bandwidth:.2f}) | "
             f"{r['peak_rss_gib']:.2f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['clean']}"
@@ -360,7 +373,7 @@ def main() -> None:
     for tier in [t for t in rows if t != "cpu"]:
         n = rows[tier]
         print(
-            f"{tier} / cpu | | {n['step_s'] / c['step_s']:.2f} | | {n['optimizer_s'] / c['optimizer_s']:.2f} | | | | | "
+            f"{tier} / cpu | | | {n['step_s'] / c['step_s']:.2f} | | {n['optimizer_s'] / c['optimizer_s']:.2f} | | | | | "
             f"{n['peak_rss_gib'] / c['peak_rss_gib']:.2f} | |"
         )
 

@@ -17,6 +17,11 @@ namespace cpu {
 // csrc/cpu/swap_io.cpp: the disk tier's pread/pwrite engine
 int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
                 int64_t threads, bool direct);
+// csrc/cpu/swap_uring.cpp: the disk tier's io_uring engine, its probe, and aligned host memory
+int64_t swap_uring(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
+                   int64_t queue_depth, bool direct);
+std::string swap_uring_probe(int64_t depth);
+void host_alloc_aligned(const at::Tensor& tensor);
 // csrc/cpu/crc32.cpp: checkpoint files' CRC-32 (zlib's)
 int64_t crc32(const at::Tensor& data, int64_t value);
 }  // namespace cpu
@@ -101,6 +106,11 @@ TORCH_LIBRARY(lightning_zero, m) {
   m.def("cpu_supported_isas() -> str[]", &lightning_zero::cpu::cpu_supported_isas);
   // Reads into `buffer` when write=False (hence (a!)); returns the bytes moved.
   m.def("swap_io(Tensor(a!) buffer, str path, bool write, int block_size, int threads, bool direct) -> int");
+  m.def("swap_uring(Tensor(a!) buffer, str path, bool write, int block_size, int queue_depth, bool direct) -> int");
+  // "" when io_uring works here, else the reason (a plain function: no tensors, no dispatch key)
+  m.def("swap_uring_probe(int queue_depth) -> str", &lightning_zero::cpu::swap_uring_probe);
+  // Gives a swapped-out tensor's (empty) storage 4096-aligned memory (O_DIRECT without a bounce copy)
+  m.def("host_alloc_aligned(Tensor(a!) tensor) -> ()");
   m.def("crc32(Tensor data, int value) -> int");
   m.def(
       "cpu_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
@@ -137,6 +147,8 @@ TORCH_LIBRARY(lightning_zero, m) {
 
 TORCH_LIBRARY_IMPL(lightning_zero, CPU, m) {
   m.impl("swap_io", &lightning_zero::cpu::swap_io);
+  m.impl("swap_uring", &lightning_zero::cpu::swap_uring);
+  m.impl("host_alloc_aligned", &lightning_zero::cpu::host_alloc_aligned);
   m.impl("crc32", &lightning_zero::cpu::crc32);
   m.impl("cpu_adam_step", &lightning_zero::cpu::cpu_adam_step);
   m.impl("cpu_lamb_moments", &lightning_zero::cpu::cpu_lamb_moments);

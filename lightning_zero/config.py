@@ -407,6 +407,10 @@ def _positive_int(name: str, value: object, low: int, high: int) -> None:
         raise ValueError(f"nvme {name}={value!r} must be an integer from {low} to {high}.")
 
 
+AIO_ENGINES = ("auto", "io_uring", "threads", "python")
+"""The values of :attr:`NvmeConfig.aio_engine`."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class NvmeConfig:
     """ZeRO-Infinity's disk tier (:mod:`lightning_zero.offload.nvme`), DeepSpeed's ``offload_*`` /
@@ -420,9 +424,15 @@ class NvmeConfig:
     (O_DIRECT needs multiples of the 4 KiB logical block)."""
 
     queue_depth: int = 8
-    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024; for an
-    io_uring/libaio engine, which does not exist yet (the thread-pool engines have ``threads``
-    requests in flight)."""
+    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024: the depth
+    of the io_uring engine's ring (the thread-pool engines have ``threads`` requests in flight)."""
+
+    aio_engine: str = "auto"
+    """The I/O engine (:mod:`lightning_zero.offload.nvme`): "io_uring" (compiled, ``queue_depth``
+    requests in flight from one thread), "threads" (compiled, ``threads`` threads with
+    pread/pwrite), "python" (the readable reference: Python threads, page cache), or "auto" (the
+    first of these that works here). An engine that is not available falls back to the next with
+    a one-time warning, never an error (containers often block io_uring)."""
 
     threads: int = 2
     """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64."""
@@ -463,6 +473,8 @@ class NvmeConfig:
         _positive_int("threads", self.threads, 1, 64)
         _positive_int("buffer_count", self.buffer_count, 2, 64)
         _positive_int("param_buffer_count", self.param_buffer_count, 1, 64)
+        if self.aio_engine not in AIO_ENGINES:
+            raise ValueError(f"nvme aio_engine={self.aio_engine!r} must be one of {list(AIO_ENGINES)}.")
         if not isinstance(self.direct_io, bool):
             raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
         if self.restore_after_fit is not None and not isinstance(self.restore_after_fit, bool):
@@ -483,6 +495,7 @@ def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeCon
         "param_buffer_count",
         "direct_io",
         "restore_after_fit",
+        "aio_engine",
     )
     unknown = sorted(set(knobs or {}) - set(allowed))
     if unknown:

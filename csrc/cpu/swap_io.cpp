@@ -1,12 +1,14 @@
-// The disk tier's I/O engine (lightning_zero/offload/nvme.py): one tensor <-> one file, split into
+// The disk tier's thread-pool I/O engine (lightning_zero/offload/nvme.py, aio_engine "threads",
+// and the fallback of swap_uring.cpp's io_uring engine): one tensor <-> one file, split into
 // block_size requests served by `threads` threads with pread/pwrite, through O_DIRECT when asked
-// and the file system allows it. O_DIRECT needs block-aligned addresses, lengths and offsets, and
-// torch's allocator only promises 64-byte alignment: each thread copies through its own aligned
-// bounce block (one memcpy at memory speed next to a disk ~20x slower). The last block of a file
-// is written padded with zeros to block_size, so files are block multiples and reads of the last
-// block never run short. Called from the I/O threads of the Python store; the dispatcher releases
-// the GIL, so the step's compute runs meanwhile. Readable reference: os.pwrite/os.preadv in
-// SwapStore (the fallback when this op is not compiled).
+// and the file system allows it. O_DIRECT needs block-aligned addresses, lengths and offsets:
+// a whole block at a 4096-aligned address (the swap store allocates its tensors so) goes straight
+// to and from the tensor; otherwise (torch's allocator only promises 64-byte alignment, and the
+// last block of a tensor is partial) each thread copies through its own aligned bounce block. The
+// last block of a file is written padded with zeros to block_size, so files are block multiples
+// and reads of the last block never run short. Called from the I/O threads of the Python store;
+// the dispatcher releases the GIL, so the step's compute runs meanwhile. Readable reference:
+// os.pwrite/os.preadv in SwapStore (the fallback when this op is not compiled).
 #include <ATen/ATen.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -22,9 +24,9 @@
 namespace lightning_zero {
 namespace cpu {
 
-namespace {
-
-int open_file(const std::string& path, bool write, bool direct, bool* used_direct) {
+// Opens a swap file for reading or (creating it) writing, with O_DIRECT when `direct` and the file
+// system takes it; *used_direct says which. Returns the fd, or -1 with errno set.
+int swap_open(const std::string& path, bool write, bool direct, bool* used_direct) {
   int flags = write ? (O_RDWR | O_CREAT) : O_RDONLY;
   if (direct) {
     int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
@@ -38,8 +40,6 @@ int open_file(const std::string& path, bool write, bool direct, bool* used_direc
   return ::open(path.c_str(), flags, 0600);
 }
 
-}  // namespace
-
 // Returns the number of bytes of `buffer` moved (its nbytes), or raises with errno's message.
 int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
                 int64_t threads, bool direct) {
@@ -50,12 +50,14 @@ int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, i
   const int64_t nbytes = buffer.numel() * buffer.element_size();
   char* data = static_cast<char*>(buffer.data_ptr());
   bool used_direct = false;
-  const int fd = open_file(path, write, direct, &used_direct);
+  const int fd = swap_open(path, write, direct, &used_direct);
   TORCH_CHECK(fd >= 0, "swap_io: cannot open ", path, ": ", std::strerror(errno));
   const int64_t blocks = (nbytes + block_size - 1) / block_size;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, blocks));
   std::atomic<int64_t> next{0};
   std::atomic<int> error{0};
+  // page-cache I/O takes any address, O_DIRECT a 4096-aligned one
+  const bool straight = !used_direct || reinterpret_cast<uintptr_t>(data) % 4096 == 0;
   auto work = [&]() {
     void* bounce = nullptr;
     if (posix_memalign(&bounce, 4096, block_size) != 0) {
@@ -67,7 +69,9 @@ int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, i
       const int64_t offset = b * block_size;
       const int64_t valid = std::min(block_size, nbytes - offset);
       ssize_t done;
-      if (write) {
+      if (straight && valid == block_size) {
+        done = write ? ::pwrite(fd, data + offset, block_size, offset) : ::pread(fd, data + offset, block_size, offset);
+      } else if (write) {
         std::memcpy(aligned, data + offset, valid);
         if (valid < block_size) std::memset(aligned + valid, 0, block_size - valid);
         done = ::pwrite(fd, aligned, block_size, offset);

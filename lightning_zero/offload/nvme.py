@@ -19,20 +19,37 @@ removed at the next start; one whose owner is another live process is an error. 
 Checkpoints read swapped tensors through :meth:`SwapStore.mapped` (a private memory map of the
 file: page cache, not anonymous memory), so a save streams them from disk.
 
-I/O engines. "compiled": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), one call
-per tensor from this store's thread pool, each splitting the tensor into ``block_size`` requests
-over ``threads`` C++ threads with pread/pwrite, O_DIRECT through aligned bounce blocks when
-``direct_io`` (files padded to ``block_size``). "python", its readable reference and the fallback
-when the extension is not built (one warning): the pool's threads issue ``os.preadv``/``os.pwrite``
-of ``block_size`` chunks straight into the tensors' memory (ctypes views), through the page cache.
-Both calls release the GIL, so the step's compute overlaps the I/O. There is no io_uring/libaio
-engine (``queue_depth`` is validated but not used yet).
+I/O engines (``NvmeConfig.aio_engine``), each a call per tensor from this store's thread pool
+(``threads`` workers, so that many tensors move at once), each releasing the GIL so the step's
+compute overlaps the I/O:
+
+* "io_uring": ``torch.ops.lightning_zero.swap_uring`` (csrc/cpu/swap_uring.cpp), the tensor split
+  into ``block_size`` requests of which ``queue_depth`` are in flight at once, submitted and reaped
+  by the calling thread through an io_uring (raw system calls, no liburing);
+* "threads": ``torch.ops.lightning_zero.swap_io`` (csrc/cpu/swap_io.cpp), the same requests served
+  by ``threads`` C++ threads with pread/pwrite;
+* "python", the readable reference: the pool's threads issue ``os.preadv``/``os.pwrite`` of
+  ``block_size`` chunks straight into the tensors' memory (ctypes views), through the page cache.
+
+"auto" (the default) takes the first that works here: io_uring when the extension is built and
+:func:`io_uring_probe` (a ring set up and one NOP completed) succeeds, else threads, else python.
+Asking for an engine that is not available falls back down that list with a one-time
+``RuntimeWarning`` (seccomp in containers often blocks io_uring; never an error).
+
+The compiled engines open the files with O_DIRECT when ``direct_io`` (and the file system takes
+it) and pad each file to whole blocks. O_DIRECT wants 4096-aligned addresses: :meth:`SwapStore.allocate`
+gives every tensor the store brings back into memory 4096-aligned storage
+(``torch.ops.lightning_zero.host_alloc_aligned``), so whole blocks go straight between the tensor
+and the disk; the last, partial block of a tensor, and tensors torch allocated (64-byte aligned, e.g.
+fresh optimizer states before their first write), go through aligned bounce blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import functools
 import json
 import os
 import shutil
@@ -45,38 +62,62 @@ from pathlib import Path
 
 import torch
 
-from lightning_zero.config import NvmeConfig
+from lightning_zero.config import AIO_ENGINES, NvmeConfig
 
 MARKER = "owner.json"
-_warned = False  # the "no compiled I/O engine" warning was given
+_warned: set[str] = set()  # the fallbacks warned about (once per process each)
+
+
+def _has_op(name: str) -> bool:
+    from lightning_zero.ops import compiled
+
+    return compiled() and hasattr(torch.ops.lightning_zero, name)
 
 
 def compiled_engine() -> bool:
-    """Whether ``torch.ops.lightning_zero.swap_io`` (the compiled engine) is available."""
-    from lightning_zero.ops import compiled
-
-    return compiled() and hasattr(torch.ops.lightning_zero, "swap_io")
+    """Whether the compiled thread-pool engine (``torch.ops.lightning_zero.swap_io``) is built."""
+    return _has_op("swap_io")
 
 
-def choose_engine(requested: str | None) -> str:
-    """ "compiled" or "python" (``None``: compiled when built, else python with a one-time warning)."""
-    global _warned
-    if requested is not None:
-        if requested not in ("compiled", "python"):
-            raise ValueError(f"engine={requested!r} must be 'compiled', 'python' or None (the best available).")
-        if requested == "compiled" and not compiled_engine():
-            raise ValueError("engine='compiled' but lightning_zero._C has no swap_io op; rebuild the extension.")
-        return requested
-    if compiled_engine():
-        return "compiled"
-    if not _warned:
-        _warned = True
-        warnings.warn(
+@functools.cache
+def io_uring_probe(queue_depth: int) -> str | None:
+    """``None`` when an io_uring of ``queue_depth`` entries works in this process (set up, one NOP
+    completed), else why not (an old kernel, ``kernel.io_uring_disabled``, a seccomp filter)."""
+    if not compiled_engine() or not _has_op("swap_uring"):
+        return "lightning_zero._C is not built with swap_uring"
+    reason = torch.ops.lightning_zero.swap_uring_probe(queue_depth)
+    return reason or None
+
+
+def _fall_back(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def choose_engine(requested: str, queue_depth: int) -> str:
+    """The engine that runs for ``aio_engine=requested``: "io_uring", "threads" or "python" (see the
+    module docstring; a fallback from the engine asked for warns once)."""
+    if requested not in AIO_ENGINES:
+        raise ValueError(f"aio_engine={requested!r} must be one of {list(AIO_ENGINES)}.")
+    if requested in ("auto", "io_uring"):
+        reason = io_uring_probe(queue_depth)
+        if reason is None:
+            return "io_uring"
+        if requested == "io_uring":
+            _fall_back(
+                "io_uring",
+                f"lightning_zero.offload.nvme: aio_engine='io_uring' is not available here ({reason}); the disk "
+                "tier uses the next engine (threads with pread/pwrite, or Python threads without the extension).",
+            )
+    if requested != "python" and compiled_engine():
+        return "threads"
+    if requested != "python":
+        _fall_back(
+            "python",
             "lightning_zero.offload.nvme: the compiled I/O engine is not available; the disk tier uses "
             "Python threads with os.pread/os.pwrite through the page cache (correct, without O_DIRECT). "
             "Rebuild the extension (pip install --no-build-isolation -e .) for the compiled engine.",
-            RuntimeWarning,
-            stacklevel=3,
         )
     return "python"
 
@@ -168,12 +209,13 @@ class SwapStore:
     Args:
         config: path and I/O knobs.
         rank: global rank (names the directory).
-        engine: "compiled", "python" or None (the compiled one when built; see the module docstring).
+        engine: an ``aio_engine`` value overriding ``config.aio_engine`` (tests, benchmarks); the
+            engine that runs is :attr:`engine` ("io_uring", "threads" or "python").
     """
 
     def __init__(self, config: NvmeConfig, rank: int, engine: str | None = None) -> None:
         self.config = config
-        self.engine = choose_engine(engine)
+        self.engine = choose_engine(config.aio_engine if engine is None else engine, config.queue_depth)
         self.directory = claim_directory(rank_directory(config, rank))
         self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="lightning_zero_nvme")
         self._fds: dict[str, int] = {}
@@ -189,14 +231,26 @@ class SwapStore:
         """Whether ``tensor``'s values are in memory (not swapped out)."""
         return tensor.untyped_storage().nbytes() > 0
 
+    def allocate(self, tensor: torch.Tensor) -> None:
+        """Give a swapped-out ``tensor`` (storage of zero bytes) memory for its elements (values
+        undefined): 4096-aligned under a compiled engine with ``direct_io``, so its whole blocks go
+        to and from the disk without a bounce copy; torch's allocator otherwise."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.engine != "python" and self.config.direct_io and nbytes > 0 and _has_op("host_alloc_aligned"):
+            torch.ops.lightning_zero.host_alloc_aligned(tensor)
+        else:
+            tensor.untyped_storage().resize_(nbytes)
+
     # -- chunked I/O on the pool --------------------------------------------------------------------
 
     def _submit(self, name: str, tensor: torch.Tensor, write: bool) -> None:
-        if self.engine == "compiled":
+        if self.engine != "python":
             path, c = str(self.directory / f"{name}.swp"), self.config
-            future = self._pool.submit(
-                torch.ops.lightning_zero.swap_io, tensor, path, write, c.block_size, c.threads, c.direct_io
-            )
+            if self.engine == "io_uring":
+                op, width = torch.ops.lightning_zero.swap_uring, c.queue_depth
+            else:
+                op, width = torch.ops.lightning_zero.swap_io, c.threads
+            future = self._pool.submit(op, tensor, path, write, c.block_size, width, c.direct_io)
             nbytes = tensor.numel() * tensor.element_size()
             self._pending[name] = ("write" if write else "read", [future], nbytes)
             self.bytes_written += nbytes if write else 0
@@ -269,10 +323,30 @@ class SwapStore:
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
                 raise ValueError(f"swap tensor {name} must be contiguous host memory (got {tensor.device})")
             if name not in self._fds:
-                self._fds[name] = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+                self._fds[name] = fd = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+                self._reserve(fd, tensor)
             self.wait([(name, tensor)])
             self._tensors[name] = tensor
             self._submit(name, tensor, write=True)
+
+    def _reserve(self, fd: int, tensor: torch.Tensor) -> None:
+        """Allocate a new file's blocks up front (its padded size under the compiled engines): its
+        first write is then an overwrite of allocated (unwritten) extents, which ext4 and XFS take
+        under a shared lock, so concurrent O_DIRECT requests into one file proceed in parallel and
+        io_uring need not hand them to its worker threads; a full disk fails here (ENOSPC), before
+        any request. File systems without fallocate (tmpfs before 3.5, some network ones) skip it."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.engine != "python":
+            nbytes = -(-nbytes // self.config.block_size) * self.config.block_size
+        if nbytes > 0:
+            with contextlib.suppress(AttributeError):  # (no posix_fallocate: not Linux)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as error:
+                    if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise OSError(
+                            error.errno, f"reserving {nbytes} bytes for a swap file: {error.strerror}"
+                        ) from None
 
     def release(self, items: Iterable[Swapped]) -> None:
         """Wait for their writes, then shrink the storage of ``items`` to zero bytes."""
@@ -288,7 +362,7 @@ class SwapStore:
             self.wait([(name, tensor)])
             if self.resident(tensor):
                 continue
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            self.allocate(tensor)
             self._submit(name, tensor, write=False)
 
     def fetch_all(self) -> None:

@@ -282,7 +282,7 @@ class ParamTier:
         """Give ``b.param_shard`` memory for a writer that overwrites all of it (no read)."""
         self.store.wait([self._item(b)])  # a read ahead still in flight
         if not SwapStore.resident(b.param_shard):
-            b.param_shard.untyped_storage().resize_(b.param_shard.numel() * b.param_shard.element_size())
+            self.store.allocate(b.param_shard)
         self._hold(b)
 
     def _hold(self, b: FlatBuffer) -> None:

@@ -114,7 +114,7 @@ class GradTier:
         self.store.wait([item])  # its last write
         if fresh:
             if not SwapStore.resident(b.grad_shard):
-                b.grad_shard.untyped_storage().resize_(b.grad_shard.numel() * b.grad_shard.element_size())
+                self.store.allocate(b.grad_shard)
         else:
             self.store.fetch([item])
         self._count()
@@ -220,7 +220,7 @@ class GradTier:
         item = self.item(b)
         self.store.wait([item])
         if b.grad_state is GradState.EMPTY:
-            b.grad_shard.untyped_storage().resize_(b.grad_shard.numel() * b.grad_shard.element_size())
+            self.store.allocate(b.grad_shard)
             b.grad_shard.zero_()
         else:
             self.store.fetch([item])

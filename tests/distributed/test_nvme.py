@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import Callback
 from models import fit, state
 
+from lightning_zero.offload import nvme as nvme_io
 from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -30,6 +31,11 @@ def _specs(nvme_path: str) -> list[tuple[str, dict]]:
         ("zero2_nvme", {"stage": 2, **nvme, "reduce_bucket_size": 40}),
         ("zero3_cpu", {"stage": 3, "offload_optimizer": True, **SMALL}),
         ("zero3_nvme", {"stage": 3, **nvme, **SMALL}),
+        # the default engine ("auto") is io_uring where it works: the thread-pool engine as well
+        (
+            "zero3_nvme_threads",
+            {"stage": 3, **nvme, "nvme_config": {"block_size": 4096, "aio_engine": "threads"}, **SMALL},
+        ),
         ("zero3_nvme_params_on_host", {"stage": 3, **nvme, "offload_parameters": True, **SMALL}),
         ("zero3_nvme_params_on_disk", {**_params_on_disk(nvme_path), **SMALL}),
     ]
@@ -61,6 +67,7 @@ class _SwappedOut(Callback):
         self.grads_resting: list[bool] = []
         self.grad_peak = (0, 0, 0)
         self.grad_bytes = 0
+        self.engine = ""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         grads = trainer.strategy._engine.grad_tier
@@ -80,6 +87,7 @@ class _SwappedOut(Callback):
         tensors = [t for kernel in swap.kernels for i in range(len(kernel.buffers)) for _, t in kernel.swapped(i)]
         self.resting.append(len(tensors) > 0 and all(t.untyped_storage().nbytes() == 0 for t in tensors))
         self.bytes_read = swap.store.bytes_read
+        self.engine = swap.store.engine
         tier = trainer.strategy._engine.param_tier
         if tier is not None:  # the parameter shards too, between steps
             self.params_resting.append(all(b.param_shard.untyped_storage().nbytes() == 0 for b in tier.buffers))
@@ -103,6 +111,7 @@ def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict
             "grads_resting": probe.grads_resting,
             "grad_peak": probe.grad_peak,
             "grad_bytes": probe.grad_bytes,
+            "engine": probe.engine,
             # this rank's directory only: the other rank may still be cleaning up its own
             "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
         }
@@ -137,6 +146,9 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                     # param_buffer_count=2 read ahead, plus the one being gathered (not read ahead)
                     assert 1 <= got["peak"] <= 3, got["peak"]
                 assert not got["left"], name  # the rank directory was removed after fit
+        if nvme_io.compiled_engine():  # which engine ran on each rank (auto: io_uring where the probe succeeds)
+            assert res["zero3_nvme_threads"]["engine"] == "threads"
+            assert res["zero3_nvme"]["engine"] == ("io_uring" if nvme_io.io_uring_probe(8) is None else "threads")
 
 
 def _nvme_stage2(nvme_path: str) -> dict:

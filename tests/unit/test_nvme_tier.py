@@ -21,8 +21,14 @@ from lightning_zero.offload.nvme import MARKER, SwapStore, check_free_space, cla
 ENGINES = [
     "python",
     pytest.param(
-        "compiled",
+        "threads",
         marks=pytest.mark.skipif(not nvme.compiled_engine(), reason="lightning_zero._C not built with swap_io"),
+    ),
+    pytest.param(
+        "io_uring",
+        marks=pytest.mark.skipif(
+            nvme.io_uring_probe(8) is not None, reason=f"io_uring unavailable here: {nvme.io_uring_probe(8)}"
+        ),
     ),
 ]
 
@@ -41,8 +47,8 @@ def test_swap_round_trip_is_exact_and_frees_memory(tmp_path, engine):
     store.evict(items)
     store.release(items)
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors.values())
-    # the compiled engine pads each file to whole blocks (O_DIRECT), the Python one does not
-    padded = -(-278011 * 4 // 4096) * 4096 if engine == "compiled" else 278011 * 4
+    # the compiled engines pad each file to whole blocks (O_DIRECT), the Python one does not
+    padded = -(-278011 * 4 // 4096) * 4096 if engine != "python" else 278011 * 4
     assert os.path.getsize(store.directory / "a.swp") == padded
     store.fetch(items)
     store.wait(items)
@@ -72,7 +78,8 @@ def test_rename_hands_a_written_file_to_its_owner(tmp_path, engine):
 
 def test_python_engine_is_the_fallback_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setattr(nvme, "compiled_engine", lambda: False)
-    monkeypatch.setattr(nvme, "_warned", False)
+    monkeypatch.setattr(nvme, "io_uring_probe", lambda depth: "not built")
+    monkeypatch.setattr(nvme, "_warned", set())
     with pytest.warns(RuntimeWarning, match="compiled I/O engine is not available"):
         store = SwapStore(_config(tmp_path), rank=0)
     assert store.engine == "python"
@@ -141,6 +148,7 @@ def test_directory_of_a_live_run_is_an_error(tmp_path):
         ({"buffer_count": 1}, "buffer_count=1 must be an integer from 2"),
         ({"param_buffer_count": 0}, "param_buffer_count=0 must be an integer from 1 to 64"),
         ({"restore_after_fit": "no"}, "restore_after_fit=.no. must be True, False or None"),
+        ({"aio_engine": "libaio"}, r"aio_engine='libaio' must be one of \['auto', 'io_uring', 'threads', 'python'\]"),
     ],
 )
 def test_invalid_knobs(tmp_path, knobs, match):
