@@ -58,6 +58,9 @@ def _adam_family() -> tuple[type, ...]:
     return (torch.optim.Adam, torch.optim.AdamW, ops.CPUAdam, ops.FusedAdam)
 
 
+#: moment dtypes the CPU kernels store (``state_dtype`` of lightning_zero's optimizers)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
 #: the classes whose own ``step`` the kernels replace
 _KERNEL_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 
@@ -215,6 +218,17 @@ class KernelStep:
 
     # -- per step ----------------------------------------------------------------------------------
 
+    def _moment_dtype(self, master: torch.Tensor) -> torch.dtype:
+        """The dtype of the moments: the optimizer's ``state_dtype`` (``ops.CPUAdam`` / ``FusedAdam`` /
+        ``Lion`` with ``state_dtype=torch.bfloat16``: half the bytes of the states in memory, on disk
+        under the NVMe tier and through the step, which reads and writes them) where the CPU kernels
+        step these masters (they widen bf16 moments to fp32 and round them back, nearest even, as the
+        optimizer itself does); fp32 otherwise (torch's optimizers, LAMB, masters on a GPU)."""
+        dtype = getattr(self.optimizer, "state_dtype", torch.float32)
+        if self.lamb or self.kind == "adagrad" or master.device.type != "cpu" or dtype not in _MOMENT_DTYPES:
+            return torch.float32
+        return dtype
+
     def _state(self, master: torch.Tensor) -> dict[str, Any]:
         state = self.optimizer.state[master]
         if not state and self.kind != "adam":
@@ -224,11 +238,12 @@ class KernelStep:
                 init = float(self.optimizer.param_groups[0].get("initial_accumulator_value", 0.0))
                 state["sum"] = torch.full_like(master, init)
             else:
-                state["exp_avg"] = torch.zeros_like(master)
+                state["exp_avg"] = torch.zeros_like(master, dtype=self._moment_dtype(master))
         elif not state:
+            dtype = self._moment_dtype(master)
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(master)
-            state["exp_avg_sq"] = torch.zeros_like(master)
+            state["exp_avg"] = torch.zeros_like(master, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(master, dtype=dtype)
         return state
 
     def _param_copy(self, b: FlatBuffer) -> torch.Tensor | None:

@@ -79,6 +79,10 @@ class ParityModel(pl.LightningModule):
             from lightning_zero.ops import Lion
 
             opt = Lion(groups, lr=self.lr / 10, betas=(0.9, 0.99))
+        elif self.optimizer_name == "cpuadam_bf16":  # ops.CPUAdam with bf16 moments
+            from lightning_zero.ops import CPUAdam
+
+            opt = CPUAdam(groups, lr=self.lr, betas=(0.9, 0.95), state_dtype=torch.bfloat16)
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(groups, lr=self.lr)
         elif self.optimizer_name == "counting_adamw":

@@ -94,13 +94,15 @@ class _SwappedOut(Callback):
             self.peak = tier.peak
 
 
-def _worker(rank: int, nvme_path: str, precision: str, names: list[str]) -> dict:
+def _worker(rank: int, nvme_path: str, precision: str, names: list[str], optimizer: str = "adamw") -> dict:
     out = {}
     for name, spec in _specs(nvme_path):
         if name not in names:
             continue
         probe = _SwappedOut()
-        _, model = fit(spec, precision=precision, trainer_kwargs={"callbacks": [probe]})
+        _, model = fit(
+            spec, precision=precision, model_kwargs={"optimizer": optimizer}, trainer_kwargs={"callbacks": [probe]}
+        )
         out[name] = {
             "losses": model.losses,
             "state": state(model),
@@ -149,6 +151,26 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
         if nvme_io.compiled_engine():  # which engine ran on each rank (auto: io_uring where the probe succeeds)
             assert res["zero3_nvme_threads"]["engine"] == "threads"
             assert res["zero3_nvme"]["engine"] == ("io_uring" if nvme_io.io_uring_probe(8) is None else "threads")
+
+
+def test_bf16_moments_on_disk_are_bit_identical_to_host_memory(tmp_path):
+    """ops.CPUAdam(state_dtype=torch.bfloat16): the moments rest on disk in bf16 (half the bytes the
+    tier reads and writes for them) and train exactly as in host memory (issue 18)."""
+    fp32 = run_ranks(_worker, str(tmp_path / "a"), "32-true", ["zero2_nvme"])
+    for res, ref in zip(
+        run_ranks(_worker, str(tmp_path / "b"), "32-true", ["zero2_cpu", "zero2_nvme"], "cpuadam_bf16"),
+        fp32,
+        strict=True,
+    ):
+        got, cpu = res["zero2_nvme"], res["zero2_cpu"]
+        # exact: the same kernel and inputs, only the resting place of the moments differs
+        assert got["losses"] == cpu["losses"]
+        for key, value in cpu["state"].items():
+            assert torch.equal(got["state"][key], value), key
+        assert got["resting"] and all(got["resting"])
+        # masters (4 bytes) + two moments (2 bytes each) instead of 4 + 4 + 4 per element: the moments'
+        # share of what the tier read halves (the gradient slices' reads are the same in both)
+        assert got["bytes_read"] < ref["zero2_nvme"]["bytes_read"], (got["bytes_read"], ref["zero2_nvme"]["bytes_read"])
 
 
 def _nvme_stage2(nvme_path: str) -> dict:
