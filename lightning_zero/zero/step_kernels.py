@@ -244,6 +244,15 @@ class KernelStep:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(master, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros_like(master, dtype=dtype)
+        elif self.swap is None and self.kind in ("adam", "lion"):
+            # torch's load_state_dict casts loaded states to the parameter's dtype (fp32): back to
+            # the optimizer's moment dtype, once (exact for moments saved in bf16). Under the disk
+            # tier the files hold what was loaded, and a resumed run keeps fp32 moments.
+            dtype = self._moment_dtype(master)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state.get(key)
+                if torch.is_tensor(value) and value.dtype != dtype and value.shape == master.shape:
+                    state[key] = value.to(dtype)
         return state
 
     def _param_copy(self, b: FlatBuffer) -> torch.Tensor | None:

@@ -120,6 +120,18 @@ def test_bf16_moments_offload_match_ddp():
         assert res["dtypes"] == ["torch.bfloat16"], res
 
 
+def test_bf16_moments_resume_bit_exact(tmp_path):
+    """A checkpoint of a zero2_offload run with bf16 moments resumes as if never interrupted: the
+    moments come back in bf16 (fp32 ones would step differently from there on)."""
+    from test_training_features import _resume_worker
+
+    spec = OFFLOAD_SPECS[1][1]
+    for res in run_ranks(_resume_worker, str(tmp_path), spec, spec, "32-true", "cpuadam_bf16"):
+        assert res["resumed"] == res["full"][4:]
+        for key, value in res["full_state"].items():
+            assert torch.equal(res["resumed_state"][key], value), key
+
+
 @pytest.mark.parametrize(
     "first,second,precision",
     [

@@ -43,7 +43,9 @@ def test_fp16_overflow_skips_step_and_halves_scale():
         assert any(not torch.equal(skipped[k], after[k]) for k in skipped if k != "frozen.weight")
 
 
-def _resume_worker(rank: int, tmp: str, first: object, second: object, precision: str) -> dict:
+def _resume_worker(
+    rank: int, tmp: str, first: object, second: object, precision: str, optimizer: str = "adamw"
+) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     # 12 rows / batch 3 = 4 optimizer steps per epoch on each rank. The default ModelCheckpoint
@@ -53,7 +55,7 @@ def _resume_worker(rank: int, tmp: str, first: object, second: object, precision
     # resumes; no accumulation, because Lightning also restarts the accumulation window.
     every_epoch = ModelCheckpoint(dirpath=tmp, every_n_epochs=1, save_top_k=-1)
     loader = make_loader(n=12, seed=1000 + rank, period=1)
-    common = {"precision": precision, "accumulate": 1, "loader": loader}
+    common = {"precision": precision, "accumulate": 1, "loader": loader, "model_kwargs": {"optimizer": optimizer}}
     no_sampler = {"use_distributed_sampler": False}
     with_ckpt = {"callbacks": [every_epoch], "enable_checkpointing": True, **no_sampler}
     trainer, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
