@@ -18,15 +18,13 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import time
 import warnings
 
 import torch
 
-from lightning_zero.memory import reset_peak_resident, resident_bytes
+from lightning_zero.memory import reset_peak_resident, resident_bytes, trim_heap
 
 #: system -> ZeRO stage whose formula applies; the dtype it keeps parameters in decides mixed vs fp32
 STAGE = {
@@ -111,15 +109,6 @@ class Baseline:
         return sum(live_tensor_bytes().values()) - self.before
 
 
-def _trim_heap() -> None:
-    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
-    if name:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
-
-
 class PeakRss:
     """Growth of this process's peak resident set from now on, as the OS counts it (Linux).
 
@@ -129,7 +118,7 @@ class PeakRss:
 
     def __init__(self) -> None:
         gc.collect()
-        _trim_heap()
+        trim_heap()
         # without the reset VmHWM may hold an earlier peak (then it is an upper bound)
         self.reset = reset_peak_resident()
         self.before = resident_bytes()["resident"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -151,18 +152,29 @@ class _Mallinfo2(ctypes.Structure):
     ] + [("keepcost", ctypes.c_size_t)]
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library when it is glibc, else ``None`` (musl, macOS, Windows). Looked up
+    once: ``find_library`` costs ~2 ms, and :class:`MemoryMonitor` asks after every forward."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _Mallinfo2
+    return libc
+
+
 def heap_free_bytes() -> int | None:
     """Bytes that glibc's malloc holds free in its heaps (``mallinfo2().fordblks``): memory the
     program freed but the process keeps, resident once touched (allocator slack). ``None`` on
     another C library or a glibc older than 2.33."""
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    mallinfo2 = getattr(ctypes.CDLL(name), "mallinfo2", None)
-    if mallinfo2 is None:
-        return None
-    mallinfo2.restype = _Mallinfo2
-    return int(mallinfo2().fordblks)
+    return int(libc.mallinfo2().fordblks)
 
 
 #: glibc's ``mallopt`` parameter number and default value of ``M_MMAP_THRESHOLD``
@@ -171,11 +183,8 @@ _M_MMAP_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD = -3, 128 * 1024
 
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or ``None`` on another C library (musl, macOS, Windows)."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return None
     mallopt: Callable[[int, int], int] = libc.mallopt
     return mallopt
@@ -200,11 +209,10 @@ def trim_heap() -> bool:
     original parameters as holes in the heap, resident until trimmed (measured 109 MiB per rank on
     the 33.6M-parameter square benchmark model at stage 2, a third of its ZeRO formula). Not on the
     hot path. Returns whether it ran (glibc only)."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is None:
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
         return False
-    trim(0)
+    libc.malloc_trim(0)
     return True
 
 

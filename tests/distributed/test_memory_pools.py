@@ -80,6 +80,7 @@ class Probe(pl.Callback):
         pool = trainer.strategy._engine._ctx.pool
         self.allocations.append(pool.allocations)
         self.peak_in_use = pool.peak_in_use_bytes
+        self.blocks = sorted(t.numel() for t in pool.free)
 
 
 def _loader(rows: int = 48) -> DataLoader:
@@ -88,7 +89,7 @@ def _loader(rows: int = 48) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
 
 
-def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5, model_class=Stack) -> Stack:
+def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5, model_class=Stack, loader=None) -> Stack:
     import lightning_zero  # noqa: F401 - registers the strategy names
 
     pl.seed_everything(11, verbose=False)
@@ -106,7 +107,7 @@ def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5, mod
         enable_model_summary=False,
         callbacks=list(callbacks),
     )
-    trainer.fit(model, train_dataloaders=_loader())
+    trainer.fit(model, train_dataloaders=loader if loader is not None else _loader())
     return model
 
 
@@ -206,36 +207,19 @@ def _wide_loader(rows: int = 48) -> DataLoader:
 
 
 def _adopt_worker(rank: int) -> dict:
-    import lightning_zero  # noqa: F401 - registers the strategy names
     from lightning_zero import ZeroStrategy
 
-    out: dict = {}
-    for name, strategy in (
-        ("ddp", "ddp"),
-        (2, ZeroStrategy(stage=2, reduce_bucket_size=16)),
-        (3, ZeroStrategy(stage=3, reduce_bucket_size=16, param_persistence_threshold=0, prefetch_bucket_size=16)),
-    ):
-        pl.seed_everything(11, verbose=False)
-        model = Wide()
+    out: dict = {"ddp": {"losses": _fit("ddp", steps=4, model_class=Wide, loader=_wide_loader()).losses}}
+    for stage, extra in ((2, {}), (3, {"param_persistence_threshold": 0, "prefetch_bucket_size": 16})):
         probe = Probe()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=4,
-            accumulate_grad_batches=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[] if name == "ddp" else [probe],
+        model = _fit(
+            ZeroStrategy(stage=stage, reduce_bucket_size=16, **extra),
+            callbacks=[probe],
+            steps=4,
+            model_class=Wide,
+            loader=_wide_loader(),
         )
-        trainer.fit(model, train_dataloaders=_wide_loader())
-        out[name] = {"losses": model.losses}
-        if name != "ddp":
-            pool = trainer.strategy._engine._ctx.pool if trainer.strategy._engine else None
-            out[name]["allocations"] = probe.allocations
-            out[name]["blocks"] = sorted(t.numel() for t in pool.free) if pool is not None else None
+        out[stage] = {"losses": model.losses, "allocations": probe.allocations, "blocks": probe.blocks}
     return out
 
 
