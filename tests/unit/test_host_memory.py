@@ -24,6 +24,11 @@ def test_threshold_set_on_glibc_and_the_environment_wins(monkeypatch):
 def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
-    assert memory._mallopt() is None
-    assert memory.fix_mmap_threshold(1 << 20) is False
-    memory.restore_mmap_threshold()  # a no-op, no error
+    memory._glibc.cache_clear()  # looked up once per process: again, under the patch
+    try:
+        assert memory._mallopt() is None
+        assert memory.fix_mmap_threshold(1 << 20) is False
+        assert memory.heap_free_bytes() is None and memory.trim_heap() is False
+        memory.restore_mmap_threshold()  # a no-op, no error
+    finally:
+        memory._glibc.cache_clear()  # the real C library for the tests after this one
