@@ -321,7 +321,13 @@ class ZeroStrategy(DDPStrategy):
         # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
         config = dataclasses.replace(self.config, offload=precision.offload)
         if optimizers:
-            check_nvme_space(config.offload, module, comm.world_size(self.data_parallel_group), self.num_processes)
+            check_nvme_space(
+                config.offload,
+                module,
+                comm.world_size(self.data_parallel_group),
+                self.num_processes,
+                optimizers=list(optimizers),
+            )
         host = torch.device("cpu") if self.root_device.type != "cpu" else None
         apply_activation_checkpointing(module, self.config.activations, host)
         mmap = self.config.zero.host_mmap_threshold

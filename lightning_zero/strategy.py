@@ -368,14 +368,14 @@ class ZeroStrategy(DDPStrategy):
         offload = dataclasses.replace(precision.offload, pipeline=self.config.offload.pipeline)
         config = dataclasses.replace(self.config, offload=offload)
         if fitting := trainer.state.fn == TrainerFn.FITTING:
-            self._check_nvme_space(config)
             # Ranks that cannot see a checkpoint directory are found now, not at the first save.
             ckpt_io.check_shared(
                 [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None, self._node()
             )
         self._engine = None
         if fitting:
-            self.setup_optimizers(trainer)
+            self.setup_optimizers(trainer)  # creating an optimizer allocates no state yet
+            self._check_nvme_space(config)  # the optimizers say how many bytes their moments take
         if fitting or stage3:
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
             self._engine = ZeroEngine(
@@ -412,7 +412,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
         itemsize = PRECISIONS[self.precision_plugin.precision][0].itemsize
-        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize)
+        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize, self.optimizers)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``

@@ -216,6 +216,15 @@ class KernelStep:
             return None
         return KernelStep(optimizer, buffers, group, lamb=False, group_of=group_of)
 
+    @staticmethod
+    def moment_itemsize(optimizer: torch.optim.Optimizer) -> int:
+        """Bytes per element of each moment the kernel step keeps for masters in host memory (what
+        :meth:`_moment_dtype` decides, before any step): 2 for ``state_dtype=torch.bfloat16`` on an
+        Adam-kind or Lion optimizer, else 4."""
+        dtype = getattr(optimizer, "state_dtype", torch.float32)
+        lamb, kind = isinstance(optimizer, _lamb_family()), _one_state_kind(optimizer)
+        return 4 if lamb or kind == "adagrad" or dtype not in _MOMENT_DTYPES else dtype.itemsize
+
     # -- per step ----------------------------------------------------------------------------------
 
     def _moment_dtype(self, master: torch.Tensor) -> torch.dtype:
@@ -224,10 +233,9 @@ class KernelStep:
         under the NVMe tier and through the step, which reads and writes them) where the CPU kernels
         step these masters (they widen bf16 moments to fp32 and round them back, nearest even, as the
         optimizer itself does); fp32 otherwise (torch's optimizers, LAMB, masters on a GPU)."""
-        dtype = getattr(self.optimizer, "state_dtype", torch.float32)
-        if self.lamb or self.kind == "adagrad" or master.device.type != "cpu" or dtype not in _MOMENT_DTYPES:
+        if master.device.type != "cpu" or KernelStep.moment_itemsize(self.optimizer) == 4:
             return torch.float32
-        return dtype
+        return torch.bfloat16
 
     def _state(self, master: torch.Tensor) -> dict[str, Any]:
         state = self.optimizer.state[master]

@@ -50,11 +50,12 @@ from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.step_kernels import KernelStep
 
 
-def bytes_needed(numel: int, tensors: int, block_size: int) -> int:
+def bytes_needed(numel: int, tensors: int, block_size: int, moment_itemsize: int = 4) -> int:
     """Bytes of swap files for a rank whose master slices hold ``numel`` fp32 elements: master,
-    exp_avg and exp_avg_sq, plus up to one ``block_size`` of padding per file (the compiled engine
-    pads files to whole blocks) for at most one buffer per parameter tensor (``tensors``)."""
-    return 3 * 4 * numel + 3 * block_size * tensors
+    exp_avg and exp_avg_sq (``moment_itemsize`` bytes each: 2 for bf16 moments), plus up to one
+    ``block_size`` of padding per file (the compiled engine pads files to whole blocks) for at most
+    one buffer per parameter tensor (``tensors``)."""
+    return (4 + 2 * moment_itemsize) * numel + 3 * block_size * tensors
 
 
 def param_bytes_needed(numel: int, tensors: int, block_size: int, itemsize: int) -> int:
@@ -69,17 +70,27 @@ def check_space(
     data_parallel_size: int,
     processes_per_machine: int,
     param_itemsize: int = 4,
+    optimizers: list[torch.optim.Optimizer] | None = None,
 ) -> None:
     """Before anything is allocated: the disk tier's files of every rank on this machine (which share
     ``nvme_path``) must fit in its free space; ``ValueError`` otherwise. A no-op without the disk tier.
     ``param_itemsize``: bytes per element of the compute dtype (parameter shards on disk; 4 is an
-    upper bound)."""
+    upper bound). ``optimizers``: the moments of a parameter whose optimizer keeps them in bf16
+    (``KernelStep.moment_itemsize``) count 2 bytes each; without them, or for a parameter in none, 4."""
     nvme = offload.nvme
     if offload.optimizer_tier != "nvme" or nvme is None:
         return
     trainable = [p for p in module.parameters() if p.requires_grad]
+    itemsize = {
+        id(p): KernelStep.moment_itemsize(o) for o in optimizers or [] for g in o.param_groups for p in g["params"]
+    }
     numel = -(-sum(p.numel() for p in trainable) // data_parallel_size)
-    per_rank = bytes_needed(numel, len(trainable), nvme.block_size)
+    per_rank = 0
+    for moment in sorted({itemsize.get(id(p), 4) for p in trainable}):
+        share = [p for p in trainable if itemsize.get(id(p), 4) == moment]
+        per_rank += bytes_needed(
+            -(-sum(p.numel() for p in share) // data_parallel_size), len(share), nvme.block_size, moment
+        )
     # gradient slices (zero/swap_grads.py), in the compute dtype (stage 1 keeps them in memory: counted anyway)
     per_rank += param_bytes_needed(numel, len(trainable), nvme.block_size, param_itemsize)
     if offload.parameter_tier == "nvme":  # every parameter shard, in the compute dtype

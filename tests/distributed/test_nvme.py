@@ -393,13 +393,13 @@ def test_edits_inside_gathered_parameters_reach_the_disk_tier(tmp_path):
                 assert torch.equal(res[name]["state"][key], value), (name, key)
 
 
-def _no_space_worker(rank: int, nvme_path: str) -> str:
+def _no_space_worker(rank: int, nvme_path: str, optimizer_name: str) -> str:
     import shutil
 
     real = shutil.disk_usage
     shutil.disk_usage = lambda path: real(path)._replace(free=1000)  # a nearly full disk
     try:
-        fit(_nvme_stage2(nvme_path), devices=1)
+        fit(_nvme_stage2(nvme_path), devices=1, model_kwargs={"optimizer": optimizer_name})
     except ValueError as error:
         return str(error)
     finally:
@@ -407,16 +407,18 @@ def _no_space_worker(rank: int, nvme_path: str) -> str:
     raise AssertionError("the run should have been refused")
 
 
-def test_free_space_is_checked_before_training(tmp_path):
-    (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), world_size=1)
+@pytest.mark.parametrize(("optimizer_name", "moment_bytes"), [("adamw", 4), ("cpuadam_bf16", 2)])
+def test_free_space_is_checked_before_training(tmp_path, optimizer_name, moment_bytes):
+    (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), optimizer_name, world_size=1)
     from models import ParityModel
 
-    # ParityModel's trainable elements * 12 bytes (fp32 master + 2 moments) on the one rank, plus
-    # a 4096-byte block of padding for each of 3 files per buffer, at most one buffer per tensor;
-    # and the gradient slices' files (fp32 here: 4 bytes per element, one block of padding each)
+    # ParityModel's trainable elements * (4 + 2 * moment bytes) (fp32 master + 2 moments, bf16 ones
+    # under ops.CPUAdam(state_dtype=torch.bfloat16)) on the one rank, plus a 4096-byte block of
+    # padding for each of 3 files per buffer, at most one buffer per tensor; and the gradient
+    # slices' files (fp32 here: 4 bytes per element, one block of padding each)
     trainable = [p for p in ParityModel().parameters() if p.requires_grad]
     numel = sum(p.numel() for p in trainable)
-    needed = 12 * numel + 3 * 4096 * len(trainable) + 4 * numel + 4096 * len(trainable)
+    needed = (4 + 2 * moment_bytes) * numel + 3 * 4096 * len(trainable) + 4 * numel + 4096 * len(trainable)
     assert f"writes {needed} bytes" in message and "only 1000 bytes" in message, message
     assert not (tmp_path / "swap").exists()  # refused before anything was created
 
