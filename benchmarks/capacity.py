@@ -14,6 +14,9 @@
    include the parameter reads of forward and backward, whose wait is its own column), peak RSS, the first and last
    loss, and whether the swap directory is gone afterwards. The last row is the ratio nvme / cpu.
 
+``--deepspeed`` (with ``--stage 3``) adds DeepSpeed's ZeRO-Infinity on the same model and batch
+(``deepspeed_nvme.py``: its row, or the error that kept it from running).
+
 ``--aio-engine`` picks the I/O engine (``NvmeConfig.aio_engine``, default "auto": io_uring where it
 works); the engine that ran is printed (a column, or the capacity run's header line). Under the
 Python engine the swap files go through the page cache, so on a machine with free RAM its reads may
@@ -335,10 +338,18 @@ def main() -> None:
     parser.add_argument(
         "--aio-engine", default="auto", choices=["auto", "io_uring", "threads", "python"], help="NvmeConfig.aio_engine"
     )
-    parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params", "capacity"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--deepspeed", action="store_true", help="with --stage 3: DeepSpeed's NVMe offload too (deepspeed_nvme.py)"
+    )
+    parser.add_argument("--tier", choices=["cpu", "nvme", "nvme+params", "capacity", "ds"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tier == "capacity":
         print(json.dumps(capacity_child(args)))
+        return
+    if args.tier == "ds":
+        from benchmarks.deepspeed_nvme import ds_child
+
+        print(json.dumps(ds_child(args)))
         return
     if args.tier:
         print(json.dumps(child(args)))
@@ -369,6 +380,19 @@ def main() -> None:
             f"{r['write_stall_s']:.3f} | {r['bytes_per_step'] / 1e9:.3f} | {rate:.3f} ({rate / bandwidth:.2f}) | "
             f"{r['peak_rss_gib']:.2f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['clean']}"
         )
+    if args.deepspeed and args.stage == 3:
+        command = [sys.executable, __file__, *sys.argv[1:], "--tier", "ds"]
+        out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        lines = out.stdout.strip().splitlines()
+        r = json.loads(lines[-1]) if out.returncode == 0 and lines else {"error": out.stderr.strip()[-500:]}
+        if "error" in r:
+            print(f"DeepSpeed nvme+params | did not run: {r['error']}")
+        else:
+            rows["DeepSpeed nvme+params"] = r
+            print(
+                f"DeepSpeed nvme+params | libaio | {r['params'] / 1e6:.1f}M | {r['step_s']:.3f} | - | {r['optimizer_s']:.3f} | "
+                f"- | - | - | - | {r['peak_rss_gib']:.2f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | {r['clean']}"
+            )
     c = rows["cpu"]
     for tier in [t for t in rows if t != "cpu"]:
         n = rows[tier]
