@@ -243,6 +243,39 @@ def test_resume_frozen_parameters_and_buffers(tmp_path):
     check_frozen_buffers(run_ranks(frozen_buffers_worker, str(tmp_path), specs))
 
 
+class RejectingModel(BufferModel):
+    """Its state-dict hook rejects a saved ``decay``: only the rank that loads it (data-parallel rank 0)
+    meets the error, the other ranks wait for its broadcast."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_load_state_dict_pre_hook(self._reject)
+
+    @staticmethod
+    def _reject(module, state_dict, prefix, *args) -> None:
+        if prefix + "decay" in state_dict:
+            raise ValueError("decay rejected")
+
+
+def _rejected_worker(rank: int, root: str) -> str:
+    trainer, _ = fit({"stage": 2}, max_steps=2, model_cls=BufferModel)
+    trainer.save_checkpoint(f"{root}/last.ckpt")
+    try:
+        fit({"stage": 2}, max_steps=2, model_cls=RejectingModel, ckpt_path=f"{root}/last.ckpt")
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+def test_a_failed_load_of_the_shared_tensors_raises_on_every_rank(tmp_path):
+    # The ranks waiting for the broadcast learn of rank 0's error and raise it, named (without the
+    # agreement they waited until rank 0's process ended and then reported only a lost rank 0).
+    first, second = run_ranks(_rejected_worker, str(tmp_path), timeout=120)
+    assert first == "ValueError: decay rejected"
+    assert second.startswith("RuntimeError: loading the frozen parameters and buffers failed on other ranks")
+    assert "data-parallel rank 0: ValueError: decay rejected" in second
+
+
 def _exported(path: Path) -> dict:
     from lightning_zero.checkpoint import to_lightning_checkpoint
 
