@@ -208,6 +208,41 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup) -> None:
             offset += t.numel()
 
 
+def broadcast_each(
+    tensors: list[torch.Tensor], src_rank_in_group: int, group: ProcessGroup, bucket_bytes: int = 1 << 25
+) -> None:
+    """Overwrite each tensor in place with group rank ``src_rank_in_group``'s, holding at most about
+    ``bucket_bytes`` besides them: consecutive small tensors of one dtype go in one flat buffer (one
+    collective, not one per BatchNorm statistic), a contiguous tensor as big as a bucket goes alone
+    without a copy. The tensors' shapes and dtypes must be equal across ranks. Call on all ranks."""
+    if world_size(group) == 1 or not tensors:
+        return
+    batch: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if len(batch) == 1 and batch[0].is_contiguous():
+            broadcast(batch[0], src_rank_in_group, group, label="broadcast_each")
+        elif batch:
+            flat = torch.cat([t.reshape(-1) for t in batch])
+            broadcast(flat, src_rank_in_group, group, label="broadcast_each")
+            offset = 0
+            for t in batch:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        batch.clear()
+
+    size = 0
+    for tensor in tensors:
+        t = tensor.detach()  # a parameter's values, written in place without autograd
+        nbytes = t.numel() * t.element_size()
+        if batch and (t.dtype != batch[0].dtype or t.device != batch[0].device or size + nbytes > bucket_bytes):
+            flush()
+            size = 0
+        batch.append(t)
+        size += nbytes
+    flush()
+
+
 def send(tensor: torch.Tensor, dst_rank_in_group: int, group: ProcessGroup, tag: int = 0) -> Handle:
     """Start sending ``tensor`` to group rank ``dst_rank_in_group``; keep ``tensor`` unchanged until
     the returned handle's ``wait()``. Point-to-point (pipeline stages): only the two ranks take part;

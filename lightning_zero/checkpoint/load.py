@@ -1,10 +1,14 @@
 """Loading a checkpoint into a ZeRO run, resharding on the way: any world size, bucket size or stage.
 
 Each rank reads, for each piece in its own slices, the overlapping pieces that the writing ranks
-saved (see :mod:`~lightning_zero.checkpoint.format`); nothing is exchanged but the final publish
-(stages 1/2 all-gather the loaded master slices into the full parameters, as after a step). A plain
-Lightning checkpoint (DDP, single device, or our earlier consolidated format) loads through the
-same code with the whole tensors as the source.
+saved (see :mod:`~lightning_zero.checkpoint.format`). The tensors ZeRO does not partition (frozen
+parameters at stages 1/2, buffers) are equal over the data-parallel group and were saved once, by its
+rank 0: at resume only data-parallel rank 0 of each tensor/pipeline position reads them and
+broadcasts them over its data-parallel group (:func:`_load_shared`), so a rank opens no other rank's
+file for them (on a store: no download of rank 0's whole file per rank). Besides that broadcast,
+only the final publish exchanges anything (stages 1/2 all-gather the loaded master slices into the
+full parameters, as after a step). A plain Lightning checkpoint (DDP, single device, or our earlier
+consolidated format) loads through the same code with the whole tensors as the source.
 
 Lightning calls, after the strategy's setup (``restore_checkpoint_after_setup`` is True, so the
 engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random states and its own
@@ -39,6 +43,7 @@ from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.tensor import is_tensor_parallel
+from lightning_zero.zero.gather import placeholders_allowed
 from lightning_zero.zero.surface import HeldParam, OptimizerPiece
 
 if TYPE_CHECKING:
@@ -248,6 +253,50 @@ def _splits(module: nn.Module, params: dict[str, PartitionedParam], placement: P
     return out
 
 
+def _module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``{key: the module's own parameter or buffer}`` of the state-dict keys that are one (not extra
+    state, nor a tensor a state-dict hook made)."""
+    owned = {id(t) for t in (*module.parameters(), *module.buffers())}
+    with placeholders_allowed():  # stage 3: the partitioned parameters have no storage here; not used
+        entries = module.state_dict(keep_vars=True).items()
+        return {k: v for k, v in entries if torch.is_tensor(v) and id(v) in owned}
+
+
+def _load_shared(
+    module: nn.Module,
+    reader: ShardedReader,
+    wanted: list[str],
+    splits: dict[str, Split | None],
+    group: comm.ProcessGroup,
+) -> None:
+    """Load the non-partitioned entries ``wanted`` (frozen parameters, buffers, extra state) on every
+    rank of the data-parallel ``group`` while only its rank 0 reads those held in the rank files.
+
+    They are equal over the data-parallel group (saved once, by its rank 0: see
+    :func:`~lightning_zero.checkpoint.pieces.rank_report`). Group rank 0 loads them as before
+    (``module.load_state_dict``, hooks included) and broadcasts the module's resulting tensors in
+    place, a bounded batch at a time; the other ranks read no rank file but their own (on a store, a
+    rank 0 file is a download of its whole optimizer shard). Entries in Lightning's file, which every
+    rank has read, and those that are not the module's own tensors load on every rank, as before.
+    Call on all ranks of ``group``.
+    """
+    own = _module_tensors(module)
+    shared = [k for k in wanted if reader.in_files(k) and k in own]
+    reads = wanted if comm.rank(group) == 0 else [k for k in wanted if k not in shared]
+    try:
+        module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in reads}, strict=False)
+        failure = None
+    except Exception as exc:  # reported to the group below: the others would wait in the broadcast
+        failure = exc
+    reports = comm.all_gather_object(None if failure is None else f"{type(failure).__name__}: {failure}", group)
+    if failure is not None:
+        raise failure
+    failed = [f"data-parallel rank {r}: {report}" for r, report in enumerate(reports) if report is not None]
+    if failed:
+        raise RuntimeError("loading the frozen parameters and buffers failed on other ranks: " + " | ".join(failed))
+    comm.broadcast_each(list({id(own[k]): own[k] for k in shared}.values()), 0, group)
+
+
 def load_model(
     checkpoint: Mapping[str, Any],
     module: nn.Module,
@@ -259,7 +308,9 @@ def load_model(
     """Load the parameters and buffers of ``checkpoint`` into ``module`` and the engine's slices.
 
     Partitioned parameters: each rank writes its own pieces into the fp32 ``master`` (exact when the
-    checkpoint holds fp32 masters) and publishes. Everything else: ``module.load_state_dict``. Under
+    checkpoint holds fp32 masters) and publishes. Everything else: ``module.load_state_dict``; from a
+    sharded checkpoint, the tensors held in the rank files only on data-parallel rank 0, which
+    broadcasts them over the engine's data-parallel group (:func:`_load_shared`). Under
     tensor parallelism (``layout``) each rank takes its part of each split parameter, whatever the
     tensor-parallel size that saved it. Call on all ranks of the default group.
     """
@@ -277,7 +328,12 @@ def load_model(
     for p in params.values():
         local.update({key: tuple(placement.full_shape(p.shape, p.partition_dim)) for key in (p.name, *p.aliases)})
     keys = _check_keys(reader, local, strict, where)
-    module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in rest if k in keys}, strict=False)
+    wanted = [k for k in rest if k in keys]
+    if engine is None or not isinstance(reader, ShardedReader):
+        # a plain checkpoint is in every rank's memory already (and without an engine, no group to share)
+        module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in wanted}, strict=False)
+    else:
+        _load_shared(module, reader, wanted, splits, engine.group)
     if engine is None:
         return
     by_param = {id(p.held.param): p for p in params.values()}

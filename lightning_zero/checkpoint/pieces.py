@@ -5,7 +5,8 @@ Reads the engine only through its surface (:meth:`~lightning_zero.zero.engine.Ze
 each held parameter its state-dict names: every trainable partitioned parameter lives in exactly
 one flat buffer, stage 3 included. Values are never taken from
 ``module.state_dict()`` for partitioned parameters (under stage 3 they exist whole only inside
-forward and backward); the tensors ZeRO does not partition (frozen parameters, buffers) are.
+forward and backward); the tensors ZeRO does not partition (frozen parameters, buffers) are, and
+only data-parallel rank 0 saves them (and, at resume, reads them: see :func:`rank_report`).
 """
 
 from __future__ import annotations
@@ -197,7 +198,9 @@ def rank_report(
     tensor-parallel rank 0). Other tensors of the state dict (frozen parameters, buffers): whole,
     on data-parallel rank 0 only (they are equal over the data-parallel group); with ``copies``
     (node-local storage) the other data-parallel ranks offer theirs under ``"copies"`` (``{key:
-    piece}``), of which :func:`~lightning_zero.checkpoint.merge.keep_copies` keeps one per node.
+    piece}``), of which :func:`~lightning_zero.checkpoint.merge.keep_copies` keeps one per node. At
+    resume those whole tensors are read by data-parallel rank 0 alone, which broadcasts them over its
+    data-parallel group (:func:`~lightning_zero.checkpoint.load.load_model`).
     """
     params = partitioned_params(module, engine)
     rank, coords = placement.rank, placement.coords

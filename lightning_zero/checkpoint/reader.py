@@ -58,6 +58,11 @@ class ShardedReader:
     def has(self, key: str) -> bool:
         return key in self._primary or key in self.state_dict
 
+    def in_files(self, key: str) -> bool:
+        """True when ``key``'s values lie in the rank files (a partitioned parameter, or a frozen
+        parameter or buffer saved whole by a data-parallel rank 0), not in Lightning's file."""
+        return key in self._primary
+
     def primary(self, key: str) -> str:
         """:meth:`name_of` ``key`` for a saved parameter, else ``key`` itself."""
         return self._primary.get(key, key)

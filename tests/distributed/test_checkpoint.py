@@ -5,18 +5,20 @@ ModelCheckpoint top-k, and the errors a user meets. Several checks share one spa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import ParityModel, build_strategy, make_loader, state
+from models import WIDTH, ParityModel, build_strategy, fit, make_loader, state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -149,6 +151,129 @@ def _errors(rank: int, source: Path) -> dict:
         except ValueError as error:
             messages[name] = str(error)
     return messages
+
+
+class BufferModel(ParityModel):
+    """ParityModel (its frozen layer: a non-partitioned parameter at stages 1/2) with buffers that
+    training changes the same way on every rank: a float factor on the frozen layer's output (it
+    enters the loss) and an int64 count of training forwards. Both are saved whole by rank 0 only.
+    ``scrambled``: every parameter and buffer off its initial value, so that a resumed model matches
+    the saved one only where the checkpoint was loaded."""
+
+    def __init__(self, scrambled: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("decay", torch.ones(WIDTH))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        if scrambled:  # not a different seed: the seed also orders Lightning's distributed sampler
+            with torch.no_grad():
+                for tensor in (*self.parameters(), *self.buffers()):
+                    tensor.add_(3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.decay.mul_(torch.linspace(0.95, 0.99, WIDTH))
+            self.calls += 1
+        x = self.frozen(self.embed(tokens)) * self.decay
+        for _ in range(2):
+            x = x + self.down(torch.tanh(self.up(x)))
+        return self.head(self.norm(x))
+
+
+@contextlib.contextmanager
+def opened_files() -> Iterator[list[str]]:
+    """The names of the checkpoint files this process reads meanwhile (from a store: downloads)."""
+    from lightning_zero.checkpoint import format as fmt
+
+    opened: list[str] = []
+    load_file = fmt.load_file
+
+    def recording(file, *args, **kwargs):
+        opened.append(os.path.basename(str(file)))
+        return load_file(file, *args, **kwargs)
+
+    fmt.load_file = recording
+    try:
+        yield opened
+    finally:
+        fmt.load_file = load_file
+
+
+def frozen_buffers_worker(rank: int, root: str, specs: list[dict]) -> list[dict]:
+    """For each ZeRO spec: 8 steps with a checkpoint at step 4 (to ``root``: a directory or a store
+    prefix), then a resume from it to step 8 into a scrambled model (see :class:`BufferModel`)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    results = []
+    for index, spec in enumerate(specs):
+        every = ModelCheckpoint(dirpath=f"{root}/{index}", every_n_train_steps=4, save_top_k=-1)
+        callbacks = {"callbacks": [every], "enable_checkpointing": True}
+        _, full = fit(spec, max_steps=8, model_cls=BufferModel, trainer_kwargs=callbacks)
+        with opened_files() as opened:
+            path = f"{root}/{index}/epoch=0-step=4.ckpt"
+            _, resumed = fit(spec, max_steps=8, model_cls=BufferModel, model_kwargs={"scrambled": True}, ckpt_path=path)
+        results.append(
+            {
+                "full": full.losses,
+                "resumed": resumed.losses,
+                "full_state": state(full),
+                "resumed_state": state(resumed),
+                "opened": opened,
+            }
+        )
+    return results
+
+
+def check_frozen_buffers(results: list[list[dict]]) -> None:
+    for rank, per_spec in enumerate(results):
+        for res in per_spec:
+            # Only this rank's own file besides Lightning's: the frozen layer and the buffers come from
+            # data-parallel rank 0, which read them from its own file and broadcast them.
+            assert sorted(res["opened"]) == ["lightning.pt", f"rank-{rank:05d}.pt"], (rank, res["opened"])
+            # The same layout and arithmetic as the uninterrupted run: equal bit for bit, the frozen layer
+            # (never stepped: what was loaded) and the buffers (loaded, then changed the same way) included.
+            assert res["resumed"] == res["full"][8:]  # a loss per micro-batch, 2 per step
+            assert res["resumed_state"].keys() == res["full_state"].keys()
+            for key, value in res["full_state"].items():
+                assert torch.equal(res["resumed_state"][key], value), key
+            assert res["resumed_state"]["calls"] == 16  # 8 steps of 2 micro-batches: the count was loaded
+
+
+def test_resume_frozen_parameters_and_buffers(tmp_path):
+    specs = [{"stage": 1}, {"stage": 2, "reduce_bucket_size": 50}, ZERO3]
+    check_frozen_buffers(run_ranks(frozen_buffers_worker, str(tmp_path), specs))
+
+
+class RejectingModel(BufferModel):
+    """Its state-dict hook rejects a saved ``decay``: only the rank that loads it (data-parallel rank 0)
+    meets the error, the other ranks wait for its broadcast."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_load_state_dict_pre_hook(self._reject)
+
+    @staticmethod
+    def _reject(module, state_dict, prefix, *args) -> None:
+        if prefix + "decay" in state_dict:
+            raise ValueError("decay rejected")
+
+
+def _rejected_worker(rank: int, root: str) -> str:
+    trainer, _ = fit({"stage": 2}, max_steps=2, model_cls=BufferModel)
+    trainer.save_checkpoint(f"{root}/last.ckpt")
+    try:
+        fit({"stage": 2}, max_steps=2, model_cls=RejectingModel, ckpt_path=f"{root}/last.ckpt")
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+def test_a_failed_load_of_the_shared_tensors_raises_on_every_rank(tmp_path):
+    # The ranks waiting for the broadcast learn of rank 0's error and raise it, named (without the
+    # agreement they waited until rank 0's process ended and then reported only a lost rank 0).
+    first, second = run_ranks(_rejected_worker, str(tmp_path), timeout=120)
+    assert first == "ValueError: decay rejected"
+    assert second.startswith("RuntimeError: loading the frozen parameters and buffers failed on other ranks")
+    assert "data-parallel rank 0: ValueError: decay rejected" in second
 
 
 def _exported(path: Path) -> dict:

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 from models import ParityModel, fit, state
-from test_checkpoint import _fit
+from test_checkpoint import _fit, check_frozen_buffers, frozen_buffers_worker, opened_files
 from torch import nn
 
 from lightning_zero.testing import free_port, run_ranks
@@ -152,26 +152,11 @@ class AllTrainable(ParityModel):
         self.frozen = nn.Identity()
 
 
-def _record_opened_files() -> list[str]:
-    """From now on, the names of the checkpoint files this process reads (from a store: downloads)."""
-    from lightning_zero.checkpoint import format as fmt
-
-    opened: list[str] = []
-    load_file = fmt.load_file
-
-    def recording(file, *args, **kwargs):
-        opened.append(os.path.basename(str(file)))
-        return load_file(file, *args, **kwargs)
-
-    fmt.load_file = recording
-    return opened
-
-
 def _own_file_worker(rank: int, path: str) -> dict:
     trainer, saved = fit(ZERO2, max_steps=4, model_cls=AllTrainable)
     trainer.save_checkpoint(path)
-    opened = _record_opened_files()
-    _, resumed = fit(ZERO2, max_steps=4, model_cls=AllTrainable, ckpt_path=path)  # restores, trains no further
+    with opened_files() as opened:
+        _, resumed = fit(ZERO2, max_steps=4, model_cls=AllTrainable, ckpt_path=path)  # restores, trains no further
     return {"opened": opened, "saved": state(saved), "resumed": state(resumed)}
 
 
@@ -189,3 +174,11 @@ def test_resume_downloads_only_its_own_rank_file(s3):
         # loaded bit for bit: the fp32 masters of the same layout, nothing recomputed
         for key, value in res["saved"].items():
             assert torch.equal(res["resumed"][key], value), key
+
+
+def test_resume_reads_frozen_parameters_and_buffers_once(s3):
+    # ParityModel's frozen layer and two buffers that training changes, at stage 2: saved whole in rank
+    # 0's file only. A resume once read them on every rank, so each rank downloaded rank 0's whole file
+    # (its optimizer shard included); now data-parallel rank 0 reads and broadcasts them.
+    results = run_ranks(frozen_buffers_worker, f"s3://{BUCKET}/frozen", [ZERO2], timeout=600)
+    check_frozen_buffers(results)
