@@ -87,7 +87,7 @@ def child(args: argparse.Namespace) -> dict:
         offload_optimizer=tier,
         offload_parameters="nvme" if args.tier == "nvme+params" else False,
         nvme_path=args.nvme_path if tier == "nvme" else None,
-        nvme_config={"aio_engine": args.aio_engine} if tier == "nvme" else None,
+        nvme_config={"aio_engine": args.aio_engine, **json.loads(args.nvme_config)} if tier == "nvme" else None,
     )
 
     class Timer(pl.Callback):
@@ -217,7 +217,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
         offload_optimizer="nvme",
         offload_parameters="nvme",
         nvme_path=args.nvme_path,
-        nvme_config={"aio_engine": args.aio_engine},
+        nvme_config={"aio_engine": args.aio_engine, **json.loads(args.nvme_config)},
         # restore_after_fit left at its default: with the parameters on disk the end of fit brings
         # neither the states (38 GB at 3.2B) nor the whole model (6.7 GB in bf16) back into RAM
     )
@@ -337,6 +337,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
         "--aio-engine", default="auto", choices=["auto", "io_uring", "threads", "python"], help="NvmeConfig.aio_engine"
+    )
+    parser.add_argument(
+        "--nvme-config",
+        default="{}",
+        help="more NvmeConfig knobs for our disk tiers, as JSON (e.g. '{\"buffer_count\": 4}')",
     )
     parser.add_argument(
         "--deepspeed", action="store_true", help="with --stage 3: DeepSpeed's NVMe offload too (deepspeed_nvme.py)"
