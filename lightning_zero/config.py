@@ -423,9 +423,12 @@ class NvmeConfig:
     """Bytes per read/write request (DeepSpeed ``aio.block_size``); a power of two, 4 KiB to 64 MiB
     (O_DIRECT needs multiples of the 4 KiB logical block)."""
 
-    queue_depth: int = 8
+    queue_depth: int = 32
     """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024: the depth
-    of the io_uring engine's ring (the thread-pool engines have ``threads`` requests in flight)."""
+    of the io_uring engine's ring (the thread-pool engines have ``threads`` requests in flight).
+    32 with ``threads`` 4 (DeepSpeed's defaults are 8 and 1): the 3.3B capacity step (README) took
+    51 s against 62-66 s with 8 and 2 on the same virtio disk, which reads ~1.6x faster with
+    several requests in flight than one at a time (as NVMe drives do)."""
 
     aio_engine: str = "auto"
     """The I/O engine (:mod:`lightning_zero.offload.nvme`): "io_uring" (compiled, ``queue_depth``
@@ -434,8 +437,10 @@ class NvmeConfig:
     first of these that works here). An engine that is not available falls back to the next with
     a one-time warning, never an error (containers often block io_uring)."""
 
-    threads: int = 2
-    """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64."""
+    threads: int = 4
+    """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64: the
+    store's workers, each moving one tensor (and, under the "threads" engine, this many C++ threads
+    per tensor); they wait on the disk, not on the CPU."""
 
     buffer_count: int = 2
     """Sub-groups resident in memory at once during the step (DeepSpeed ``buffer_count``): 2 lets

@@ -171,9 +171,9 @@ def test_strategy_options():
         ZeroStrategy(stage=2, offload_optimizer="nvme", offload_parameters="nvme", nvme_path="/tmp")
     on_disk = ZeroStrategy(stage=3, offload_optimizer="nvme", offload_parameters="nvme", nvme_path="/tmp")
     assert on_disk.precision_plugin.offload.parameter_tier == "nvme"
-    strategy = ZeroStrategy(offload_optimizer="nvme", nvme_path="/tmp", nvme_config={"threads": 4})
+    strategy = ZeroStrategy(offload_optimizer="nvme", nvme_path="/tmp", nvme_config={"threads": 3})
     assert strategy.precision_plugin.offload.optimizer_tier == "nvme"
-    assert strategy.precision_plugin.offload.nvme == NvmeConfig(path="/tmp", threads=4)
+    assert strategy.precision_plugin.offload.nvme == NvmeConfig(path="/tmp", threads=3)
     assert ZeroStrategy(offload_optimizer="cpu").precision_plugin.offload.optimizer_tier == "cpu"
 
 
