@@ -6,8 +6,8 @@ which it JIT-builds against libaio: without the libaio headers (Debian: ``apt-ge
 libaio-dev``) ``deepspeed.initialize`` fails with "Unable to JIT load the async_io op due to it
 not being compatible due to hardware/software issue", and the row reports that error instead. The
 first run also JIT-builds its CPU Adam (minutes, not counted: the steps are timed after
-``initialize``). Its ``aio`` settings are set to ours (1 MiB blocks, queue depth 8, overlapped
-events); it runs its own CPU AdamW (``DeepSpeedCPUAdam``, what ZeRO-Offload requires) with the
+``initialize``). Its ``aio`` settings follow our ``NvmeConfig`` defaults (block size, queue depth,
+threads; overlapped events); it runs its own CPU AdamW (``DeepSpeedCPUAdam``, what ZeRO-Offload requires) with the
 hyperparameters of the benchmark's ``torch.optim.AdamW``. It counts no bytes moved, so the I/O
 columns are empty; "clean" says whether its swap files were gone after the run (DeepSpeed leaves
 them; we remove ours).
@@ -25,6 +25,9 @@ from typing import Any
 
 def ds_config(nvme_path: str) -> dict[str, Any]:
     """Stage 3, optimizer states and parameters under ``nvme_path``, aio as our NvmeConfig's defaults."""
+    from lightning_zero.config import NvmeConfig
+
+    ours = NvmeConfig(path=nvme_path)
     nvme = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": False}
     return {
         "train_micro_batch_size_per_gpu": 4,
@@ -33,9 +36,9 @@ def ds_config(nvme_path: str) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "zero_optimization": {"stage": 3, "offload_optimizer": dict(nvme), "offload_param": dict(nvme)},
         "aio": {
-            "block_size": 1 << 20,
-            "queue_depth": 8,
-            "thread_count": 1,
+            "block_size": ours.block_size,
+            "queue_depth": ours.queue_depth,
+            "thread_count": ours.threads,
             "single_submit": False,
             "overlap_events": True,
         },
