@@ -80,25 +80,24 @@ def check_space(
     nvme = offload.nvme
     if offload.optimizer_tier != "nvme" or nvme is None:
         return
+
+    def per_rank(params: list[nn.Parameter]) -> int:  # elements of one rank's shards of ``params``
+        return -(-sum(p.numel() for p in params) // data_parallel_size)
+
     trainable = [p for p in module.parameters() if p.requires_grad]
     itemsize = {
         id(p): KernelStep.moment_itemsize(o) for o in optimizers or [] for g in o.param_groups for p in g["params"]
     }
-    numel = -(-sum(p.numel() for p in trainable) // data_parallel_size)
-    per_rank = 0
+    needed = 0
     for moment in sorted({itemsize.get(id(p), 4) for p in trainable}):
         share = [p for p in trainable if itemsize.get(id(p), 4) == moment]
-        per_rank += bytes_needed(
-            -(-sum(p.numel() for p in share) // data_parallel_size), len(share), nvme.block_size, moment
-        )
+        needed += bytes_needed(per_rank(share), len(share), nvme.block_size, moment)
     # gradient slices (zero/swap_grads.py), in the compute dtype (stage 1 keeps them in memory: counted anyway)
-    per_rank += param_bytes_needed(numel, len(trainable), nvme.block_size, param_itemsize)
+    needed += param_bytes_needed(per_rank(trainable), len(trainable), nvme.block_size, param_itemsize)
     if offload.parameter_tier == "nvme":  # every parameter shard, in the compute dtype
         every = list(module.parameters())
-        per_rank += param_bytes_needed(
-            -(-sum(p.numel() for p in every) // data_parallel_size), len(every), nvme.block_size, param_itemsize
-        )
-    check_free_space(nvme, per_rank * max(1, processes_per_machine))
+        needed += param_bytes_needed(per_rank(every), len(every), nvme.block_size, param_itemsize)
+    check_free_space(nvme, needed * max(1, processes_per_machine))
 
 
 class EngineSwap:
