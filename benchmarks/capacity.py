@@ -42,6 +42,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def _cpu_and_pool() -> tuple[float, float, int]:
+    """CPU seconds of this process so far (user, system: every thread, the I/O ones too) and the
+    allocations the disk tier's host pool has made (csrc/cpu/host_pool.cpp; 0 without the build)."""
+    import torch
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    pool = getattr(torch.ops.lightning_zero, "host_pool_stats", None)
+    return usage.ru_utime, usage.ru_stime, int(pool()[3]) if pool is not None else 0
+
+
 def measure_disk(path: str, mib: int) -> dict[str, float]:
     """O_DIRECT write (with fsync) and read of ``mib`` MiB in 1 MiB aligned blocks: GB/s each."""
     os.makedirs(path, exist_ok=True)
@@ -177,7 +187,9 @@ def _trainer(strategy: Any, precision: str, steps: int, timer: Any) -> Any:
 def capacity_child(args: argparse.Namespace) -> dict:
     """The capacity run (issue 18): a GPT built in ``configure_model`` (straight to disk), stage 3 with
     parameters, gradients and optimizer states on disk, one CPU rank, bf16-mixed, ``--steps`` steps
-    on one repeated batch of ``--tokens`` tokens."""
+    on one repeated batch of ``--tokens`` tokens. Per step: time, the waits on reads and writes, bytes
+    moved, CPU seconds of the process (user / system, the I/O threads included) and the allocations of
+    the tier's host pool (0 once it is in its steady state)."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -238,11 +250,12 @@ def capacity_child(args: argparse.Namespace) -> dict:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.store(trainer)
-            self.start = (time.perf_counter(), dict(s.stall), s.bytes_read, s.bytes_written)
+            self.start = (time.perf_counter(), dict(s.stall), s.bytes_read, s.bytes_written, _cpu_and_pool())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             s = self.store(trainer)
-            t0, stall, read0, written0 = self.start
+            t0, stall, read0, written0, (user0, sys0, allocations0) = self.start
+            user, system, allocations = _cpu_and_pool()
             self.rows.append(
                 {
                     "step_s": time.perf_counter() - t0,
@@ -252,6 +265,10 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "written_gb": (s.bytes_written - written0) / 1e9,
                     "loss": float(outputs["loss"]),
                     "hwm_gib": _peak_gib(),
+                    "user_s": user - user0,
+                    "sys_s": system - sys0,
+                    "host_allocations": allocations - allocations0,
+                    "pool": [round(x / 2**30, 3) for x in torch.ops.lightning_zero.host_pool_stats()[:3]],
                 }
             )
             # also at once on stderr (inherited by the parent): a run stopped later keeps its finished steps
@@ -300,7 +317,7 @@ def capacity(args: argparse.Namespace) -> None:
         )
         print(
             "step | step s | compute s | read wait s | write wait s | GB read | GB written | read GB/s (x disk) | "
-            "write GB/s (x disk) | disk busy (x step) | loss | VmHWM GiB"
+            "write GB/s (x disk) | disk busy (x step) | CPU s user / sys | host allocations | loss | VmHWM GiB"
         )
         for i, row in enumerate(r["rows"], 1):
             compute = row["step_s"] - row["read_wait_s"] - row["write_wait_s"]
@@ -310,7 +327,8 @@ def capacity(args: argparse.Namespace) -> None:
             print(
                 f"{i} | {row['step_s']:.1f} | {compute:.1f} | {row['read_wait_s']:.1f} | {row['write_wait_s']:.1f} | "
                 f"{row['read_gb']:.2f} | {row['written_gb']:.2f} | {rate_r:.3f} ({rate_r / disk['read_gbs']:.2f}) | "
-                f"{rate_w:.3f} ({rate_w / disk['write_gbs']:.2f}) | {busy:.2f} | {row['loss']:.4f} | {row['hwm_gib']:.2f}"
+                f"{rate_w:.3f} ({rate_w / disk['write_gbs']:.2f}) | {busy:.2f} | {row['user_s']:.1f} / {row['sys_s']:.1f} | "
+                f"{row['host_allocations']} | {row['loss']:.4f} | {row['hwm_gib']:.2f}"
             )
         print(
             f"peak RSS (VmHWM) GiB: after setup {r['setup_hwm_gib']:.2f}, end of training {r['train_hwm_gib']:.2f}, "

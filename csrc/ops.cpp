@@ -17,11 +17,14 @@ namespace cpu {
 // csrc/cpu/swap_io.cpp: the disk tier's pread/pwrite engine
 int64_t swap_io(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
                 int64_t threads, bool direct);
-// csrc/cpu/swap_uring.cpp: the disk tier's io_uring engine, its probe, and aligned host memory
+// csrc/cpu/swap_uring.cpp: the disk tier's io_uring engine and its probe
 int64_t swap_uring(const at::Tensor& buffer, const std::string& path, bool write, int64_t block_size,
                    int64_t queue_depth, bool direct);
 std::string swap_uring_probe(int64_t depth);
+// csrc/cpu/host_pool.cpp: the disk tier's aligned, pooled host memory
 void host_alloc_aligned(const at::Tensor& tensor);
+void host_pool_trim();
+std::vector<int64_t> host_pool_stats();
 // csrc/cpu/crc32.cpp: checkpoint files' CRC-32 (zlib's)
 int64_t crc32(const at::Tensor& data, int64_t value);
 }  // namespace cpu
@@ -111,6 +114,9 @@ TORCH_LIBRARY(lightning_zero, m) {
   m.def("swap_uring_probe(int queue_depth) -> str", &lightning_zero::cpu::swap_uring_probe);
   // Gives a swapped-out tensor's (empty) storage 4096-aligned memory (O_DIRECT without a bounce copy)
   m.def("host_alloc_aligned(Tensor(a!) tensor) -> ()");
+  // The pool behind it: give its free blocks back; [bytes in use, bytes kept free, peak, allocations]
+  m.def("host_pool_trim() -> ()", &lightning_zero::cpu::host_pool_trim);
+  m.def("host_pool_stats() -> int[]", &lightning_zero::cpu::host_pool_stats);
   m.def("crc32(Tensor data, int value) -> int");
   m.def(
       "cpu_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "

@@ -107,11 +107,14 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
   return h;
 }
 
+// allow_bf16_grad: the Adam kernel also takes a bf16 gradient (Buffers::grad_bf16)
 Buffers make_buffers(const at::Tensor& param, const at::Tensor* grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_copy) {
+                     const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_copy,
+                     bool allow_bf16_grad = false) {
   const int64_t n = param.numel();
   check_flat(param, "param", n, at::kFloat);
-  if (grad) check_flat(*grad, "grad", n, at::kFloat);
+  const bool bf16_grad = grad && allow_bf16_grad && grad->scalar_type() == at::kBFloat16;
+  if (grad) check_flat(*grad, allow_bf16_grad ? "grad (float32 or bfloat16)" : "grad", n, bf16_grad ? at::kBFloat16 : at::kFloat);
   const at::ScalarType sd = exp_avg.scalar_type();
   TORCH_CHECK_VALUE(sd == at::kFloat || sd == at::kBFloat16,
                     "lightning_zero: exp_avg must be float32 or bfloat16, got ", sd);
@@ -119,7 +122,8 @@ Buffers make_buffers(const at::Tensor& param, const at::Tensor* grad, const at::
   check_flat(exp_avg_sq, "exp_avg_sq (must match exp_avg's dtype)", n, sd);
   Buffers b;
   b.param = param.data_ptr<float>();
-  b.grad = grad ? grad->data_ptr<float>() : nullptr;
+  b.grad = grad && !bf16_grad ? grad->data_ptr<float>() : nullptr;
+  b.grad_bf16 = bf16_grad ? static_cast<const uint16_t*>(grad->data_ptr()) : nullptr;
   b.exp_avg = exp_avg.data_ptr();
   b.exp_avg_sq = exp_avg_sq.data_ptr();
   b.state_dtype = sd == at::kBFloat16 ? StateDtype::kBFloat16 : StateDtype::kFloat32;
@@ -209,7 +213,7 @@ void cpu_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
                    c10::string_view isa) {
   check_hyper(lr, beta1, beta2, eps, weight_decay, step);
   const KernelTable k = select_table(std::string(isa));
-  const Buffers b = make_buffers(param, &grad, exp_avg, exp_avg_sq, param_copy);
+  const Buffers b = make_buffers(param, &grad, exp_avg, exp_avg_sq, param_copy, /*allow_bf16_grad=*/true);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step, adamw_mode,
                              bias_correction, grad_scale, false);
   const int64_t n = param.numel();

@@ -16,10 +16,12 @@ enum class StateDtype : int { kFloat32 = 0, kBFloat16 = 1 };
 enum class CopyDtype : int { kNone = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // One contiguous flat range. param/grad are fp32; exp_avg/exp_avg_sq are float* or uint16_t*
-// (bf16 bits) per state_dtype; param_copy is uint16_t* (bf16 or fp16 bits) or null.
+// (bf16 bits) per state_dtype; param_copy is uint16_t* (bf16 or fp16 bits) or null. Adam only:
+// grad_bf16 (bf16 bits) instead of grad (then null), widened to fp32 in registers.
 struct Buffers {
   float* param;
   const float* grad;
+  const uint16_t* grad_bf16;
   void* exp_avg;
   void* exp_avg_sq;
   uint16_t* param_copy;

@@ -19,6 +19,16 @@ inline R load_state(const float* p) { return V::load(p); }
 inline R load_state(const uint16_t* p) { return V::load_bf16(p); }
 inline void store_state(float* p, R x) { V::store(p, x); }
 inline void store_state(uint16_t* p, R x) { V::store_bf16(p, x); }
+// Gradients: fp32, or bf16 (Adam on a bf16 gradient slice: widening is exact, so the step is the
+// one it takes on that slice cast to fp32 first, without the fp32 copy)
+inline R load_grad(const float* p) { return V::load(p); }
+inline R load_grad(const uint16_t* p) { return V::load_bf16(p); }
+template <typename G>
+inline const G* grad_of(const Buffers& b);
+template <>
+inline const float* grad_of<float>(const Buffers& b) { return b.grad; }
+template <>
+inline const uint16_t* grad_of<uint16_t>(const Buffers& b) { return b.grad_bf16; }
 
 template <CopyDtype C>
 inline void store_copy(uint16_t* p, R x) {
@@ -58,10 +68,10 @@ inline void update_moments(R grad, S* m, S* v, const Consts& k, R& mm, R& vv) {
 
 inline R denom_of(R vv, const Consts& k) { return V::fmadd(V::sqrt(vv), k.inv_bc2_sqrt, k.eps); }
 
-template <typename S, CopyDtype C>
-inline void adam_vec(float* p, const float* g, S* m, S* v, uint16_t* out, const Consts& k) {
+template <typename S, CopyDtype C, typename G>
+inline void adam_vec(float* p, const G* g, S* m, S* v, uint16_t* out, const Consts& k) {
   R param = V::load(p);
-  R grad = V::mul(V::load(g), k.grad_scale);
+  R grad = V::mul(load_grad(g), k.grad_scale);
   if (!k.adamw) grad = V::fmadd(param, k.weight_decay, grad);  // Adam: L2 term joins the gradient
   R mm, vv;
   update_moments(grad, m, v, k, mm, vv);
@@ -96,17 +106,20 @@ inline void lamb_apply_vec(float* p, const S* m, const S* v, uint16_t* out, cons
 }
 
 // Zero-padded copies of a tail shorter than one vector; written back after the vector step.
-template <typename S>
+// G: the gradient's element type (float, or uint16_t for bf16 bits: 0 is +0.0 in both).
+template <typename S, typename G = float>
 struct Tail {
-  float p[V::W], g[V::W];
+  float p[V::W];
+  G g[V::W];
   S m[V::W], v[V::W];
   uint16_t out[V::W];
   int64_t n;
   Tail(const Buffers& b, int64_t i, int64_t n_) : n(n_) {
+    const G* grad = grad_of<G>(b);
     for (int j = 0; j < V::W; ++j) {
       bool in = j < n;
       p[j] = in ? b.param[i + j] : 0.0f;
-      g[j] = (in && b.grad) ? b.grad[i + j] : 0.0f;
+      g[j] = (in && grad) ? grad[i + j] : G(0);
       m[j] = in ? static_cast<S*>(b.exp_avg)[i + j] : S(0);
       v[j] = in ? static_cast<S*>(b.exp_avg_sq)[i + j] : S(0);
       out[j] = 0;
@@ -122,17 +135,18 @@ struct Tail {
   }
 };
 
-template <typename S, CopyDtype C>
+template <typename S, CopyDtype C, typename G>
 void adam_range_t(const Buffers& b, int64_t begin, int64_t end, const Hyper& h) {
   const Consts k(h);
   S* m = static_cast<S*>(b.exp_avg);
   S* v = static_cast<S*>(b.exp_avg_sq);
+  const G* g = grad_of<G>(b);
   int64_t i = begin;
   for (; i + V::W <= end; i += V::W)
-    adam_vec<S, C>(b.param + i, b.grad + i, m + i, v + i, copy_at<C>(b, i), k);
+    adam_vec<S, C, G>(b.param + i, g + i, m + i, v + i, copy_at<C>(b, i), k);
   if (i < end) {
-    Tail<S> t(b, i, end - i);
-    adam_vec<S, C>(t.p, t.g, t.m, t.v, t.out, k);
+    Tail<S, G> t(b, i, end - i);
+    adam_vec<S, C, G>(t.p, t.g, t.m, t.v, t.out, k);
     t.write_back(b, i);
   }
 }
@@ -186,18 +200,24 @@ void lamb_apply_range_t(const Buffers& b, int64_t begin, int64_t end, const Hype
 }
 
 // Runtime dtype switches -> compile-time template arguments, once per range.
-template <typename S>
+template <typename S, typename G>
 void adam_by_copy(const Buffers& b, int64_t begin, int64_t end, const Hyper& h) {
   switch (b.copy_dtype) {
-    case CopyDtype::kNone: return adam_range_t<S, CopyDtype::kNone>(b, begin, end, h);
-    case CopyDtype::kBFloat16: return adam_range_t<S, CopyDtype::kBFloat16>(b, begin, end, h);
-    case CopyDtype::kFloat16: return adam_range_t<S, CopyDtype::kFloat16>(b, begin, end, h);
+    case CopyDtype::kNone: return adam_range_t<S, CopyDtype::kNone, G>(b, begin, end, h);
+    case CopyDtype::kBFloat16: return adam_range_t<S, CopyDtype::kBFloat16, G>(b, begin, end, h);
+    case CopyDtype::kFloat16: return adam_range_t<S, CopyDtype::kFloat16, G>(b, begin, end, h);
   }
 }
 
+template <typename G>
+void adam_by_state(const Buffers& b, int64_t begin, int64_t end, const Hyper& h) {
+  if (b.state_dtype == StateDtype::kBFloat16) return adam_by_copy<uint16_t, G>(b, begin, end, h);
+  adam_by_copy<float, G>(b, begin, end, h);
+}
+
 void adam_range(const Buffers& b, int64_t begin, int64_t end, const Hyper& h) {
-  if (b.state_dtype == StateDtype::kBFloat16) return adam_by_copy<uint16_t>(b, begin, end, h);
-  adam_by_copy<float>(b, begin, end, h);
+  if (b.grad_bf16) return adam_by_state<uint16_t>(b, begin, end, h);
+  adam_by_state<float>(b, begin, end, h);
 }
 
 void lamb_moments_range(const Buffers& b, int64_t begin, int64_t end, const Hyper& h,

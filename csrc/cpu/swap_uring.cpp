@@ -7,7 +7,7 @@
 //
 // No bounce copy in the common case: a block whose memory address is 4096-aligned and which is a
 // whole block_size goes straight between the tensor and the disk, also under O_DIRECT. The swap
-// store gives its tensors 4096-aligned memory (host_alloc_aligned below), so only the last,
+// store gives its tensors 4096-aligned memory (host_alloc_aligned, csrc/cpu/host_pool.cpp), so only the last,
 // partial block of a tensor, and every block of a tensor torch allocated (64-byte aligned), go
 // through an aligned bounce block of their slot.
 //
@@ -51,8 +51,6 @@ namespace cpu {
 
 namespace {
 constexpr int64_t kAlign = 4096;  // O_DIRECT's address/length/offset unit on the file systems we target
-constexpr size_t kHuge = size_t(2) << 20;    // an x86-64 transparent huge page
-constexpr size_t kHugeMin = size_t(8) << 20;  // tensors from this size get huge-page-aligned memory
 }  // namespace
 
 #if defined(LIGHTNING_ZERO_IO_URING)
@@ -322,31 +320,6 @@ int64_t swap_uring(const at::Tensor&, const std::string& path, bool, int64_t, in
 }
 
 #endif  // LIGHTNING_ZERO_IO_URING
-
-// Give `tensor`'s storage (a swapped-out tensor of the store: storage offset 0, resized to zero
-// bytes) memory for its numel() elements at a 4096-byte aligned address, so O_DIRECT needs no
-// bounce copy. The storage keeps its allocator: a later resize_(0) frees this memory through the
-// DataPtr's own deleter (free). Values are uninitialised, as after resize_.
-void host_alloc_aligned(const at::Tensor& tensor) {
-  TORCH_CHECK_VALUE(tensor.device().is_cpu() && tensor.is_contiguous() && tensor.storage_offset() == 0,
-                    "host_alloc_aligned: the tensor must be contiguous host memory at storage offset 0");
-  const auto& storage = tensor.storage();
-  TORCH_CHECK_VALUE(storage.resizable(), "host_alloc_aligned: the tensor's storage is not resizable");
-  const size_t nbytes = static_cast<size_t>(tensor.numel() * tensor.element_size());
-  // Large tensors (a sub-group's state: tens of MB) on 2 MiB boundaries, marked for transparent
-  // huge pages: the store frees and re-allocates them every step, and first-touch faults of 4 KiB
-  // pages cost more CPU than the I/O itself (measured ~0.6 s of system time per GB on a 2-core VM).
-  const size_t align = nbytes >= kHugeMin ? kHuge : kAlign;
-  const size_t capacity = std::max<size_t>(align, (nbytes + align - 1) / align * align);
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, align, capacity) == 0, "host_alloc_aligned: out of memory for ", nbytes,
-              " bytes");
-#if defined(MADV_HUGEPAGE)
-  if (align == kHuge) madvise(p, capacity, MADV_HUGEPAGE);  // a hint: without THP it does nothing
-#endif
-  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(at::DataPtr(p, p, &std::free, at::Device(at::kCPU)));
-  storage.unsafeGetStorageImpl()->set_nbytes(nbytes);
-}
 
 }  // namespace cpu
 }  // namespace lightning_zero

@@ -55,10 +55,11 @@ def cpu_adam_step(
 ) -> None:
     """One Adam/AdamW step in a single pass, in place.
 
-    param, grad: fp32 contiguous CPU tensors of n elements (any shape); exp_avg, exp_avg_sq: fp32
-    or bf16 (both the same), n elements; param_copy: optional bf16/fp16, n elements, receives the
-    updated param (the device copy). grad is multiplied by ``grad_scale`` (unscale x clip
-    coefficient) first. ``step``: 1 for the first step.
+    param: fp32 contiguous CPU tensor of n elements (any shape); grad: fp32 or bf16 (widened in
+    registers, exactly: the step of ``grad.float()`` without that copy), n elements; exp_avg,
+    exp_avg_sq: fp32 or bf16 (both the same), n elements; param_copy: optional bf16/fp16, n elements,
+    receives the updated param (the device copy). grad is multiplied by ``grad_scale`` (unscale x
+    clip coefficient) first, one fp32 product. ``step``: 1 for the first step.
     """
     args = (lr, beta1, beta2, eps, weight_decay, step, adamw_mode, bias_correction, grad_scale)
     path = cpu_path()

@@ -26,6 +26,7 @@ import torch
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.step_kernels import KernelStep, Stepped
+from lightning_zero.zero.swap_grads import Scale
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -285,7 +286,7 @@ class ShardedOptimizer:
             self._finite_after_clip = fresh and bool(torch.isfinite(norm))
         for b in self.buffers:
             if b.pending_grad is not None:  # applied when the step reads it (zero/swap_grads.py)
-                b.pending_grad.ops.append(lambda grad, c=coef: grad.mul_(c.to(grad.dtype)))
+                b.pending_grad.ops.append(Scale(coef))
             elif b.master.grad is not None:
                 b.master.grad.mul_(coef.to(b.master.grad.dtype))
         return norm

@@ -351,7 +351,11 @@ class KernelStep:
                     swap.fetch(self._step_items(order[position + ahead][0]))  # read ahead while this one steps
             # only buffers of this optimizer with a gradient this step are in order
             on_disk = b.grad_tier if b.pending_grad is not None else None  # the gradient rests on disk
-            grad = b.master.grad if on_disk is None else on_disk.step_grad(b)
+            # a bf16 slice on disk goes to the kernel as it is (no fp32 copy; swap_grads.py)
+            direct = on_disk.kernel_grad(b) if on_disk is not None else None
+            grad, grad_scale = direct if direct is not None else (None, 1.0)
+            if grad is None:
+                grad = b.master.grad if on_disk is None else on_disk.step_grad(b)
             assert grad is not None
             hyper = _hyper(self.optimizer, self.optimizer.param_groups[self.group_of[id(b)]])
             state = self._state(b.master)
@@ -367,6 +371,7 @@ class KernelStep:
                 state["exp_avg_sq"],
                 step=int(state["step"]),
                 param_copy=copy,
+                grad_scale=grad_scale,
                 **hyper,
             )
             if on_disk is not None:

@@ -21,8 +21,12 @@ bf16-mixed (2 + 4), whatever the optimizer states' tier. With a :class:`GradTier
   reads each buffer's gradient with its master and moments (read ahead ``buffer_count - 1``
   sub-groups, :class:`~lightning_zero.zero.step_kernels.KernelStep`), casts it to fp32 for that
   sub-group only, applies ``inv_scale`` and the recorded clipping in the order the old path did, and
-  frees it after the kernel. The arithmetic and its order are those of the in-memory path, so the
-  results are bitwise equal.
+  frees it after the kernel. A bf16 slice with at most one factor to apply (``inv_scale``, or one
+  clipping by norm) goes to the compiled Adam kernel as it is, the factor as its ``grad_scale``
+  (:meth:`GradTier.kernel_grad`): the kernel widens it in registers, one product per element as
+  the cast-then-multiply makes, without the fp32 copy (4 bytes per element written and read again,
+  the step's largest cost after the I/O). The arithmetic and its order are those of the in-memory
+  path, so the results are bitwise equal.
 * anything that needs the values elsewhere (``full_gradients``, a checkpoint in the middle of an
   accumulation window, gradients of parameters tied across pipeline stages) goes through
   :meth:`GradTier.resident` (one buffer at a time) or :meth:`GradTier.materialize` (all of them into
@@ -53,6 +57,17 @@ def squared_norm(grad32: torch.Tensor) -> torch.Tensor:
 def step_dtype(b: FlatBuffer) -> torch.dtype:
     """The dtype of ``master.grad`` (the master's)."""
     return b.master.dtype
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A recorded ``grad.mul_(factor)`` (clipping by norm: ``factor`` a 0-dim tensor); the Adam kernel
+    can take it as its ``grad_scale``."""
+
+    factor: torch.Tensor
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        grad.mul_(self.factor.to(grad.dtype))
 
 
 @dataclass
@@ -87,6 +102,8 @@ class GradTier:
         #: when it was counted (tests read them: peak <= buffer_count + buckets)
         self.peak = 0
         self.peak_buckets = 0
+        #: slices the step gave the kernel as they are (:meth:`kernel_grad`; tests read it)
+        self.direct = 0
         self._squared: dict[int, torch.Tensor] = {}
         for b in buffers:
             assert b.grad_shard is not None and b.grad_shard.device.type == "cpu" and b.grad_state is GradState.EMPTY
@@ -175,6 +192,25 @@ class GradTier:
         for op in pending.ops:
             op(grad)
         return grad
+
+    def kernel_grad(self, b: FlatBuffer) -> tuple[torch.Tensor, float] | None:
+        """``b``'s gradient as the compiled Adam kernel takes it without an fp32 copy (its read must be
+        complete): the bf16 slice itself and the one factor the step applies to it (``inv_scale`` or
+        one :class:`Scale`; 1.0 when none). ``None`` when it needs :meth:`step_grad`: a zero or
+        non-bf16 slice, a non-fp32 master, a clamp, or more than one factor (two roundings)."""
+        pending = b.pending_grad
+        assert pending is not None and b.grad_shard is not None
+        if pending.zero or b.grad_shard.dtype != torch.bfloat16 or step_dtype(b) != torch.float32:
+            return None
+        factors = [] if pending.inv_scale == 1.0 else [pending.inv_scale]
+        for op in pending.ops:
+            if not isinstance(op, Scale):
+                return None
+            factors.append(float(op.factor.to(torch.float32)))
+        if len(factors) > 1:
+            return None
+        self.direct += 1
+        return b.grad_shard, factors[0] if factors else 1.0
 
     def read_step_grad(self, b: FlatBuffer) -> torch.Tensor:
         """:meth:`step_grad` with a blocking read, as a tensor of its own; the slice's memory is freed."""

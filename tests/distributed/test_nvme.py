@@ -67,6 +67,7 @@ class _SwappedOut(Callback):
         self.grads_resting: list[bool] = []
         self.grad_peak = (0, 0, 0)
         self.grad_bytes = 0
+        self.grad_direct = 0
         self.engine = ""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -76,6 +77,7 @@ class _SwappedOut(Callback):
             # slice holds memory; the files hold them
             self.grads_resting.append(all(b.grad_shard.untyped_storage().nbytes() == 0 for b in grads.buffers))
             self.grad_peak = (grads.peak, grads.peak_buckets, len(grads.buffers))
+            self.grad_direct = grads.direct
             names = [grads.item(b)[0] for b in grads.buffers]
             directory = grads.store.directory
             self.grad_bytes = sum(
@@ -113,6 +115,7 @@ def _worker(rank: int, nvme_path: str, precision: str, names: list[str], optimiz
             "grads_resting": probe.grads_resting,
             "grad_peak": probe.grad_peak,
             "grad_bytes": probe.grad_bytes,
+            "grad_direct": probe.grad_direct,
             "engine": probe.engine,
             # this rank's directory only: the other rank may still be cleaning up its own
             "left": os.path.exists(os.path.join(nvme_path, f"lightning_zero-rank{rank}")),
@@ -138,6 +141,9 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
                 # clip=0.5: read-add-write and deferred clipping are exercised) ...
                 assert got["grads_resting"] and all(got["grads_resting"]), (name, got["grads_resting"])
                 assert got["grad_bytes"] > 0, name
+                # bf16 slices (clipped once: one factor) went to the kernel as they are, no fp32
+                # copy (GradTier.kernel_grad); fp32 slices need none
+                assert (got["grad_direct"] > 0) == (precision == "bf16-mixed"), (name, got["grad_direct"])
                 # ... and at most buffer_count (2) written behind plus one per reduction bucket alive
                 # (those being reduced into) are in memory at once: bounded by counts, not the model
                 peak, buckets, total = got["grad_peak"]

@@ -137,3 +137,53 @@ def test_fused_adam_on_cpu_tensors_matches_torch(path):
         ref_opt.step()
     for a, b in zip(params, ref, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+def test_bf16_grad_is_the_step_of_its_fp32_cast(path, state_dtype, grad_scale):
+    # The disk tier hands bf16 gradient slices to the kernel as they are. Widening bf16 to fp32 is
+    # exact and the kernel multiplies by grad_scale once, as torch's mul_ of the cast does, so the
+    # step must be bitwise the one on grad.float() * grad_scale with grad_scale 1 (no tolerance).
+    from lightning_zero.ops import functional as F
+
+    n = SHAPES[0][0]  # odd: SIMD and tile tails
+    g = torch.Generator().manual_seed(3)
+    param = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g).bfloat16() for _ in range(3)]
+    runs = []
+    for direct in (True, False):
+        p, m, v = param.clone(), torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)
+        copy = torch.empty(n, dtype=torch.bfloat16)
+        for step, grad in enumerate(grads, 1):
+            hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, step=step, param_copy=copy)
+            if direct:
+                F.cpu_adam_step(p, grad, m, v, grad_scale=grad_scale, **hyper)
+            else:
+                F.cpu_adam_step(p, grad.float().mul_(grad_scale), m, v, **hyper)
+        runs.append((p, m, v, copy))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_compiled_kernel_refuses_an_fp16_grad(isa, monkeypatch):
+    # only bf16 is widened in the kernel; fp16 (and anything else) gets a ValueError naming the
+    # dtypes it takes (the reference path takes any float gradient through grad.float())
+    from lightning_zero.ops import functional as F
+
+    monkeypatch.setenv(ISA_ENV, isa)
+    p = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"grad \(float32 or bfloat16\) must be Float, got Half"):
+        F.cpu_adam_step(
+            p,
+            torch.zeros(5, dtype=torch.half),
+            torch.zeros(5),
+            torch.zeros(5),
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=0.0,
+            step=1,
+        )
