@@ -252,7 +252,19 @@ def capacity_child(args: argparse.Namespace) -> dict:
             s = self.store(trainer)
             self.start = (time.perf_counter(), dict(s.stall), s.bytes_read, s.bytes_written, _cpu_and_pool())
 
+        def _mark(self, trainer) -> None:
+            s = self.store(trainer)
+            self.marks.append((time.perf_counter(), s.stall["read"], s.stall["write"]))
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self.marks = []
+            self._mark(trainer)
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            self._mark(trainer)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self._mark(trainer)
             s = self.store(trainer)
             t0, stall, read0, written0, (user0, sys0, allocations0) = self.start
             user, system, allocations = _cpu_and_pool()
@@ -268,7 +280,11 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "user_s": user - user0,
                     "sys_s": system - sys0,
                     "host_allocations": allocations - allocations0,
-                    "pool": [round(x / 2**30, 3) for x in torch.ops.lightning_zero.host_pool_stats()[:3]],
+                    # per phase (forward, backward, optimizer step): seconds, read wait, write wait
+                    "phases": [
+                        [round(b[k] - a[k], 2) for k in range(3)]
+                        for a, b in zip([(t0, stall["read"], stall["write"]), *self.marks], self.marks, strict=False)
+                    ],
                 }
             )
             # also at once on stderr (inherited by the parent): a run stopped later keeps its finished steps

@@ -439,8 +439,9 @@ class NvmeConfig:
 
     threads: int = 4
     """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64: the
-    store's workers, each moving one tensor (and, under the "threads" engine, this many C++ threads
-    per tensor); they wait on the disk, not on the CPU."""
+    store's workers per direction (reads and writes each have this many), each moving one tensor
+    (and, under the "threads" engine, this many C++ threads per tensor); they wait on the disk, not
+    on the CPU."""
 
     buffer_count: int = 2
     """Sub-groups resident in memory at once during the step (DeepSpeed ``buffer_count``): 2 lets

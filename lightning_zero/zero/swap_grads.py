@@ -105,6 +105,14 @@ class GradTier:
         #: slices the step gave the kernel as they are (:meth:`kernel_grad`; tests read it)
         self.direct = 0
         self._squared: dict[int, torch.Tensor] = {}
+        # the cast a slice's sum of squares is taken from when its dtype is not the master's: one
+        # flat tensor of the largest slice, given memory from the store's pool while in use (a fresh
+        # torch allocation per slice faults in 4 bytes per element every backward)
+        widths = [
+            b.grad_shard.numel() for b in buffers if b.grad_shard is not None and b.grad_shard.dtype != step_dtype(b)
+        ]
+        self._cast = torch.empty(max(widths, default=0), dtype=torch.float32)
+        self._cast.untyped_storage().resize_(0)
         for b in buffers:
             assert b.grad_shard is not None and b.grad_shard.device.type == "cpu" and b.grad_state is GradState.EMPTY
             b.grad_tier = self
@@ -144,11 +152,25 @@ class GradTier:
         """``grad_shard`` holds the window's sum so far: take its sum of squares, write it behind, free
         the oldest written slices beyond ``buffer_count``."""
         assert b.grad_shard is not None
-        self._squared[id(b)] = squared_norm(b.grad_shard.to(step_dtype(b)))
+        self._squared[id(b)] = self._squared_norm(b)
         self.store.evict([self.item(b)])
         self._writing.append(b)
         while len(self._writing) > self.limit:
             self._free(self._writing.pop(0))
+
+    def _squared_norm(self, b: FlatBuffer) -> torch.Tensor:
+        """The sum of squares of ``b.grad_shard`` cast to the master's dtype (bitwise what the step's
+        norm takes from ``master.grad``: the same cast, the same reduction over the same shape)."""
+        assert b.grad_shard is not None
+        if b.grad_shard.dtype == step_dtype(b) or step_dtype(b) != torch.float32:
+            return squared_norm(b.grad_shard.to(step_dtype(b)))
+        self.store.allocate(self._cast)
+        try:
+            cast = self._cast[: b.grad_shard.numel()].view(b.grad_shard.shape)
+            cast.copy_(b.grad_shard)
+            return squared_norm(cast)
+        finally:
+            self._cast.untyped_storage().resize_(0)  # back to the pool
 
     def _free(self, b: FlatBuffer) -> None:
         self.store.release([self.item(b)])
@@ -265,7 +287,7 @@ class GradTier:
             yield
         finally:
             if write:
-                self._squared[id(b)] = squared_norm(b.grad_shard.to(step_dtype(b)))
+                self._squared[id(b)] = self._squared_norm(b)
                 self.store.evict([item])
             self._free(b)
 
