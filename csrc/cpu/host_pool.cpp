@@ -17,8 +17,9 @@
 // given back and then asked for again raises that bound by its capacity for good, so a step that
 // alternates between sizes settles instead of giving back and re-allocating every time (the
 // steady state allocates nothing).
-// host_pool_trim() gives every free block back and starts the bound again from the bytes in use
-// (the store calls it when it closes); host_pool_stats() reports [in use, free, peak, allocations]
+// host_pool_trim() gives every free block back, starts the bound again from the bytes in use, and
+// until the next take frees blocks as they come back (the store calls it when it closes: tensors
+// that outlive it, e.g. states brought back into memory, free their blocks to the allocator); host_pool_stats() reports [in use, free, peak, allocations]
 // in bytes and calls to the allocator since the process started (tests and benchmarks read it).
 //
 // Blocks from 8 MiB are 2 MiB aligned and advised for transparent huge pages (fewer faults and TLB
@@ -55,6 +56,7 @@ struct Pool {
   std::set<size_t> given_back;        // capacities shed since the last trim
   size_t in_use = 0, kept = 0, peak = 0, extra = 0;
   int64_t allocations = 0;
+  bool retain = false;  // keep freed blocks: from the first take after a trim until the next trim
 
   // Gives free blocks back to the allocator until in_use + kept <= peak + extra: those below
   // `wanted` (largest first), then the smallest of the rest. Called with the mutex held.
@@ -87,8 +89,12 @@ void give_back(void* context) {
   {
     std::lock_guard<std::mutex> lock(p.mutex);
     p.in_use -= block->capacity;
-    p.kept += block->capacity;
-    p.free.emplace(block->capacity, block->address);
+    if (p.retain) {
+      p.kept += block->capacity;
+      p.free.emplace(block->capacity, block->address);
+    } else {
+      std::free(block->address);  // the store closed: a tensor outliving it frees its block
+    }
   }
   delete block;
 }
@@ -98,6 +104,7 @@ Block* take(size_t nbytes) {
   const size_t capacity = std::max<size_t>(align, (nbytes + align - 1) / align * align);
   Pool& p = pool();
   std::lock_guard<std::mutex> lock(p.mutex);
+  p.retain = true;
   auto it = p.free.lower_bound(capacity);
   if (it != p.free.end() && it->first <= capacity + capacity / 4) {
     Block* block = new Block{it->second, it->first};
@@ -147,6 +154,7 @@ void host_pool_trim() {
   p.given_back.clear();
   p.extra = 0;
   p.peak = p.in_use;
+  p.retain = false;
 }
 
 std::vector<int64_t> host_pool_stats() {

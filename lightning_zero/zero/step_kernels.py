@@ -26,8 +26,9 @@ arithmetic is the same as unpipelined, so the results are bitwise equal.
 With ``offload_optimizer="nvme"`` the masters and moments of each flat buffer (a sub-group) live in
 swap files (:mod:`lightning_zero.offload.nvme`) between steps: the step reads the next
 ``buffer_count - 1`` sub-groups ahead while the current one steps (with each one's gradient slice,
-which rests on disk too at stages 2/3: :mod:`lightning_zero.zero.swap_grads`; cast to fp32 one
-sub-group at a time), and writes each one behind; with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
+which rests on disk too at stages 2/3: :mod:`lightning_zero.zero.swap_grads`; a bf16 slice goes to
+the kernel as it is), and writes each one behind, freeing it once ``buffer_count - 1`` later ones
+are stepped (reads and writes both in flight all through the phase); with ``offload_parameters="nvme"`` each buffer's new 16-bit parameter shard is written behind too
 (:class:`lightning_zero.zero.swap.ParamTier`).
 
 States live in ``optimizer.state[master]`` under torch's Adam keys (``step``, ``exp_avg``,
@@ -381,11 +382,14 @@ class KernelStep:
             if b.shard_tier is not None:
                 b.shard_tier.write_behind(b)
             if swap is not None:
-                swap.evict(self.swapped(index))  # written behind; freed below once the next one is stepped
-                if position:
-                    self._release(swap, order[position - 1][0])
-        if swap is not None and order:
-            self._release(swap, order[-1][0])
+                # written behind, as deep as reads go ahead (at least one): freed once that many
+                # later sub-groups are stepped, so reads and writes both keep the disk busy
+                swap.evict(self.swapped(index))
+                if position >= max(ahead, 1):
+                    self._release(swap, order[position - max(ahead, 1)][0])
+        if swap is not None:
+            for index, _ in order[max(0, len(order) - max(ahead, 1)) :]:
+                self._release(swap, index)
         for tier in {id(t): t for t in (b.shard_tier for _, b in order) if t is not None}.values():
             tier.flush()
 

@@ -140,5 +140,11 @@ def test_the_store_trims_the_pool_when_it_closes(tmp_path):
     assert torch.equal(t, torch.arange(3 * MiB, dtype=torch.float32))  # read back into a pool block
     store.release([("x", t)])
     assert _stats()["kept"] > 0
+    store.fetch([("x", t)])  # in memory when the store closes (as states brought back are)
+    store.wait([("x", t)])
     store.close(bring_back=False)
     assert _stats()["kept"] == 0
+    in_use = _stats()["in_use"]
+    del t  # outliving the store: its block goes back to the allocator, not into the pool
+    s = _stats()
+    assert s["kept"] == 0 and s["in_use"] == in_use - 12 * MiB, s
