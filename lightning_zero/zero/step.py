@@ -26,7 +26,7 @@ import torch
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.step_kernels import KernelStep, Stepped
-from lightning_zero.zero.swap_grads import Scale
+from lightning_zero.zero.swap_grads import Scale, squared_norm
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -73,8 +73,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
-    # vector_norm accumulates in fp32 (fp64 under "64-true") without materializing a copy of the slice
-    return torch.linalg.vector_norm(tensor, dtype=_norm_dtype(tensor)).square()
+    # fp32 (fp64 under "64-true"); on the host in fixed chunks, the disk tier's way too (swap_grads.py)
+    return squared_norm(tensor)
 
 
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:

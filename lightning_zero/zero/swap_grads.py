@@ -11,7 +11,8 @@ bf16-mixed (2 + 4), whatever the optimizer states' tier. With a :class:`GradTier
   reduction of a window writes into ``grad_shard`` given fresh memory (nothing read); a later one
   (gradient accumulation) starts reading the file while the collective runs and adds into it
   (read-add-write: RAM stays bounded while accumulating too). Once reduced, the slice's sum of
-  squares is taken (in fp32, exactly as the step's norm takes it from ``master.grad``), the slice is
+  squares is taken (:func:`squared_norm`, in fp32, exactly as the step's norm takes it from
+  ``master.grad``), the slice is
   written behind and its memory freed once written; at most ``buffer_count`` writes are waited for
   lazily, the rest when backward ends (:meth:`GradTier.flush`).
 * **step** (:meth:`ShardedOptimizer.prepare`): ``master.grad`` is not built; each buffer gets a
@@ -48,10 +49,29 @@ from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.zero.flat import FlatBuffer, GradState
 
+NORM_CHUNK = 1 << 20
+"""Elements per chunk of a host tensor's sum of squares (:func:`squared_norm`)."""
 
-def squared_norm(grad32: torch.Tensor) -> torch.Tensor:
-    """The step's sum of squares of one slice (:func:`lightning_zero.zero.step._squared_norm`)."""
-    return torch.linalg.vector_norm(grad32, dtype=grad32.dtype).square()
+
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of squares the step's global norm adds up for one slice, in fp32 (fp64 for fp64
+    tensors), for the in-memory path (``master.grad``) and the disk tier (the reduced bf16 slice)
+    alike. On the host it is taken in chunks of :data:`NORM_CHUNK` elements summed in order; a
+    16-bit slice is cast one chunk at a time into a cache-sized buffer (exact), so the disk tier
+    gets bitwise the value the in-memory path takes from its fp32 cast without writing and reading
+    4 bytes per element of a whole fp32 copy. On a device: one ``vector_norm`` over the tensor."""
+    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    flat = tensor.reshape(-1)
+    if flat.device.type != "cpu":
+        return torch.linalg.vector_norm(flat, dtype=dtype).square()
+    scratch = None if flat.dtype == dtype else torch.empty(min(NORM_CHUNK, flat.numel()), dtype=dtype)
+    total = torch.zeros((), dtype=dtype)
+    for start in range(0, flat.numel(), NORM_CHUNK):
+        piece = flat[start : start + NORM_CHUNK]
+        if scratch is not None:
+            piece = scratch[: piece.numel()].copy_(piece)
+        total += torch.linalg.vector_norm(piece, dtype=dtype).square()
+    return total
 
 
 def step_dtype(b: FlatBuffer) -> torch.dtype:
@@ -105,14 +125,6 @@ class GradTier:
         #: slices the step gave the kernel as they are (:meth:`kernel_grad`; tests read it)
         self.direct = 0
         self._squared: dict[int, torch.Tensor] = {}
-        # the cast a slice's sum of squares is taken from when its dtype is not the master's: one
-        # flat tensor of the largest slice, given memory from the store's pool while in use (a fresh
-        # torch allocation per slice faults in 4 bytes per element every backward)
-        widths = [
-            b.grad_shard.numel() for b in buffers if b.grad_shard is not None and b.grad_shard.dtype != step_dtype(b)
-        ]
-        self._cast = torch.empty(max(widths, default=0), dtype=torch.float32)
-        self._cast.untyped_storage().resize_(0)
         for b in buffers:
             assert b.grad_shard is not None and b.grad_shard.device.type == "cpu" and b.grad_state is GradState.EMPTY
             b.grad_tier = self
@@ -159,18 +171,12 @@ class GradTier:
             self._free(self._writing.pop(0))
 
     def _squared_norm(self, b: FlatBuffer) -> torch.Tensor:
-        """The sum of squares of ``b.grad_shard`` cast to the master's dtype (bitwise what the step's
-        norm takes from ``master.grad``: the same cast, the same reduction over the same shape)."""
+        """The sum of squares of ``b.grad_shard`` cast to the master's dtype: bitwise what the step's
+        norm takes from ``master.grad`` (:func:`squared_norm` casts chunk by chunk)."""
         assert b.grad_shard is not None
-        if b.grad_shard.dtype == step_dtype(b) or step_dtype(b) != torch.float32:
+        if step_dtype(b) not in (torch.float32, torch.float64):
             return squared_norm(b.grad_shard.to(step_dtype(b)))
-        self.store.allocate(self._cast)
-        try:
-            cast = self._cast[: b.grad_shard.numel()].view(b.grad_shard.shape)
-            cast.copy_(b.grad_shard)
-            return squared_norm(cast)
-        finally:
-            self._cast.untyped_storage().resize_(0)  # back to the pool
+        return squared_norm(b.grad_shard)
 
     def _free(self, b: FlatBuffer) -> None:
         self.store.release([self.item(b)])
