@@ -173,9 +173,7 @@ class GradTier:
     def _squared_norm(self, b: FlatBuffer) -> torch.Tensor:
         """The sum of squares of ``b.grad_shard`` cast to the master's dtype: bitwise what the step's
         norm takes from ``master.grad`` (:func:`squared_norm` casts chunk by chunk)."""
-        assert b.grad_shard is not None
-        if step_dtype(b) not in (torch.float32, torch.float64):
-            return squared_norm(b.grad_shard.to(step_dtype(b)))
+        assert b.grad_shard is not None and step_dtype(b) in (torch.float32, torch.float64)  # offloaded masters
         return squared_norm(b.grad_shard)
 
     def _free(self, b: FlatBuffer) -> None:
