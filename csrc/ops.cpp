@@ -118,6 +118,7 @@ TORCH_LIBRARY(lightning_zero, m) {
   m.def("host_pool_trim() -> ()", &lightning_zero::cpu::host_pool_trim);
   m.def("host_pool_stats() -> int[]", &lightning_zero::cpu::host_pool_stats);
   m.def("crc32(Tensor data, int value) -> int");
+  m.def("cpu_sum_squares(Tensor x, str isa) -> Tensor");
   m.def(
       "cpu_adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_copy, float lr, float beta1, float beta2, float eps, float weight_decay, "
@@ -156,6 +157,7 @@ TORCH_LIBRARY_IMPL(lightning_zero, CPU, m) {
   m.impl("swap_uring", &lightning_zero::cpu::swap_uring);
   m.impl("host_alloc_aligned", &lightning_zero::cpu::host_alloc_aligned);
   m.impl("crc32", &lightning_zero::cpu::crc32);
+  m.impl("cpu_sum_squares", &lightning_zero::cpu::cpu_sum_squares);
   m.impl("cpu_adam_step", &lightning_zero::cpu::cpu_adam_step);
   m.impl("cpu_lamb_moments", &lightning_zero::cpu::cpu_lamb_moments);
   m.impl("cpu_lamb_apply", &lightning_zero::cpu::cpu_lamb_apply);

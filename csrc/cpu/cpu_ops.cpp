@@ -198,6 +198,30 @@ void cpu_lion_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
   run_onestate(k.lion, param, grad, exp_avg, param_copy, h);
 }
 
+// Chunks of the sum of squares handed to threads: whole NORM_BLOCKs (kernels_impl_norm.h), so the
+// blocks, and the order their sums are added in (chunk by chunk, in order), are those of one thread.
+constexpr int64_t NORM_CHUNK = int64_t(1) << 20;
+
+at::Tensor cpu_sum_squares(const at::Tensor& x, c10::string_view isa) {
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "lightning_zero: sum_squares takes a CPU tensor, got ", x.device());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16,
+                    "lightning_zero: sum_squares takes float32 or bfloat16, got ", dtype,
+                    "; use the reference (lightning_zero.ops.reference.sum_squares) for other dtypes");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "lightning_zero: sum_squares needs a contiguous tensor; call .contiguous()");
+  const KernelTable k = select_table(std::string(isa));
+  const int64_t n = x.numel(), chunks = (n + NORM_CHUNK - 1) / NORM_CHUNK;
+  const bool bf16 = dtype == at::kBFloat16;
+  const void* data = x.data_ptr();
+  std::vector<double> partial(chunks, 0.0);
+  for_each_tile(chunks, [&](int64_t c) {
+    partial[c] = k.sum_squares(data, bf16, c * NORM_CHUNK, std::min(n, (c + 1) * NORM_CHUNK));
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return at::scalar_tensor(total, x.options().dtype(at::kFloat));
+}
+
 std::vector<std::string> cpu_supported_isas() {
   KernelTable tables[4];
   const int n = supported_tables(tables, 4);

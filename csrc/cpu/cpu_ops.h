@@ -10,6 +10,9 @@ namespace cpu {
 
 std::vector<std::string> cpu_supported_isas();
 
+// Sum of squares of a contiguous fp32 or bf16 tensor, as a 0-dim fp32 tensor (kernels_impl_norm.h).
+at::Tensor cpu_sum_squares(const at::Tensor& x, c10::string_view isa);
+
 void cpu_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_copy,
                    double lr, double beta1, double beta2, double eps, double weight_decay,

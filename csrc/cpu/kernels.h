@@ -59,6 +59,9 @@ typedef void (*LambApplyRangeFn)(const Buffers&, int64_t begin, int64_t end, con
 // Lion: state = exp_avg, update_scale = lr, decay = 1 - lr * weight_decay.
 typedef void (*OneStateRangeFn)(const Buffers&, int64_t begin, int64_t end, const Hyper&);
 
+// Sum of squares of x[begin, end), fp32 (bf16 = false) or bf16 bits (kernels_impl_norm.h).
+typedef double (*SumSquaresRangeFn)(const void* x, bool bf16, int64_t begin, int64_t end);
+
 struct KernelTable {
   const char* name;  // "scalar", "avx2", "avx512"; null entries mean "not compiled for this target"
   AdamRangeFn adam;
@@ -66,6 +69,7 @@ struct KernelTable {
   LambApplyRangeFn lamb_apply;
   OneStateRangeFn adagrad;
   OneStateRangeFn lion;
+  SumSquaresRangeFn sum_squares;
 };
 
 KernelTable scalar_kernels();

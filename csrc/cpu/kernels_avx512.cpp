@@ -70,6 +70,7 @@ struct V {
 
 #include "kernels_impl.h"
 #include "kernels_impl_onestate.h"
+#include "kernels_impl_norm.h"
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -78,14 +79,14 @@ struct V {
 namespace lightning_zero {
 namespace cpu {
 KernelTable avx512_kernels() { return {"avx512", adam_range, lamb_moments_range, lamb_apply_range, adagrad_range,
-                                        lion_range}; }
+                                        lion_range, sum_squares_range}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 
 #else  // not x86-64: the dispatcher sees null entries and never selects this path
 namespace lightning_zero {
 namespace cpu {
-KernelTable avx512_kernels() { return {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr}; }
+KernelTable avx512_kernels() { return {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr}; }
 }  // namespace cpu
 }  // namespace lightning_zero
 #endif

@@ -70,10 +70,11 @@ struct V {
 
 #include "kernels_impl.h"
 #include "kernels_impl_onestate.h"
+#include "kernels_impl_norm.h"
 
 namespace lightning_zero {
 namespace cpu {
 KernelTable scalar_kernels() { return {"scalar", adam_range, lamb_moments_range, lamb_apply_range, adagrad_range,
-                                        lion_range}; }
+                                        lion_range, sum_squares_range}; }
 }  // namespace cpu
 }  // namespace lightning_zero

@@ -1,6 +1,7 @@
 """Fake (meta) kernels: shapes and dtypes of each op's outputs, for torch.compile and FakeTensor.
 
-The ops return nothing but the LAMB moments ops, whose result is fp32 (segments, 2).
+The ops return nothing but the LAMB moments ops, whose result is fp32 (segments, 2), and the sum of
+squares (a 0-dim fp32 tensor).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def _register() -> None:
         "fused_lamb_apply",
     ):
         torch.library.register_fake(f"lightning_zero::{name}", _none)
+
+    @torch.library.register_fake("lightning_zero::cpu_sum_squares")
+    def _(x, isa):
+        return x.new_empty((), dtype=torch.float32)
 
     @torch.library.register_fake("lightning_zero::cpu_lamb_moments")
     def _(param, grad, exp_avg, exp_avg_sq, segment_offsets, *args):

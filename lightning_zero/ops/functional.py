@@ -29,6 +29,7 @@ __all__ = [
     "cpu_lamb_apply",
     "cpu_adagrad_step",
     "cpu_lion_step",
+    "cpu_sum_squares",
     "lamb_trust_ratio",
     "fused_adam_step",
     "fused_lamb_moments",
@@ -168,6 +169,19 @@ def cpu_lion_step(
     if path == "reference":
         return reference.cpu_lion_step(param, grad, exp_avg, param_copy, *args)
     torch.ops.lightning_zero.cpu_lion_step(param, grad, exp_avg, param_copy, *args, path)
+
+
+def cpu_sum_squares(x: Tensor) -> Tensor:
+    """Sum of squares of a contiguous CPU tensor as a 0-dim fp32 tensor (fp64 for fp64 input): the
+    host part of a gradient norm. fp32 and bf16 go to the compiled kernel (one read, bf16 widened
+    in registers; csrc/cpu/kernels_impl_norm.h), whose order of additions is fixed by the ISA
+    path alone, not by the thread count; other dtypes and the reference path take
+    :func:`lightning_zero.ops.reference.cpu_sum_squares`. On one path a bf16 tensor and its fp32
+    cast give the same value, bit for bit."""
+    path = cpu_path() if x.dtype in (torch.float32, torch.bfloat16) else "reference"
+    if path == "reference":
+        return reference.cpu_sum_squares(x)
+    return torch.ops.lightning_zero.cpu_sum_squares(x.contiguous(), path)
 
 
 def _impl(name: str, device: torch.device):

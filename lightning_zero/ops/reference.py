@@ -218,6 +218,28 @@ def cpu_lion_step(
         param_copy.copy_(param)
 
 
+SUM_SQUARES_CHUNK = 1 << 20
+"""Elements per chunk of :func:`cpu_sum_squares` (the compiled op hands chunks of this size to threads)."""
+
+
+def cpu_sum_squares(x: Tensor) -> Tensor:
+    """Sum of squares of a contiguous CPU tensor, a 0-dim fp32 tensor (fp64 for fp64 input): chunks
+    of :data:`SUM_SQUARES_CHUNK` elements, each ``vector_norm(chunk) ** 2`` in fp32, added in order.
+    A 16-bit tensor is widened one chunk at a time into a cache-sized fp32 buffer (exact, so it
+    gives the sum of its fp32 cast, bit for bit, without a whole fp32 copy). The compiled op adds
+    in another order (its own blocks, in double): the two agree to fp32 rounding, not bitwise."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    flat = x.reshape(-1)
+    scratch = None if flat.dtype == dtype else torch.empty(min(SUM_SQUARES_CHUNK, flat.numel()), dtype=dtype)
+    total = torch.zeros((), dtype=dtype)
+    for start in range(0, flat.numel(), SUM_SQUARES_CHUNK):
+        piece = flat[start : start + SUM_SQUARES_CHUNK]
+        if scratch is not None:
+            piece = scratch[: piece.numel()].copy_(piece)
+        total += torch.linalg.vector_norm(piece, dtype=dtype).square()
+    return total
+
+
 def _whole(t: Tensor) -> Tensor:
     return torch.tensor([0, t.numel()], dtype=torch.long)
 

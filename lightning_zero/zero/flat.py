@@ -413,13 +413,14 @@ class FlatBuffer:
         ``to_host`` start the copy to ``host_grad`` when offloaded -> ON_HOST (pinned memory: the
         copy overlaps what follows). Returns the bucket to recycle (``None`` when kept)."""
         assert self.grad_shard is not None and self.grad_state is GradState.REDUCING
-        # Average after the sum: one pass over the slice, not the whole bucket.
+        # Average after the sum: one pass over the slice, not the whole bucket (none for one rank).
         if out is self.grad_shard:
-            self.grad_shard.div_(world_size)
+            if world_size > 1:
+                self.grad_shard.div_(world_size)
         else:
             if self.grad_tier is not None:
                 self.grad_tier.before_add(self)
-            self.grad_shard.add_(out.div_(world_size))
+            self.grad_shard.add_(out.div_(world_size) if world_size > 1 else out)
         self.grad_state = GradState.REDUCED
         if self.grad_tier is not None:
             self.grad_tier.after_reduce(self)  # sum of squares, written behind

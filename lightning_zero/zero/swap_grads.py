@@ -47,31 +47,22 @@ import torch
 
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
+from lightning_zero.ops.functional import cpu_sum_squares
 from lightning_zero.zero.flat import FlatBuffer, GradState
-
-NORM_CHUNK = 1 << 20
-"""Elements per chunk of a host tensor's sum of squares (:func:`squared_norm`)."""
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of squares the step's global norm adds up for one slice, in fp32 (fp64 for fp64
     tensors), for the in-memory path (``master.grad``) and the disk tier (the reduced bf16 slice)
-    alike. On the host it is taken in chunks of :data:`NORM_CHUNK` elements summed in order; a
-    16-bit slice is cast one chunk at a time into a cache-sized buffer (exact), so the disk tier
-    gets bitwise the value the in-memory path takes from its fp32 cast without writing and reading
-    4 bytes per element of a whole fp32 copy. On a device: one ``vector_norm`` over the tensor."""
+    alike. On the host: :func:`lightning_zero.ops.functional.cpu_sum_squares` (the compiled kernel
+    reads a bf16 slice once, widening it in registers: no fp32 copy), which gives a bf16 slice and
+    its fp32 cast the same bits, so the tiers take bitwise the same norm. On a device: one
+    ``vector_norm`` over the tensor."""
     dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
     flat = tensor.reshape(-1)
     if flat.device.type != "cpu":
         return torch.linalg.vector_norm(flat, dtype=dtype).square()
-    scratch = None if flat.dtype == dtype else torch.empty(min(NORM_CHUNK, flat.numel()), dtype=dtype)
-    total = torch.zeros((), dtype=dtype)
-    for start in range(0, flat.numel(), NORM_CHUNK):
-        piece = flat[start : start + NORM_CHUNK]
-        if scratch is not None:
-            piece = scratch[: piece.numel()].copy_(piece)
-        total += torch.linalg.vector_norm(piece, dtype=dtype).square()
-    return total
+    return cpu_sum_squares(flat)
 
 
 def step_dtype(b: FlatBuffer) -> torch.dtype:
@@ -172,7 +163,7 @@ class GradTier:
 
     def _squared_norm(self, b: FlatBuffer) -> torch.Tensor:
         """The sum of squares of ``b.grad_shard`` cast to the master's dtype: bitwise what the step's
-        norm takes from ``master.grad`` (:func:`squared_norm` casts chunk by chunk)."""
+        norm takes from ``master.grad`` (:func:`squared_norm`)."""
         assert b.grad_shard is not None and step_dtype(b) in (torch.float32, torch.float64)  # offloaded masters
         return squared_norm(b.grad_shard)
 
