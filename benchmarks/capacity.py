@@ -188,7 +188,9 @@ def capacity_child(args: argparse.Namespace) -> dict:
     """The capacity run (issue 18): a GPT built in ``configure_model`` (straight to disk), stage 3 with
     parameters, gradients and optimizer states on disk, one CPU rank, bf16-mixed, ``--steps`` steps
     on one repeated batch of ``--tokens`` tokens. Per step: time, the waits on reads and writes, bytes
-    moved, CPU seconds of the process (user / system, the I/O threads included) and the allocations of
+    moved, the seconds during which each direction had a request running (``SwapStore.busy``: bytes
+    over these are the rates the I/O itself reached, against bytes over the whole step, which also
+    count the stretches a direction has nothing to move, e.g. no writes in forward), CPU seconds of the process (user / system, the I/O threads included) and the allocations of
     the tier's host pool (0 once it is in its steady state)."""
     import lightning.pytorch as pl
     import torch
@@ -250,7 +252,14 @@ def capacity_child(args: argparse.Namespace) -> dict:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             s = self.store(trainer)
-            self.start = (time.perf_counter(), dict(s.stall), s.bytes_read, s.bytes_written, _cpu_and_pool())
+            self.start = (
+                time.perf_counter(),
+                dict(s.stall),
+                s.bytes_read,
+                s.bytes_written,
+                _cpu_and_pool(),
+                dict(s.busy),
+            )
 
         def _mark(self, trainer) -> None:
             s = self.store(trainer)
@@ -266,7 +275,7 @@ def capacity_child(args: argparse.Namespace) -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self._mark(trainer)
             s = self.store(trainer)
-            t0, stall, read0, written0, (user0, sys0, allocations0) = self.start
+            t0, stall, read0, written0, (user0, sys0, allocations0), busy = self.start
             user, system, allocations = _cpu_and_pool()
             self.rows.append(
                 {
@@ -275,6 +284,9 @@ def capacity_child(args: argparse.Namespace) -> dict:
                     "write_wait_s": s.stall["write"] - stall["write"],
                     "read_gb": (s.bytes_read - read0) / 1e9,
                     "written_gb": (s.bytes_written - written0) / 1e9,
+                    # seconds with at least one read (write) running: the I/O's own rate is bytes over these
+                    "read_busy_s": s.busy["read"] - busy["read"],
+                    "write_busy_s": s.busy["write"] - busy["write"],
                     "loss": float(outputs["loss"]),
                     "hwm_gib": _peak_gib(),
                     "user_s": user - user0,
@@ -333,17 +345,22 @@ def capacity(args: argparse.Namespace) -> None:
         )
         print(
             "step | step s | compute s | read wait s | write wait s | GB read | GB written | read GB/s (x disk) | "
-            "write GB/s (x disk) | disk busy (x step) | CPU s user / sys | host allocations | loss | VmHWM GiB"
+            "write GB/s (x disk) | disk busy (x step) | read / write running s | read / write GB/s while running (x disk) | "
+            "CPU s user / sys | host allocations | loss | VmHWM GiB"
         )
         for i, row in enumerate(r["rows"], 1):
             compute = row["step_s"] - row["read_wait_s"] - row["write_wait_s"]
             rate_r, rate_w = row["read_gb"] / row["step_s"], row["written_gb"] / row["step_s"]
             # seconds the disk needs for this step's bytes at the rates measured above, over the step
             busy = (row["read_gb"] / disk["read_gbs"] + row["written_gb"] / disk["write_gbs"]) / row["step_s"]
+            # the rates of the I/O itself: bytes over the seconds that direction had a request running
+            run_r, run_w = row["read_gb"] / row["read_busy_s"], row["written_gb"] / row["write_busy_s"]
             print(
                 f"{i} | {row['step_s']:.1f} | {compute:.1f} | {row['read_wait_s']:.1f} | {row['write_wait_s']:.1f} | "
                 f"{row['read_gb']:.2f} | {row['written_gb']:.2f} | {rate_r:.3f} ({rate_r / disk['read_gbs']:.2f}) | "
-                f"{rate_w:.3f} ({rate_w / disk['write_gbs']:.2f}) | {busy:.2f} | {row['user_s']:.1f} / {row['sys_s']:.1f} | "
+                f"{rate_w:.3f} ({rate_w / disk['write_gbs']:.2f}) | {busy:.2f} | "
+                f"{row['read_busy_s']:.1f} / {row['write_busy_s']:.1f} | {run_r:.3f} ({run_r / disk['read_gbs']:.2f}) / "
+                f"{run_w:.3f} ({run_w / disk['write_gbs']:.2f}) | {row['user_s']:.1f} / {row['sys_s']:.1f} | "
                 f"{row['host_allocations']} | {row['loss']:.4f} | {row['hwm_gib']:.2f}"
             )
         print(

@@ -59,11 +59,13 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -236,6 +238,11 @@ class SwapStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self.stall = {"read": 0.0, "write": 0.0}
+        #: seconds during which at least one read (write) was running on a worker: bytes over these
+        #: are the rates the I/O itself achieved (benchmarks/capacity.py), whatever the step did else
+        self.busy = {"read": 0.0, "write": 0.0}
+        self._running = {"read": [0, 0.0], "write": [0, 0.0]}  # per direction: requests running, since
+        self._busy_lock = threading.Lock()
 
     @staticmethod
     def resident(tensor: torch.Tensor) -> bool:
@@ -261,7 +268,9 @@ class SwapStore:
                 op, width = torch.ops.lightning_zero.swap_uring, c.queue_depth
             else:
                 op, width = torch.ops.lightning_zero.swap_io, c.threads
-            future = self._pools[write].submit(op, tensor, path, write, c.block_size, width, c.direct_io)
+            future = self._pools[write].submit(
+                self._timed, write, op, tensor, path, write, c.block_size, width, c.direct_io
+            )
             nbytes = tensor.numel() * tensor.element_size()
             self._pending[name] = ("write" if write else "read", [future], nbytes)
             self.bytes_written += nbytes if write else 0
@@ -271,12 +280,36 @@ class SwapStore:
         chunks = [(view[offset : offset + block], offset) for offset in range(0, len(view), block)]
         if write:
             pool = self._pools[True]
-            self._pending[name] = ("write", [pool.submit(os.pwrite, fd, c, o) for c, o in chunks], len(view))
+            self._pending[name] = (
+                "write",
+                [pool.submit(self._timed, True, os.pwrite, fd, c, o) for c, o in chunks],
+                len(view),
+            )
             self.bytes_written += len(view)
         else:
             pool = self._pools[False]
-            self._pending[name] = ("read", [pool.submit(os.preadv, fd, [c], o) for c, o in chunks], len(view))
+            self._pending[name] = (
+                "read",
+                [pool.submit(self._timed, False, os.preadv, fd, [c], o) for c, o in chunks],
+                len(view),
+            )
             self.bytes_read += len(view)
+
+    def _timed(self, write: bool, fn: Callable[..., int], *args: Any) -> int:
+        """``fn(*args)`` on a worker, counted in :attr:`busy` (the union of the direction's running times)."""
+        kind = "write" if write else "read"
+        running = self._running[kind]
+        with self._busy_lock:
+            if running[0] == 0:
+                running[1] = time.perf_counter()
+            running[0] += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._busy_lock:
+                running[0] -= 1
+                if running[0] == 0:
+                    self.busy[kind] += time.perf_counter() - running[1]
 
     def done(self, name: str) -> bool:
         """Whether the I/O issued for ``name`` has completed (without waiting)."""

@@ -60,6 +60,27 @@ def test_swap_round_trip_is_exact_and_frees_memory(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_busy_time_is_the_union_of_each_directions_running_requests(tmp_path, engine):
+    """``SwapStore.busy`` (benchmarks/capacity.py's rates while running): seconds with at least one
+    request of a direction on a worker. Three tensors written, then read, three workers each: the
+    requests overlap, so a sum of their times could exceed the wall time; the union cannot."""
+    import time
+
+    store = SwapStore(_config(tmp_path, block_size=4096, threads=3), rank=0, engine=engine)
+    items = [(f"t{i}", torch.randn(1 << 20)) for i in range(3)]
+    start = time.perf_counter()
+    store.evict(items)
+    store.release(items)
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    store.fetch(items)
+    store.wait(items)
+    read = time.perf_counter() - start
+    assert 0 < store.busy["write"] <= written and 0 < store.busy["read"] <= read, (store.busy, written, read)
+    store.close(bring_back=False)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_rename_hands_a_written_file_to_its_owner(tmp_path, engine):
     # The sharded build writes a master before its optimizer exists (BuildToDisk); the tier that
     # takes it over later reads it under its own name.
