@@ -207,7 +207,7 @@ at::Tensor cpu_sum_squares(const at::Tensor& x, c10::string_view isa) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16,
                     "lightning_zero: sum_squares takes float32 or bfloat16, got ", dtype,
-                    "; use the reference (lightning_zero.ops.reference.sum_squares) for other dtypes");
+                    "; use the reference (lightning_zero.ops.reference.cpu_sum_squares) for other dtypes");
   TORCH_CHECK_VALUE(x.is_contiguous(), "lightning_zero: sum_squares needs a contiguous tensor; call .contiguous()");
   const KernelTable k = select_table(std::string(isa));
   const int64_t n = x.numel(), chunks = (n + NORM_CHUNK - 1) / NORM_CHUNK;

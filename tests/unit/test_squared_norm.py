@@ -80,3 +80,13 @@ def test_fp64_stays_fp64(path):
 def test_a_non_contiguous_view_is_summed_as_its_values():
     grad = torch.randn(64, 33)[:, :31]  # rows of a wider tensor: not contiguous
     torch.testing.assert_close(squared_norm(grad).double(), grad.double().square().sum(), rtol=1e-6, atol=0)
+
+
+def test_other_dtypes_take_the_reference_and_the_op_refuses_them_by_name():
+    """fp16 (and fp64 above) go to the reference; the compiled op itself names the dtypes it takes."""
+    grad = torch.randn(5000, dtype=torch.float16)
+    torch.testing.assert_close(squared_norm(grad).double(), grad.double().square().sum(), rtol=1e-6, atol=0)
+    assert squared_norm(torch.ones(0)).item() == 0.0
+    if supported_isas():  # the extension is built
+        with pytest.raises(ValueError, match="float32 or bfloat16, got Half"):
+            torch.ops.lightning_zero.cpu_sum_squares(grad, "auto")
