@@ -72,11 +72,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
         )
 
 
-def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
-    # fp32 (fp64 under "64-true"); on the host in fixed chunks, the disk tier's way too (swap_grads.py)
-    return squared_norm(tensor)
-
-
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
@@ -255,14 +250,14 @@ class ShardedOptimizer:
             if grad is None:
                 continue
             if replicas_counted and not self.counted_elsewhere:
-                local += _squared_norm(grad)
+                local += squared_norm(grad)  # the disk tier's function too (swap_grads.py)
                 continue
             for piece in b.shards:
                 param = b.params[piece.param_index]
                 if id(param) in self.counted_elsewhere:
                     continue
                 if replicas_counted or getattr(param, "tensor_parallel", False):
-                    local += _squared_norm(grad[piece.shard_offset : piece.shard_offset + piece.numel])
+                    local += squared_norm(grad[piece.shard_offset : piece.shard_offset + piece.numel])
         comm.all_reduce(local, self.group)
         if tp is not None:
             comm.all_reduce(local, tp)
