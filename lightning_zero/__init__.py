@@ -31,4 +31,4 @@ __all__ = [
     "fabric",
     "load_pretrained",
 ]
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"

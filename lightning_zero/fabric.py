@@ -122,11 +122,12 @@ class _ZeroBackwardSync(_BackwardSyncControl):
 class ZeroStrategy(DDPStrategy):
     """ZeRO stage 1, 2 or 3 over Fabric's ranks.
 
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``,
+    ``process_group_backend`` and ``start_method`` are as for Fabric's ``DDPStrategy``.
+
     Args:
         stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
         loss_scale: dynamic loss-scaling options for "16-mixed".
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-            process_group_backend, start_method: as for Fabric's ``DDPStrategy``.
         **options: the other options of :class:`lightning_zero.ZeroStrategy` (``reduce_bucket_size``,
             ``offload_optimizer``, ``offload_parameters``, ``activation_checkpointing``, ``timeout``, ...),
             with the same meaning and defaults (:func:`lightning_zero.options.strategy_config`).

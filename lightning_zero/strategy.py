@@ -144,7 +144,9 @@ class ZeroStrategy(DDPStrategy):
             loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
         node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
             resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
-        The remaining arguments are those of Lightning's ``DDPStrategy``.
+
+    The remaining arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ...) are
+    those of Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "zero"

@@ -1,0 +1,113 @@
+"""MkDocs hooks: render the benchmark results kept as data into the Benchmarks page.
+
+Every ``benchmarks/results/*.json`` becomes one section of ``docs/benchmarks.md`` at build time
+(where the page says ``<!-- benchmark-results -->``), with the command that produced it, the
+machine, the versions and the date, so a re-run replaces a file instead of editing prose. Two
+shapes are read: the one ``benchmarks/common.py``'s ``write_json`` writes (``machine`` plus
+``headers``/``rows``, or a Markdown ``table``/``tables``) and the same with ``title``, ``command``
+and ``notes``. The plots (``benchmarks/results/*.png``) are published beside the page.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MARKER = "<!-- benchmark-results -->"
+# Order of the groups on the page: a file's name starts with its group.
+GROUPS = [
+    ("quick", "run.py: every system side by side"),
+    ("benchmarks-readme", "run.py: every system side by side"),
+    ("bench-latest", "run.py: every system side by side"),
+    ("stages", "Memory per rank against the ZeRO formulas"),
+    ("bench-memory", "Memory per rank against the ZeRO formulas"),
+    ("bench-step", "Step time"),
+    ("bench-gloo", "Step time"),
+    ("bench-machine", "Step time"),
+    ("cpu-offload", "CPU offload and the compiled CPU optimizers"),
+    ("nvme-offload", "NVMe offload"),
+    ("checkpoints", "Checkpoints"),
+    ("bench-checkpoint", "Checkpoints"),
+    ("parallel3d", "Tensor and pipeline parallelism"),
+    ("bench-parallel3d", "Tensor and pipeline parallelism"),
+    ("bench-measured", "Tensor and pipeline parallelism"),
+    ("bench-measured-on-an-h200", "GPU"),
+    ("bench-second-session", "GPU"),
+    ("architecture", "Test suite"),
+]
+# Files written by scripts that do not record their own command line.
+COMMANDS = {
+    "quick": "python benchmarks/run.py --quick",
+    "parallel3d": "python benchmarks/parallel3d.py",
+    "parallel3d_quick": "python benchmarks/parallel3d.py --quick",
+}
+MACHINE_KEYS = ["cpu", "isa", "cores", "gpu", "ranks", "torch", "lightning", "python", "lightning_zero", "date"]
+
+
+def _group(stem: str) -> str:
+    best = max((p for p, _ in GROUPS if stem.startswith(p)), key=len, default=None)
+    return dict(GROUPS)[best] if best else "Other"
+
+
+def _table(headers: list[Any], rows: list[list[Any]]) -> str:
+    def cell(x: Any) -> str:
+        return "-" if x is None else str(x).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_result(stem: str, data: dict[str, Any]) -> str:
+    """One result file as a Markdown section: title, command, machine, table(s), notes."""
+    out = [f"### {data.get('title') or stem}", ""]
+    command = data.get("command") or COMMANDS.get(stem, "not recorded")
+    out.append(f"**Command:** `{command}`  ")
+    machine = data.get("machine", {})
+    parts = [f"{k}: {machine[k]}" for k in MACHINE_KEYS if machine.get(k)]
+    parts += [f"{k}: {v}" for k, v in machine.items() if k not in MACHINE_KEYS and v]
+    out.append(f"**Machine and versions:** {'; '.join(parts) or 'not recorded'}  ")
+    out.append(f"**Data:** `benchmarks/results/{stem}.json`")
+    out.append("")
+    if data.get("headers"):
+        out += [_table(data["headers"], data.get("rows", [])), ""]
+    if isinstance(data.get("table"), str):
+        out += [data["table"].strip(), ""]
+    for name, table in (data.get("tables") or {}).items():
+        out += [f"**{name}**", "", table.strip(), ""]
+    for note in data.get("notes", []):
+        out += [note.strip(), ""]
+    return "\n".join(out)
+
+
+def render_all(results: Path = RESULTS) -> str:
+    """Every result file, grouped by topic in the order of ``GROUPS``."""
+    order = {title: i for i, (_, title) in reversed(list(enumerate(GROUPS)))}
+    entries = []
+    for path in sorted(results.glob("*.json")):
+        group = _group(path.stem)
+        entries.append((order.get(group, len(GROUPS)), group, path.stem, json.loads(path.read_text())))
+    out, current = [], None
+    for _, group, stem, data in sorted(entries, key=lambda e: (e[0], e[2])):
+        if group != current:
+            out += [f"## {group}", ""]
+            current = group
+        out.append(render_result(stem, data))
+    return "\n".join(out)
+
+
+def on_files(files: Files, config: Any) -> Files:
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"img/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if MARKER in markdown:
+        return markdown.replace(MARKER, render_all())
+    return markdown
