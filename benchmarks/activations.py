@@ -1,4 +1,4 @@
-"""Activation bytes per rank with and without activation checkpointing (issue 19).
+"""Activation bytes per rank with and without activation checkpointing.
 
 Run: ``python benchmarks/activations.py [--tiny] [--json activations.json]``
 

@@ -1,4 +1,4 @@
-"""Adam moments kept in bf16 against fp32 under ZeRO-Offload (issue 18): the loss curve and the bytes.
+"""Adam moments kept in bf16 against fp32 under ZeRO-Offload: the loss curve and the bytes.
 
 Run: ``python benchmarks/bf16_moments.py [--steps 120] [--batches 8] [--every 10]``
 

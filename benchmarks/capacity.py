@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's disk tier against CPU offload on one rank (issue 18), with the disk measured first.
+"""ZeRO-Infinity's disk tier against CPU offload on one rank, with the disk measured first.
 
     python benchmarks/capacity.py --nvme-path /tmp/lz_nvme [--layers 6 --width 384] [--steps 3] [--stage 3]
 
@@ -185,7 +185,7 @@ def _trainer(strategy: Any, precision: str, steps: int, timer: Any) -> Any:
 
 
 def capacity_child(args: argparse.Namespace) -> dict:
-    """The capacity run (issue 18): a GPT built in ``configure_model`` (straight to disk), stage 3 with
+    """The capacity run: a GPT built in ``configure_model`` (straight to disk), stage 3 with
     parameters, gradients and optimizer states on disk, one CPU rank, bf16-mixed, ``--steps`` steps
     on one repeated batch of ``--tokens`` tokens. Per step: time, the waits on reads and writes, bytes
     moved, the seconds during which each direction had a request running (``SwapStore.busy``: bytes

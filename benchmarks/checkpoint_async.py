@@ -1,4 +1,4 @@
-"""How long the training loop stops per checkpoint save: synchronous vs asynchronous (issue 24).
+"""How long the training loop stops per checkpoint save: synchronous vs asynchronous.
 
     python benchmarks/checkpoint_async.py [--layers 8] [--width 2048] [--steps 24] [--every 4] [--json out.json]
 

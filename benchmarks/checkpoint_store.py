@@ -1,4 +1,4 @@
-"""Sharded checkpoint throughput: local disk against its own bandwidth, and an S3 store against local disk (issue 24).
+"""Sharded checkpoint throughput: local disk against its own bandwidth, and an S3 store against local disk.
 
     python benchmarks/checkpoint_store.py [--layers 8] [--width 2048] [--repeats 2] [--no-s3] [--s3-concurrency 1]
                                           [--s3-server moto|rclone] [--json out.json]

@@ -1,4 +1,4 @@
-"""Adagrad and Lion host steps (issue 25): our one-pass kernels against torch and the references.
+"""Adagrad and Lion host steps: our one-pass kernels against torch and the references.
 
     python benchmarks/cpu_adagrad_lion.py [--size 20M] [--threads 1,2] [--repeats 3]
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO-Infinity beside ours in ``capacity.py --deepspeed`` (issue 18): the same GPT and
+"""DeepSpeed's ZeRO-Infinity beside ours in ``capacity.py --deepspeed``: the same GPT and
 batch, stage 3 with optimizer states and parameters on NVMe, one CPU rank, fp32.
 
 DeepSpeed (0.19.8, ``DS_ACCELERATOR=cpu``, gloo) runs its disk tier through its ``async_io`` op,

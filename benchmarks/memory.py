@@ -1,4 +1,4 @@
-"""Model-state bytes per rank, measured from live tensors, against the ZeRO formulas (DESIGN.md).
+"""Model-state bytes per rank, measured from live tensors, against the ZeRO formulas (docs/stages.md).
 
 Run: ``python benchmarks/memory.py [--steps 3] [--json memory.json]``
 

@@ -1,4 +1,4 @@
-"""The disk tier's I/O engines alone (issue 18): bytes through a SwapStore, as a fraction of the disk.
+"""The disk tier's I/O engines alone: bytes through a SwapStore, as a fraction of the disk.
 
     python benchmarks/nvme_io.py --nvme-path /tmp/lz_io [--gib 4] [--tensor-mib 64] [--engines io_uring,threads,python]
 

@@ -1,4 +1,4 @@
-"""What DeepSpeed's pipelined offload changes for zero2_offload on the CPU (issue 25).
+"""What DeepSpeed's pipelined offload changes for zero2_offload on the CPU.
 
 Run: ``python benchmarks/offload_pipeline.py [--steps 6] [--warmup 2] [--rounds 3] [--precisions 32-true,bf16-mixed]``
 

@@ -23,10 +23,10 @@ DEEPSPEED_TWIN = {
     "zero3_offload": "ds3_offload",
 }
 NO_OFFLOAD = {"zero2_offload": "zero2", "zero3_offload": "zero3", "ds2_offload": "ds2", "ds3_offload": "ds3"}
-#: step-time targets of issue 10 (ratio to DDP; offload: ratio to the same stage without offload)
+#: step-time targets (ratio to DDP; offload: ratio to the same stage without offload)
 TIME_TARGET = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.15, "zero2_offload": 0.99 * 1.05, "zero3_offload": 1.02 * 1.05}
 BYTES_TARGET = 1.05
-#: peak-RSS targets of issue 17 (ratio to DDP's peak RSS growth per rank, in the same run)
+#: peak-RSS targets (ratio to DDP's peak RSS growth per rank, in the same run)
 RSS_TARGET = {"zero2": 0.75, "zero3": 0.75}
 MIB = 2**20
 
@@ -68,7 +68,7 @@ def summarize(
             record["peak_rss"] = peak
             if entry.get("accounted") and entry.get("resident"):
                 # memory_breakdown() + activations + allocator slack + library pages over the resident
-                # set at the same moment, the end of a forward (issue 17: within 10%)
+                # set at the same moment, the end of a forward (within 10%)
                 record["rss_accounted"] = entry["accounted"] / entry["resident"]
         elif peak is not None:
             record["errors"].append("peak RSS run: " + peak)

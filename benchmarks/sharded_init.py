@@ -6,7 +6,7 @@ the shards one tensor at a time) against Lightning's DDP (each rank builds the w
 Each rank resets its resident-set high-water mark (``/proc/self/clear_refs``) just before
 ``Trainer.fit`` and reads ``VmHWM`` and ``VmRSS`` at ``on_train_start`` (the model is built, sharded
 and placed; no optimizer state yet, since the first step allocates it). Bytes are what the OS sees
-for the process, so the allocator's slack is counted too. The bound checked is issue 16's: peak <=
+for the process, so the allocator's slack is counted too. The bound checked: peak <=
 the build's final footprint (shards and what setup keeps) + 2 x the largest single tensor. The model
 is the GPT-2 of ``recipes/gpt2/model.py`` (tied embedding, GPT-2's init through ``apply``), fp32.
 """

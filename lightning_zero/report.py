@@ -1,6 +1,6 @@
 """Per-rank memory of model states for a parameter count and a layout, from the ZeRO formulas.
 
-The yardstick of DESIGN.md (ZeRO paper, arXiv 1910.02054 section 5): per parameter, mixed-precision
+The yardstick of docs/stages.md (ZeRO paper, arXiv 1910.02054 section 5): per parameter, mixed-precision
 Adam keeps 2 bytes of 16-bit parameters, 2 of 16-bit gradients and 12 of fp32 master + two moments;
 "32-true" keeps 4 + 4 + 8. Stage 1 shards the master and moments over the N data-parallel ranks,
 stage 2 also the gradients, stage 3 also the parameters; ``offload_optimizer`` moves master and

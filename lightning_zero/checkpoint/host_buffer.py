@@ -1,4 +1,4 @@
-"""The host memory an asynchronous save copies this rank's shards into (issue 24).
+"""The host memory an asynchronous save copies this rank's shards into.
 
 The copy is the only part of an async save the training loop waits for (:mod:`~lightning_zero.checkpoint.save`:
 the writer thread pickles, checksums, writes and fsyncs from it). It is fast only into memory that

@@ -17,7 +17,7 @@ data loader state), ``load_model_state_dict``, then, when fitting, ``load_optimi
 mid-epoch resume restores the random states once more at ``on_train_start``, after Lightning has
 created the train loader's iterator (see the strategy and the README, "Exact resume").
 
-Speed (issue 24; ``benchmarks/checkpoint_store.py``): each rank file is CRC-checked once (compiled,
+Speed (``benchmarks/checkpoint_store.py``): each rank file is CRC-checked once (compiled,
 :mod:`lightning_zero.ops.checksum`) and memory-mapped; each piece is copied once, from the mapped file
 into the master or into the optimizer's existing state tensor
 (:meth:`~lightning_zero.zero.engine_checkpoint.CheckpointSurface.load_optimizer_pieces`). What remains

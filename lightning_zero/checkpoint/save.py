@@ -26,7 +26,7 @@ the temporary directory (one name per node), ``lightning.pt`` (rank 0's bytes, g
 agreement that follows the snapshot), the whole tensors of its node (:func:`~lightning_zero.checkpoint.merge.keep_copies`),
 ``metadata.json`` (the same on every node, with ``rank_nodes``) and the rename.
 
-Speed (issue 24): a synchronous save pickles straight from the engine's host tensors (no copy of the
+Speed: a synchronous save pickles straight from the engine's host tensors (no copy of the
 shard), checksums with the compiled CRC-32 (:mod:`lightning_zero.ops.checksum`) and starts the disk
 writes along the way (:class:`_Flusher`). An asynchronous save's training-thread work is the copy
 into the run's :class:`~lightning_zero.checkpoint.host_buffer.HostBuffer` (allocated ahead, after the

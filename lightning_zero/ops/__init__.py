@@ -1,4 +1,4 @@
-"""Compiled optimizers for the step of the ZeRO data path (see DESIGN.md, "step").
+"""Compiled optimizers for the step of the ZeRO data path (see docs/architecture.md, "step").
 
 What is here
     ``CPUAdam``, ``CPULamb``: torch.optim.Optimizer classes for fp32 parameters on the CPU (the

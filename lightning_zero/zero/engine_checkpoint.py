@@ -4,7 +4,7 @@ every held parameter and optimizer state out (:meth:`CheckpointSurface.local_pie
 :meth:`~CheckpointSurface.load_consolidated`), streaming through the disk tier one flat buffer at a
 time. A mixin: the engine owns the buffers, optimizers and tiers it reads (declared below).
 
-Each byte is touched once where it can be (issue 24): the pieces a save writes are the host tensors
+Each byte is touched once where it can be: the pieces a save writes are the host tensors
 themselves, in storages of their own size (:func:`exact_storage`, no copy out of the flat buffer);
 a load writes each piece from the (memory-mapped) file straight into the master, and into the
 optimizer's own state tensors when it has them (no new allocation, no zero-fill: only what no

@@ -261,7 +261,7 @@ class ParamTier:
 
         This gates a collective, so it depends only on the sequence of calls, which is the same on
         every rank, never on whether this rank's read has completed: a check of completion let ranks
-        start their prefetch all-gathers in different orders, which hung on 2 ranks (issue 18)."""
+        start their prefetch all-gathers in different orders, which hung on 2 ranks."""
         return id(b) in self._in_memory and self._issued.get(id(b), self._calls) < self._calls
 
     def load(self, b: FlatBuffer) -> None:

@@ -1,4 +1,4 @@
-"""Activation checkpointing (issue 19) on 2 CPU/gloo ranks: the same run with and without it, at
+"""Activation checkpointing on 2 CPU/gloo ranks: the same run with and without it, at
 stages 1-3 and with tensor or pipeline parallelism.
 
 Tolerance: fp32, 1e-6 relative. The recompute runs the same operations on the same inputs (and

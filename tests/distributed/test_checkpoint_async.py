@@ -1,4 +1,4 @@
-"""Asynchronous save (issue 24), on 2 spawned CPU/gloo ranks: checkpoints written by background threads
+"""Asynchronous save, on 2 spawned CPU/gloo ranks: checkpoints written by background threads
 are bit for bit those of synchronous saves and resume the same; the end of fit waits for (and
 publishes) the last one; a write that fails in the background raises on every rank with the rank and
 the file's name, and the previous checkpoint at that path stays loadable, no temporary directory left.

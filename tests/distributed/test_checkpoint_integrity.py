@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue 20): every file of a sharded checkpoint carries a CRC-32 recorded at
+"""Checkpoint integrity: every file of a sharded checkpoint carries a CRC-32 recorded at
 save, checked by whoever reads it (resume, consolidate); a damaged or truncated file raises a
 ValueError naming the file and the rank that wrote it, instead of consolidating into garbage or a
 raw traceback. Hyperparameters that need full unpickling (a ``pathlib.Path``) consolidate only when

@@ -1,4 +1,4 @@
-"""Where checkpoints go (issue 24), on 2 spawned CPU/gloo ranks: one path for all ranks whatever their
+"""Where checkpoints go, on 2 spawned CPU/gloo ranks: one path for all ranks whatever their
 working directories, file:// URLs through fsspec (save, ModelCheckpoint, resume), a save that fails on
 one rank (every rank raises, none hangs, the previous checkpoint stays, no temporary directory is left),
 a rank that cannot see rank 0's directory (ValueError naming it), and a memory:// filesystem (one per

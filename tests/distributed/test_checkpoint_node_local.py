@@ -1,4 +1,4 @@
-"""Node-local checkpoint storage (issue 24), on 2 spawned CPU/gloo ranks that Lightning sees as two
+"""Node-local checkpoint storage, on 2 spawned CPU/gloo ranks that Lightning sees as two
 nodes of one process each (``GROUP_RANK`` and ``LOCAL_RANK`` as ``torchrun --nnodes 2
 --nproc-per-node 1`` sets them, see test_launchers.py), each in its own working directory, so a
 relative checkpoint path names a different directory on each "node", as ``/local_ssd/ck`` does on a

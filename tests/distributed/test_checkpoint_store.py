@@ -1,4 +1,4 @@
-"""Sharded checkpoints on an object store (issue 24), on 2 spawned CPU/gloo ranks: save, resume,
+"""Sharded checkpoints on an object store, on 2 spawned CPU/gloo ranks: save, resume,
 ModelCheckpoint's save_top_k removal and `lightning-zero consolidate` through s3fs against a local S3
 server (moto's server mode, on 127.0.0.1, started and stopped by a fixture: no network), with the
 saves during fit asynchronous. The checkpoints must be bit for bit those a local save writes, and

@@ -1,4 +1,4 @@
-"""``torch.compile`` under ZeRO (issue 19): a LightningModule whose model is compiled in
+"""``torch.compile`` under ZeRO: a LightningModule whose model is compiled in
 ``configure_model`` (as Lightning documents) trains at stages 1, 2 and 3 with the losses of the same
 model uncompiled, and the graph breaks are counted (the README's "torch.compile" table).
 

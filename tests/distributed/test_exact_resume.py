@@ -1,4 +1,4 @@
-"""Exact mid-epoch resume (issue 19): a run interrupted mid-epoch, and in the middle of a
+"""Exact mid-epoch resume: a run interrupted mid-epoch, and in the middle of a
 gradient-accumulation window, and resumed with ``fit(ckpt_path=...)`` in a fresh Trainer computes
 the same per-micro-batch losses as the uninterrupted run, bit for bit (fp32, CPU, 2 gloo ranks).
 

@@ -1,4 +1,4 @@
-"""Fabric with ZeRO (issue 19) on 2 gloo ranks: parity with Fabric's own DDP strategy at stages 1-3 and
+"""Fabric with ZeRO on 2 gloo ranks: parity with Fabric's own DDP strategy at stages 1-3 and
 zero2_offload (gradient accumulation under ``fabric.no_backward_sync``, clipping by norm and by value,
 ``fabric.init_module()`` at stage 3), and the errors a Fabric user meets before any work starts.
 

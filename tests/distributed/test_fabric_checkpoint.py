@@ -1,4 +1,4 @@
-"""Fabric checkpoints with ZeRO (issue 19) on 2 gloo ranks: ``fabric.save`` / ``fabric.load`` round trip
+"""Fabric checkpoints with ZeRO on 2 gloo ranks: ``fabric.save`` / ``fabric.load`` round trip
 (into another stage), and interchange with the Trainer strategy in both directions and with a plain
 Fabric DDP checkpoint. Every resumed run must continue as the uninterrupted Fabric run does.
 

@@ -1,4 +1,4 @@
-"""The launchers a user outgrows one machine with (issue 21): torchrun across two "nodes" and SLURM.
+"""The launchers a user outgrows one machine with: torchrun across two "nodes" and SLURM.
 
 Each test starts real processes on this machine (no mocks of Lightning's environment detection):
 

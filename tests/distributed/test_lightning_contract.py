@@ -1,4 +1,4 @@
-"""Documented Lightning ways to touch gradients behave as under DDP (issue 20): ``optimizer.zero_grad()``
+"""Documented Lightning ways to touch gradients behave as under DDP: ``optimizer.zero_grad()``
 between two backwards, ``self.clip_gradients`` and ``strategy.grad_norm`` before ``optimizer.step()``
 in manual optimization, ``toggle_optimizer`` with two optimizers; at every stage, fp32, 2 CPU/gloo ranks, against Lightning's DDP."""
 
@@ -28,7 +28,7 @@ SPECS = {
 
 
 class ManualContract(ParityModel):
-    """Manual optimization with the three patterns of issue 20 in every step."""
+    """Manual optimization with the three documented patterns in every step."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -414,7 +414,7 @@ def test_backbone_finetuning_adds_a_param_group_during_fit_and_resumes_as_ddp(tm
             # fp32, identical data on both ranks: the same arithmetic up to the reduction order and
             # the compiled Adam kernel's (a few ulps a step); 1e-5 over 12 steps. Before: a KeyError
             # in BackboneFinetuning (param_groups held ZeRO's masters), then the new group was refused
-            # (stage 3: until issue 23).
+            # (stage 3: in earlier versions).
             assert res[name]["groups"] == 2
             torch.testing.assert_close(res[name]["losses"], ref["losses"], rtol=1e-5, atol=0, msg=name)
             torch.testing.assert_close(res[name]["weights"], ref["weights"], rtol=1e-5, atol=1e-7, msg=name)

@@ -1,4 +1,4 @@
-"""Issue 17 on 2 CPU/gloo ranks: the memory that lives and dies every step comes from one pool that
+"""Memory pools on 2 CPU/gloo ranks: the memory that lives and dies every step comes from one pool that
 stops allocating after the first step, gradient buckets are bounded even when reductions lag behind
 backward, stage 3's released parameters hold no memory, bf16-mixed gradients stay 16-bit (or fp32
 with ``reduce_dtype="fp32"``, which then trains as Lightning's bf16-mixed DDP); the losses stay DDP's."""

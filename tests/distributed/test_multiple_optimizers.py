@@ -1,5 +1,5 @@
 """Two optimizers under manual optimization (a GAN: generator and discriminator) at ZeRO stages 1-3,
-against Lightning's DDP on 2 gloo ranks (issue 19).
+against Lightning's DDP on 2 gloo ranks.
 
 The hazard: the generator's loss backpropagates through the discriminator, so the discriminator's
 parameters receive gradients in the generator's window, as under DDP; the next ``opt_d.zero_grad()``

@@ -163,7 +163,7 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, precision):
 
 def test_bf16_moments_on_disk_are_bit_identical_to_host_memory(tmp_path):
     """ops.CPUAdam(state_dtype=torch.bfloat16): the moments rest on disk in bf16 (half the bytes the
-    tier reads and writes for them) and train exactly as in host memory (issue 18)."""
+    tier reads and writes for them) and train exactly as in host memory."""
     fp32 = run_ranks(_worker, str(tmp_path / "a"), "32-true", ["zero2_nvme"])
     for res, ref in zip(
         run_ranks(_worker, str(tmp_path / "b"), "32-true", ["zero2_cpu", "zero2_nvme"], "cpuadam_bf16"),

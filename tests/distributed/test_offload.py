@@ -82,7 +82,7 @@ def test_lamb_on_shards_matches_ddp():
 @pytest.mark.parametrize("optimizer", ["adagrad", "lion"])
 def test_adagrad_and_lion_offload_match_ddp(optimizer):
     """torch.optim.Adagrad and ops.Lion under zero2_offload step with the compiled one-state host
-    kernels (issue 25); DDP steps torch's Adagrad and Lion's own step() on whole parameters."""
+    kernels; DDP steps torch's Adagrad and Lion's own step() on whole parameters."""
     results = run_ranks(_worker, optimizer, [OFFLOAD_SPECS[1]], "32-true")
     # Adagrad: same formula, fused vs separate roundings and the reduction's summation order, ~1e-7
     # per step, as for AdamW. Lion: every update is +-lr (sign), so the only differences are the
@@ -110,7 +110,7 @@ def _moment_dtypes(rank: int) -> dict:
 def test_bf16_moments_offload_match_ddp():
     """ops.CPUAdam(state_dtype=torch.bfloat16) under zero2_offload: the engine keeps the moments in
     bf16 (half the state bytes in memory, on disk and through the step) and steps them with the
-    same kernel DDP's run calls through CPUAdam.step() on whole parameters (issue 18)."""
+    same kernel DDP's run calls through CPUAdam.step() on whole parameters."""
     results = run_ranks(_worker, "cpuadam_bf16", [OFFLOAD_SPECS[1]], "32-true")
     # The same kernel on both sides; the gradients differ by the reduction's summation order (~1e-7
     # relative), which could move a bf16 moment across a rounding boundary (2**-8 relative): measured

@@ -1,4 +1,4 @@
-"""Pipelined ZeRO-Offload (issue 25) against the unpipelined path, on 2 CPU/gloo ranks.
+"""Pipelined ZeRO-Offload against the unpipelined path, on 2 CPU/gloo ranks.
 
 Pipelined, each bucket's all-gather starts as soon as the host kernel has stepped it (and written
 its 16-bit copy), while the next bucket steps; unpipelined, every bucket is stepped first and then

@@ -1,5 +1,5 @@
 """``expose_param_grads``: user code reading and editing ``param.grad`` where Lightning runs it gets
-DDP's values (issue 23), on 2 gloo ranks against Lightning's DDP, fp32.
+DDP's values, on 2 gloo ranks against Lightning's DDP, fp32.
 
 * Automatic optimization, 2-batch accumulation windows: ``on_before_optimizer_step`` records
   Lightning's ``grad_norm(self, 2)`` utility and the ``.grad`` sums; ``configure_gradient_clipping``

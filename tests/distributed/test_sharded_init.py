@@ -1,5 +1,5 @@
 """Stage 3 builds ``configure_model`` sharded and starts from exactly the weights the same code gives
-unsharded (issue 16): every init style, tied weights, a padding row, computed buffers, dropout drawing
+unsharded: every init style, tied weights, a padding row, computed buffers, dropout drawing
 from the generator the build left, HF transformers' GPT-2; under zero3 and zero3_offload, fp32 and
 bf16-mixed; then trains like DDP."""
 

@@ -1,6 +1,6 @@
 """The same parameter in two optimizers (a conditional GAN whose label embedding both the generator's
 and the discriminator's optimizer hold) at ZeRO stages 1-3 and with an offloaded optimizer, against
-Lightning's DDP on 2 gloo ranks (issue 23); then a save and resume, and the checkpoint consolidated
+Lightning's DDP on 2 gloo ranks; then a save and resume, and the checkpoint consolidated
 into what DDP's checkpoint holds.
 
 Under DDP the embedding has one ``param.grad``: each optimizer steps it with its own state, any

@@ -1,4 +1,4 @@
-"""Lightning's EMAWeightAveraging callback under ZeRO stages 1/2, against DDP (issue 20): its
+"""Lightning's EMAWeightAveraging callback under ZeRO stages 1/2, against DDP: its
 ``on_save_checkpoint`` replaces ``checkpoint["state_dict"]`` with the averaged weights and keeps the
 current ones in ``current_model_state``; the checkpoint must store what it put there, and a resume
 must restore both the current and the averaged weights. Stage 3 with ``state_dict_type="full"``
@@ -75,7 +75,7 @@ def test_ema_callback_save_and_resume_match_ddp(tmp_path):
             torch.testing.assert_close(saved[key].float(), value.float(), rtol=1e-5, atol=1e-7, msg=(name, key))
         for res in results:
             # the resume restores the current weights (losses) and the average (before: a missing-key
-            # error; at stage 3 until issue 23, current_model_state lacked the partitioned parameters)
+            # error; at stage 3 in earlier versions, current_model_state lacked the partitioned parameters)
             torch.testing.assert_close(res[name]["losses"], res["ddp"]["losses"], rtol=1e-5, atol=0, msg=name)
             torch.testing.assert_close(res[name]["average"], res["ddp"]["average"], rtol=1e-5, atol=1e-7, msg=name)
 

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's disk tier on a CUDA device: bit-identical to CPU offload (issue 18).
+"""ZeRO-Infinity's disk tier on a CUDA device: bit-identical to CPU offload.
 
 Skipped without a CUDA device. One GPU (world size 1 over NCCL): every step takes the disk tier's
 path from a device (the fp32 masters and moments, and with ``offload_parameters="nvme"`` the

@@ -1,4 +1,4 @@
-"""Pipelined ZeRO-Offload on a GPU: the 16-bit copy-back on a side stream (issue 25).
+"""Pipelined ZeRO-Offload on a GPU: the 16-bit copy-back on a side stream.
 
 Skipped (with the reason in the -ra summary) without a CUDA device. On a GPU the host kernel writes
 each bucket's bf16 parameters into a pinned staging buffer; pipelined, its host-to-device copy runs

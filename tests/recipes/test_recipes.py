@@ -341,7 +341,7 @@ def test_gpt2_module_without_a_trainer():
 @pytest.mark.parametrize("recipe", ["bert"])
 def test_recipe_resumes_mid_epoch_exactly(tmp_path, cache_dir, monkeypatch, recipe):
     """A run resumed from a mid-epoch checkpoint (step 3 of 6, with dropout; BERT's masks drawn per
-    window and epoch) logs the uninterrupted run's train losses bit for bit (issue 19): the recipes'
+    window and epoch) logs the uninterrupted run's train losses bit for bit: the recipes'
     StatefulDataLoader goes on with the next batch and the checkpoint restores the random states."""
     train, tiny = (gpt2_train, TINY_GPT) if recipe == "gpt2" else (bert_train, TINY_BERT)
     config = f"recipes/{recipe}/configs/cpu-tiny.yaml"

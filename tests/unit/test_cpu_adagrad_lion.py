@@ -1,4 +1,4 @@
-"""Adagrad and Lion on the host (issue 25): the compiled one-pass kernels against torch.optim.Adagrad
+"""Adagrad and Lion on the host: the compiled one-pass kernels against torch.optim.Adagrad
 and against the paper's Lion rule, on every ISA path this CPU has, and bitwise equal at 1 and 2 threads.
 
 Sizes: 3 * 16384 + 11 elements give several 16384-element tiles and a tail shorter than any vector,

@@ -1,4 +1,4 @@
-"""Threads of the compiled CPU optimizers (issue 25): results independent of the thread count,
+"""Threads of the compiled CPU optimizers: results independent of the thread count,
 torch's OpenMP runtime the only one in the process, and the per-rank thread choice.
 
 Bitwise equality is the bar for 1 vs 2 threads, not a tolerance: every element is updated by

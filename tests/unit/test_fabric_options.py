@@ -1,4 +1,4 @@
-"""Fabric's ZeroStrategy (issue 19) without processes: its names in Fabric's registry, the options it
+"""Fabric's ZeroStrategy without processes: its names in Fabric's registry, the options it
 shares with the Trainer strategy, the precision plugin Fabric gets, and Fabric's ThroughputMonitor dtype."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Precision by capability (issue 21): the cpuid check, "auto" resolution and the slow-bf16 warning.
+"""Precision by capability: the cpuid check, "auto" resolution and the slow-bf16 warning.
 
 The flags are mocked, so these run the same on every machine; no assertion depends on a timing.
 """

@@ -1,4 +1,4 @@
-"""The compiled CPU ops offer exactly the ISA paths this machine's CPU has (issue 21).
+"""The compiled CPU ops offer exactly the ISA paths this machine's CPU has.
 
 ``csrc/cpu/isa.cpp`` compiles three paths into one binary and offers those the CPU supports, best
 first: AVX-512 (F, BW, VL, DQ), AVX2 (with FMA and F16C), and the portable scalar path always. This

@@ -1,4 +1,4 @@
-"""lightning_zero.memory.ActivationMeter and MemoryMonitor (issue 17): what autograd saves for backward,
+"""lightning_zero.memory.ActivationMeter and MemoryMonitor: what autograd saves for backward,
 counted exactly on a model whose saved tensors are known, parameters excluded."""
 
 from __future__ import annotations

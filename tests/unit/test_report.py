@@ -1,4 +1,4 @@
-"""The memory estimate of ``lightning-zero report`` equals the ZeRO formulas of DESIGN.md."""
+"""The memory estimate of ``lightning-zero report`` equals the ZeRO formulas of docs/stages.md."""
 
 from __future__ import annotations
 

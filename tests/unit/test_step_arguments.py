@@ -1,5 +1,5 @@
 """What a user passes to ``optimizer.step(...)`` and what a user puts in place of an optimizer class's
-``step`` reach the step under ZeRO as under plain torch / DDP (issue 23: Lightning's
+``step`` reach the step under ZeRO as under plain torch / DDP (Lightning's
 ``test_step_with_optimizer_closure_with_different_frequencies`` passes ``opt.step(closure=..., optim="sgd")``
 and mocks ``torch.optim.SGD.step`` / ``torch.optim.Adam.step`` on the class). One process, no process
 group (every collective is the identity); odd shapes (15 -> 7 -> 3)."""

@@ -1,5 +1,5 @@
 """Lightning's stock ThroughputMonitor measures FLOP/s and MFU against the peak of the dtype the run
-computes in (issue 19). It looks the dtype up by the class of the precision plugin and counts unknown
+computes in. It looks the dtype up by the class of the precision plugin and counts unknown
 plugins as fp32; OffloadPrecision declares its dtype the way Lightning's HalfPrecision does."""
 
 from __future__ import annotations

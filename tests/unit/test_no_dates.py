@@ -1,0 +1,61 @@
+"""README, docs and the package's source carry no dates, commit hashes or tracker references.
+
+A reader has neither the tracker nor the development history: "issue 17", "at 1ca6f65" or
+"measured 2026-12-04" in prose or a comment says nothing to them and goes stale. Measurements with
+their date, machine and version live as data in ``benchmarks/results/*.json`` and are rendered into
+the Benchmarks page at build time (``scripts/docs_hooks.py``), so the page sources stay clean.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATE = re.compile(r"\b(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])\b")
+ISSUE = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+# 7-40 hex digits with at least one letter and one digit, not part of a longer word or a 0x literal
+HASH = re.compile(r"(?<![\w.#-])(?=[0-9a-f]{0,39}[a-f])(?=[0-9a-f]{0,39}\d)[0-9a-f]{7,40}(?![\w-])")
+
+
+def checked_files() -> list[Path]:
+    """The files a reader meets: README, the docs pages, and the package's Python sources."""
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    files += sorted((ROOT / "lightning_zero").rglob("*.py"))
+    return [f for f in files if f.is_file()]
+
+
+def findings(text: str, changelog: bool = False) -> list[tuple[int, str, str]]:
+    """(line number, kind, match) of every date, commit hash and tracker reference in ``text``.
+
+    The changelog's release headings carry their dates by Keep a Changelog's convention.
+    """
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if changelog and line.startswith("## ["):
+            continue
+        for kind, pattern in (("date", DATE), ("issue", ISSUE), ("commit hash", HASH)):
+            out += [(number, kind, m.group(0)) for m in pattern.finditer(line)]
+    return out
+
+
+@pytest.mark.parametrize("text, kinds", [
+    ("measured 2026-12-04 at 15:40", ["date"]),
+    ("fixed in issue 17, see Issue #3", ["issue", "issue"]),
+    ("lightning_zero 1ca6f65 + README", ["commit hash"]),
+    ("main f3841a5e9c0d1b2a3f4e5d6c7b8a9f0e1d2c3b4a", ["commit hash"]),
+    ("0xdeadbeef, a 1024-element buffer, 12345678 bytes, abcdefab, sha256", []),
+    ("a tissue 5 cm", []),
+])
+def test_the_patterns(text, kinds):
+    assert [k for _, k, _ in findings(text)] == kinds
+
+
+def test_readme_docs_and_sources_are_clean():
+    found = []
+    for path in checked_files():
+        for number, kind, match in findings(path.read_text(encoding="utf-8"), changelog=path.name == "CHANGELOG.md"):
+            found.append(f"{path.relative_to(ROOT)}:{number}: {kind} {match!r}")
+    assert not found, "dates, commit hashes or tracker references (move measurements to benchmarks/results):\n" + "\n".join(found)
