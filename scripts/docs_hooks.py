@@ -29,6 +29,7 @@ GROUPS = [
     ("bench-step", "Step time"),
     ("bench-gloo", "Step time"),
     ("bench-machine", "Step time"),
+    ("activations", "Activation checkpointing"),
     ("cpu-offload", "CPU offload and the compiled CPU optimizers"),
     ("nvme-offload", "NVMe offload"),
     ("checkpoints", "Checkpoints"),
