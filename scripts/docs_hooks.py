@@ -47,6 +47,11 @@ COMMANDS = {
     "parallel3d": "python benchmarks/parallel3d.py",
     "parallel3d_quick": "python benchmarks/parallel3d.py --quick",
 }
+TITLES = {
+    "quick": "run.py --quick: the latest run, every system (JSON as run.py writes it)",
+    "parallel3d": "parallel3d.py: step time per layout and the pipeline bubble",
+    "parallel3d_quick": "parallel3d.py --quick: step time per layout and the pipeline bubble",
+}
 MACHINE_KEYS = ["cpu", "isa", "cores", "gpu", "ranks", "torch", "lightning", "python", "lightning_zero", "date"]
 
 
@@ -66,7 +71,7 @@ def _table(headers: list[Any], rows: list[list[Any]]) -> str:
 
 def render_result(stem: str, data: dict[str, Any]) -> str:
     """One result file as a Markdown section: title, command, machine, table(s), notes."""
-    out = [f"### {data.get('title') or stem}", ""]
+    out = [f"### {data.get('title') or TITLES.get(stem, stem)}", ""]
     command = data.get("command") or COMMANDS.get(stem, "not recorded")
     out.append(f"**Command:** `{command}`  ")
     machine = data.get("machine", {})
