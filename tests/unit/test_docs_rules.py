@@ -1,4 +1,5 @@
-"""README, docs and the package's source carry no dates, commit hashes or tracker references.
+"""Rules for what a reader meets: no dates, commit hashes or tracker references in README, docs and
+the package's source; README links that resolve; a README that fits on a few screens.
 
 A reader has neither the tracker nor the development history: "issue 17", "at 1ca6f65" or
 "measured 2026-12-04" in prose or a comment says nothing to them and goes stale. Measurements with
@@ -59,3 +60,29 @@ def test_readme_docs_and_sources_are_clean():
         for number, kind, match in findings(path.read_text(encoding="utf-8"), changelog=path.name == "CHANGELOG.md"):
             found.append(f"{path.relative_to(ROOT)}:{number}: {kind} {match!r}")
     assert not found, "dates, commit hashes or tracker references (move measurements to benchmarks/results):\n" + "\n".join(found)
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_readme_links_point_at_files():
+    """The README is read on GitHub and on the package index, outside the docs build's link check."""
+    missing = []
+    for target in LINK.findall((ROOT / "README.md").read_text(encoding="utf-8")):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        if not (ROOT / target).exists():
+            missing.append(target)
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_fits_on_a_few_screens():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/ (at most 200)"
+
+
+def test_ci_runs_the_readme_test_command_and_the_docs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "bash scripts/run.sh test" in readme and "bash scripts/run.sh demo" in readme
+    assert "\nbash scripts/run.sh test" in ci and "\nbash scripts/run.sh docs" in ci
