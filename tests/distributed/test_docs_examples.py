@@ -94,7 +94,9 @@ def _run_pages(rank: int, pages: dict[str, list[Block]], workdir: str) -> list[s
 
 def test_the_fence_parser(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text\n\n```python\nx = 1\n```\n\n- item\n\n  ```python {.fragment}\n  y.z()\n  ```\n\n```yaml\na: 1\n```\n")
+    page.write_text(
+        "text\n\n```python\nx = 1\n```\n\n- item\n\n  ```python {.fragment}\n  y.z()\n  ```\n\n```yaml\na: 1\n```\n"
+    )
     blocks = code_blocks(page, root=tmp_path)
     assert [(b.lang, b.fragment, b.source) for b in blocks] == [
         ("python", False, "x = 1\n"),
@@ -135,7 +137,10 @@ def test_yaml_strategy_examples_build():
                 continue
             parser = ArgumentParser()
             parser.add_argument("--strategy", type=lightning_zero.ZeroStrategy)
-            built = parser.instantiate_classes(parser.parse_object({"strategy": strategy}))
+            parsed = parser.parse_object({"strategy": strategy})
+            # jsonargparse 4.49 renamed instantiate_classes to instantiate
+            build = getattr(parser, "instantiate", None) or parser.instantiate_classes
+            built = build(parsed)
             assert isinstance(built.strategy, lightning_zero.ZeroStrategy), f"{block.path}:{block.line}"
             checked += 1
     assert checked >= 1, "no LightningCLI YAML example found"

@@ -42,14 +42,17 @@ def findings(text: str, changelog: bool = False) -> list[tuple[int, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("text, kinds", [
-    ("measured 2026-12-04 at 15:40", ["date"]),
-    ("fixed in issue 17, see Issue #3", ["issue", "issue"]),
-    ("lightning_zero 1ca6f65 + README", ["commit hash"]),
-    ("main f3841a5e9c0d1b2a3f4e5d6c7b8a9f0e1d2c3b4a", ["commit hash"]),
-    ("0xdeadbeef, a 1024-element buffer, 12345678 bytes, abcdefab, sha256", []),
-    ("a tissue 5 cm", []),
-])
+@pytest.mark.parametrize(
+    "text, kinds",
+    [
+        ("measured 2026-12-04 at 15:40", ["date"]),
+        ("fixed in issue 17, see Issue #3", ["issue", "issue"]),
+        ("lightning_zero 1ca6f65 + README", ["commit hash"]),
+        ("main f3841a5e9c0d1b2a3f4e5d6c7b8a9f0e1d2c3b4a", ["commit hash"]),
+        ("0xdeadbeef, a 1024-element buffer, 12345678 bytes, abcdefab, sha256", []),
+        ("a tissue 5 cm", []),
+    ],
+)
 def test_the_patterns(text, kinds):
     assert [k for _, k, _ in findings(text)] == kinds
 
@@ -59,7 +62,9 @@ def test_readme_docs_and_sources_are_clean():
     for path in checked_files():
         for number, kind, match in findings(path.read_text(encoding="utf-8"), changelog=path.name == "CHANGELOG.md"):
             found.append(f"{path.relative_to(ROOT)}:{number}: {kind} {match!r}")
-    assert not found, "dates, commit hashes or tracker references (move measurements to benchmarks/results):\n" + "\n".join(found)
+    assert not found, (
+        "dates, commit hashes or tracker references (move measurements to benchmarks/results):\n" + "\n".join(found)
+    )
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
