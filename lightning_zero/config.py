@@ -426,7 +426,7 @@ class NvmeConfig:
     queue_depth: int = 32
     """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024: the depth
     of the io_uring engine's ring (the thread-pool engines have ``threads`` requests in flight).
-    32 with ``threads`` 4 (DeepSpeed's defaults are 8 and 1): the 3.3B capacity step (README) took
+    32 with ``threads`` 4 (DeepSpeed's defaults are 8 and 1): the 3.3B capacity step (docs/benchmarks.md, "NVMe offload") took
     51 s against 62-66 s with 8 and 2 on the same virtio disk, which reads ~1.6x faster with
     several requests in flight than one at a time (as NVMe drives do)."""
 
@@ -450,7 +450,7 @@ class NvmeConfig:
     ``buffer_count`` gradient slices being written in backward). 3 (was 2): the 3.3B capacity step
     on this project's 2-core machine took 30.6-32.3 s against 33.3-38.9 s, its optimizer phase at
     0.94 of what the disk moves with reads and writes in flight together, for ~0.8 GiB more peak
-    RSS (README)."""
+    RSS (docs/benchmarks.md, "NVMe offload")."""
 
     param_buffer_count: int = 4
     """Stage-3 parameter shards in memory at once under ``offload_parameters="nvme"`` (DeepSpeed

@@ -273,7 +273,7 @@ class MemoryMonitor(pl.Callback):
     kernel's peak mark at setup (when something else measures the peak from an earlier point; then
     ``peak_growth`` may include a peak from before setup). Under other strategies (DDP) the
     breakdown counts the module's parameters and gradients only. Measured on the benchmark models
-    (README, "Memory as the OS counts it"): ``accounted`` is within 10% of ``resident``.
+    (docs/stages.md, "Memory as the OS counts it"): ``accounted`` is within 10% of ``resident``.
     """
 
     def __init__(self, every_n_steps: int = 1, log: bool = False, reset_peak: bool = True) -> None:

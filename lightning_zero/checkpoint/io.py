@@ -151,7 +151,7 @@ WAYS_OUT = (
     "Two ways out: put checkpoints (Trainer(default_root_dir=...), ModelCheckpoint(dirpath=...), "
     "trainer.save_checkpoint(...)) on a filesystem all nodes mount at the same path (NFS, Lustre, GPFS) or on an "
     "object store every node reaches (s3://, gs://, az://); or keep each node's ranks' files on that node's own "
-    "disk with ZeroStrategy(node_local_storage=True) (see the README's Checkpoints section)."
+    "disk with ZeroStrategy(node_local_storage=True) (see docs/checkpoints.md)."
 )
 
 

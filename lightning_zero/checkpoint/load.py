@@ -15,7 +15,7 @@ engine exists): ``load_checkpoint`` (Lightning's own state; this rank's random s
 data loader state), ``load_model_state_dict``, then, when fitting, ``load_optimizer_state_dict``
 (and :func:`load_window`: the gradients of an accumulation window the checkpoint interrupted). A
 mid-epoch resume restores the random states once more at ``on_train_start``, after Lightning has
-created the train loader's iterator (see the strategy and the README, "Exact resume").
+created the train loader's iterator (see the strategy and docs/checkpoints.md, "Exact resume").
 
 Speed (``benchmarks/checkpoint_store.py``): each rank file is CRC-checked once (compiled,
 :mod:`lightning_zero.ops.checksum`) and memory-mapped; each piece is copied once, from the mapped file

@@ -172,7 +172,7 @@ class GatherCoordinator:
             sub._lightning_zero_sharded = names
             self.needs.append(needed)
             # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
-            # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
+            # issue collectives, which a traced graph would bake in (see docs/activation-checkpointing.md, "torch.compile").
             pre, post = self._make_pre_forward(index), self._make_post_forward(index)
             self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
             self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))

@@ -103,7 +103,7 @@ class TokenDataModule(LightningDataModule, abc.ABC):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         # A StatefulDataLoader (torchdata): Lightning saves its position in every checkpoint, so a run
-        # resumed from a mid-epoch checkpoint goes on with the next batch (see the README, "Exact resume").
+        # resumed from a mid-epoch checkpoint goes on with the next batch (see docs/checkpoints.md, "Exact resume").
         return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,

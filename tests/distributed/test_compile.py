@@ -1,6 +1,6 @@
 """``torch.compile`` under ZeRO: a LightningModule whose model is compiled in
 ``configure_model`` (as Lightning documents) trains at stages 1, 2 and 3 with the losses of the same
-model uncompiled, and the graph breaks are counted (the README's "torch.compile" table).
+model uncompiled, and the graph breaks are counted (the "torch.compile" table of docs/activation-checkpointing.md).
 
 Tolerance: the compiled kernels (inductor's C++ code on the CPU) fuse and reorder fp32 arithmetic,
 so losses agree to rounding, not bitwise; 1e-5 relative is the issue's bound (measured gaps are

@@ -2,7 +2,7 @@
 gradient-accumulation window, and resumed with ``fit(ckpt_path=...)`` in a fresh Trainer computes
 the same per-micro-batch losses as the uninterrupted run, bit for bit (fp32, CPU, 2 gloo ranks).
 
-What it takes (see the README, "Exact resume"): a ``torchdata`` ``StatefulDataLoader`` over a torch
+What it takes (see docs/checkpoints.md, "Exact resume"): a ``torchdata`` ``StatefulDataLoader`` over a torch
 ``RandomSampler`` (Lightning swaps in a ``DistributedSampler``, whose order depends only on the seed
 and the epoch; the loader's state, saved by Lightning, skips what was consumed); the sharded
 checkpoint keeps every rank's loader state and random states, and the gradients accumulated since

@@ -1,5 +1,5 @@
 """Every invalid option of ZeroStrategy, LossScaleConfig and OffloadPrecision, one row each: the
-constructor raises a ValueError whose message names the bad value (and, per the README's "Options"
+constructor raises a ValueError whose message names the bad value (and, per docs/options.md, "Options"
 list of checks, what to use instead). No process group is needed: all of it fails at construction."""
 
 from __future__ import annotations
