@@ -19,28 +19,21 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = "<!-- benchmark-results -->"
-# Order of the groups on the page: a file's name starts with its group.
-GROUPS = [
-    ("quick", "run.py: every system side by side"),
-    ("benchmarks-readme", "run.py: every system side by side"),
-    ("bench-latest", "run.py: every system side by side"),
-    ("stages", "Memory per rank against the ZeRO formulas"),
-    ("bench-memory", "Memory per rank against the ZeRO formulas"),
-    ("bench-step", "Step time"),
-    ("bench-gloo", "Step time"),
-    ("bench-machine", "Step time"),
-    ("activations", "Activation checkpointing"),
-    ("cpu-offload", "CPU offload and the compiled CPU optimizers"),
-    ("nvme-offload", "NVMe offload"),
-    ("checkpoints", "Checkpoints"),
-    ("bench-checkpoint", "Checkpoints"),
-    ("parallel3d", "Tensor and pipeline parallelism"),
-    ("bench-parallel3d", "Tensor and pipeline parallelism"),
-    ("bench-measured", "Tensor and pipeline parallelism"),
-    ("bench-measured-on-an-h200", "GPU"),
-    ("bench-second-session", "GPU"),
-    ("architecture", "Test suite"),
-]
+# The page's sections, in order: a file's ``topic`` field (or, for files a script wrote without
+# one, ``TOPICS`` by name) says where it goes.
+GROUPS = {
+    "run": "run.py: every system side by side",
+    "memory": "Memory per rank against the ZeRO formulas",
+    "step-time": "Step time",
+    "activations": "Activation checkpointing",
+    "cpu-offload": "CPU offload and the compiled CPU optimizers",
+    "nvme": "NVMe offload",
+    "checkpoints": "Checkpoints",
+    "parallel": "Tensor and pipeline parallelism",
+    "gpu": "GPU",
+    "tests": "Test suite",
+}
+TOPICS = {"quick": "run", "parallel3d": "parallel", "parallel3d_quick": "parallel"}
 # Files written by scripts that do not record their own command line.
 COMMANDS = {
     "quick": "python benchmarks/run.py --quick",
@@ -55,9 +48,8 @@ TITLES = {
 MACHINE_KEYS = ["cpu", "isa", "cores", "gpu", "ranks", "torch", "lightning", "python", "lightning_zero", "date"]
 
 
-def _group(stem: str) -> str:
-    best = max((p for p, _ in GROUPS if stem.startswith(p)), key=len, default=None)
-    return dict(GROUPS)[best] if best else "Other"
+def _topic(stem: str, data: dict[str, Any]) -> str:
+    return str(data.get("topic") or TOPICS.get(stem, "other"))
 
 
 def _table(headers: list[Any], rows: list[list[Any]]) -> str:
@@ -92,17 +84,21 @@ def render_result(stem: str, data: dict[str, Any]) -> str:
 
 
 def render_all(results: Path = RESULTS) -> str:
-    """Every result file, grouped by topic in the order of ``GROUPS``."""
-    order = {title: i for i, (_, title) in reversed(list(enumerate(GROUPS)))}
+    """Every result file, grouped by topic in the order of ``GROUPS``; within a topic the files with a
+    table first, then notes only, each by file name."""
+    order = list(GROUPS)
     entries = []
     for path in sorted(results.glob("*.json")):
-        group = _group(path.stem)
-        entries.append((order.get(group, len(GROUPS)), group, path.stem, json.loads(path.read_text())))
+        data = json.loads(path.read_text())
+        topic = _topic(path.stem, data)
+        rank = order.index(topic) if topic in order else len(order)
+        has_table = bool(data.get("headers") or data.get("table") or data.get("tables"))
+        entries.append((rank, not has_table, path.stem, topic, data))
     out, current = [], None
-    for _, group, stem, data in sorted(entries, key=lambda e: (e[0], e[2])):
-        if group != current:
-            out += [f"## {group}", ""]
-            current = group
+    for _, _, stem, topic, data in sorted(entries, key=lambda e: e[:3]):
+        if topic != current:
+            out += [f"## {GROUPS.get(topic, topic.capitalize())}", ""]
+            current = topic
         out.append(render_result(stem, data))
     return "\n".join(out)
 
