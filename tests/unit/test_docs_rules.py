@@ -91,3 +91,45 @@ def test_ci_runs_the_readme_test_command_and_the_docs():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "bash scripts/run.sh test" in readme and "bash scripts/run.sh demo" in readme
     assert "\nbash scripts/run.sh test" in ci and "\nbash scripts/run.sh docs" in ci
+
+
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_benchmark_result_says_how_where_and_when():
+    """Each result the Benchmarks page renders names its command, its machine, the versions and a date."""
+    import json
+
+    hooks = _hooks()
+    results = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+    assert results
+    for path in results:
+        data = json.loads(path.read_text())
+        machine = data.get("machine", {})
+        assert data.get("command") or path.stem in hooks.COMMANDS, f"{path.name}: no command"
+        assert machine.get("cpu") or machine.get("gpu"), f"{path.name}: no machine"
+        assert machine.get("torch") and machine.get("date"), f"{path.name}: no versions or date"
+        assert hooks._topic(path.stem, data) in hooks.GROUPS, f"{path.name}: topic not on the page"
+        rendered = hooks.render_result(path.stem, data)
+        fences = [line for line in rendered.splitlines() if line.strip().startswith("```")]
+        assert len(fences) % 2 == 0, f"{path.name}: a code fence is left open"
+
+
+def test_a_result_renders_as_a_table():
+    data = {
+        "title": "t",
+        "command": "python benchmarks/x.py",
+        "machine": {"cpu": "c", "torch": "2", "date": "d"},
+        "headers": ["a", "b|c"],
+        "rows": [[1, None]],
+        "notes": ["n"],
+    }
+    text = _hooks().render_result("x", data)
+    assert "### t" in text and "`python benchmarks/x.py`" in text and "cpu: c; torch: 2; date: d" in text
+    assert "| a | b\\|c |" in text and "| 1 | - |" in text and text.rstrip().endswith("n")
