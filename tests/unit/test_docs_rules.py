@@ -133,3 +133,17 @@ def test_a_result_renders_as_a_table():
     text = _hooks().render_result("x", data)
     assert "### t" in text and "`python benchmarks/x.py`" in text and "cpu: c; torch: 2; date: d" in text
     assert "| a | b\\|c |" in text and "| 1 | - |" in text and text.rstrip().endswith("n")
+
+
+def test_the_options_page_lists_every_option():
+    """docs/options.md has a row for every ZeroStrategy option (Lightning's DDP arguments aside)."""
+    import inspect
+
+    import lightning_zero
+
+    ddp = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    ddp |= {"process_group_backend", "start_method"}
+    page = (ROOT / "docs" / "options.md").read_text(encoding="utf-8")
+    names = [n for n in inspect.signature(lightning_zero.ZeroStrategy.__init__).parameters if n != "self"]
+    missing = [n for n in names if n not in ddp and f"| `{n}` |" not in page]
+    assert not missing, f"docs/options.md has no row for {missing}"
