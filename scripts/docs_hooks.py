@@ -11,6 +11,7 @@ and ``notes``. The plots (``benchmarks/results/*.png``) are published beside the
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def _table(headers: list[Any], rows: list[list[Any]]) -> str:
 def render_result(stem: str, data: dict[str, Any]) -> str:
     """One result file as a Markdown section: title, command, machine, table(s), notes."""
     out = [f"### {data.get('title') or TITLES.get(stem, stem)}", ""]
-    command = data.get("command") or COMMANDS.get(stem, "not recorded")
+    command = " ".join(str(data.get("command") or COMMANDS.get(stem, "not recorded")).split())
     out.append(f"**Command:** `{command}`  ")
     machine = data.get("machine", {})
     parts = [f"{k}: {machine[k]}" for k in MACHINE_KEYS if machine.get(k)]
@@ -79,7 +80,7 @@ def render_result(stem: str, data: dict[str, Any]) -> str:
     for name, table in (data.get("tables") or {}).items():
         out += [f"**{name}**", "", table.strip(), ""]
     for note in data.get("notes", []):
-        out += [note.strip(), ""]
+        out += [textwrap.dedent(note).strip(), ""]
     return "\n".join(out)
 
 
