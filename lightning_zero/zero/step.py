@@ -378,13 +378,20 @@ class ShardedOptimizer:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def load_slices(self, state: dict[int, dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
-        """Load per-buffer states (``id(buffer) -> {key: slice or scalar}``) and the hyperparameters
-        of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
+    def load_slices(
+        self,
+        state: dict[int, dict[str, Any]],
+        saved_groups: list[dict[str, Any]],
+        whole_state: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
+        """Load per-buffer states (``id(buffer) -> {key: slice or scalar}``), the whole states of the
+        parameters this rank owns in whole-tensor groups (``id(key) -> state``) and the
+        hyperparameters of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
         # Optimizer.load_state_dict keys are positions in the optimizer's own parameter order (group
         # by group), which under stage 3 is not the order of self.buffers.
         position = {id(m): k for k, m in enumerate(m for masters in self.master_params for m in masters)}
         by_position = {position[id(b.master)]: state[id(b)] for b in self.buffers if id(b) in state}
+        by_position.update({position[key]: value for key, value in (whole_state or {}).items()})
         groups, start = [], 0
         for g_index, saved in enumerate(saved_groups):
             group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
@@ -412,14 +419,29 @@ class ShardedOptimizer:
         position = {id(p): saved_ids[k] for k, p in enumerate(p for group in self.original_params for p in group)}
         full_state = state_dict["state"]
         state: dict[int, dict[str, Any]] = {}
+        whole_state: dict[int, dict[str, Any]] = {}
+        if self.whole is not None:
+            for w in self.whole.owned_params():  # the owner takes the parameter's entry as it is
+                entry = full_state.get(position[id(w.param)])
+                if entry:
+                    whole_state[id(w.key)] = {
+                        k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items() if k != "master"
+                    }
+        skip = {id(b) for b in self.whole.buffers} if self.whole is not None else set()
         for b in self.buffers:
+            if id(b) in skip:  # only the fp32 masters some saves carry (our earlier single-file format)
+                entries = [full_state.get(position[id(p)], {}) for p in b.params]
+                masters = self._slice_state(b, [{"master": e["master"]} if "master" in e else {} for e in entries])
+                if "master" in masters and b.separate_master:
+                    b.master.copy_(masters["master"])
+                continue
             shard_state = self._slice_state(b, [full_state.get(position[id(p)], {}) for p in b.params])
             master = shard_state.pop("master", None)
             if master is not None and b.separate_master:
                 b.master.copy_(master)
             if shard_state:
                 state[id(b)] = shard_state
-        self.load_slices(state, saved_groups)
+        self.load_slices(state, saved_groups, whole_state)
 
     @staticmethod
     def _slice_state(b: FlatBuffer, entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -205,3 +205,65 @@ class WholeTensorStep:
         for w in self.owned_params():
             w.key.grad = None
             w.key.data = torch.empty(0, dtype=w.key.dtype, device=w.key.device)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def share_states(self, state: dict[Any, dict[str, Any]]) -> dict[tuple[int, int], tuple[dict, dict]]:
+        """Every rank's part of the owners' whole states, in the checkpoint's per-piece form:
+        ``(id(buffer), param_index) -> (slices, scalars)`` for each piece this rank holds, where
+        ``slices`` are this piece (1-D) of the states shaped like the parameter (momentum) and
+        ``scalars`` the others whole (``step``, Adafactor's row and column factors), as every file
+        holding a piece of a parameter holds its entry. The owners send them (point to point: the
+        pieces to their holders, the other states whole to each holder). Call on all ranks."""
+        mine: dict[int, dict[str, Any]] = {}
+        for index, w in enumerate(self.params):
+            if w.owner != self.rank or not state.get(w.key):
+                continue
+            mine[index] = {
+                k: ("slice" if v.shape == w.shape else "whole", tuple(v.shape), v.dtype)
+                if torch.is_tensor(v) and v.dim() > 0
+                else ("value", v)
+                for k, v in state[w.key].items()
+            }
+        layouts: dict[int, dict[str, Any]] = {}
+        for gathered in comm.all_gather_object(mine, self.group):
+            layouts.update(gathered)
+        sends, out = [], {}
+        for index, w in enumerate(self.params):
+            if w.owner != self.rank or index not in layouts:
+                continue
+            held = state[w.key]
+            for r, param_offset, _, numel in w.pieces:
+                for k, how in layouts[index].items():
+                    if how[0] == "value":
+                        continue
+                    value = held[k].detach()
+                    if how[0] == "slice":
+                        value = value.reshape(-1)[param_offset : param_offset + numel]
+                    if r != self.rank:
+                        sends.append(comm.send(value, r, self.group, _TAG))
+        for index, w in enumerate(self.params):
+            if index not in layouts:
+                continue
+            for r, param_offset, _, numel in w.pieces:
+                if r != self.rank:
+                    continue
+                slices, scalars = {}, {}
+                for k, how in layouts[index].items():
+                    if how[0] == "value":
+                        scalars[k] = how[1]
+                        continue
+                    kind, shape, dtype = how
+                    if w.owner == self.rank:
+                        value = state[w.key][k].detach()
+                        value = value.reshape(-1)[param_offset : param_offset + numel] if kind == "slice" else value
+                        value = value.to("cpu", copy=True)
+                    else:
+                        value = torch.empty(numel if kind == "slice" else shape, dtype=dtype, device=w.key.device)
+                        comm.recv(value, w.owner, self.group, _TAG)
+                        value = value.cpu()
+                    (slices if kind == "slice" else scalars)[k] = value
+                out[(id(w.buffer), w.param_index)] = (slices, scalars)
+        for handle in sends:
+            handle.wait()
+        return out
