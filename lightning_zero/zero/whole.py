@@ -248,7 +248,8 @@ class WholeTensorStep:
             for r, param_offset, _, numel in w.pieces:
                 if r != self.rank:
                     continue
-                slices, scalars = {}, {}
+                slices: dict[str, Any] = {}
+                scalars: dict[str, Any] = {}
                 for k, how in layouts[index].items():
                     if how[0] == "value":
                         scalars[k] = how[1]

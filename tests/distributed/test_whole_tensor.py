@@ -98,3 +98,57 @@ def test_bf16_mixed_whole_tensor_optimizers_match_ddp():
                     # a near-zero gradient moves little); over a whole tensor the difference stays
                     # at bf16 storage rounding (~4e-3) plus such flips, as the elementwise test's 5e-2.
                     assert _norm_rel(got["state"][key], value) <= 5e-2, (rank, optimizer, name, key)
+
+
+CKPT_SPECS = ["ddp", "zero3", "zero2_offload"]
+
+
+def _save_worker(rank: int, tmp: str, optimizers: list[str]) -> None:
+    for optimizer in optimizers:
+        for name in CKPT_SPECS:
+            trainer, _ = _run("ddp" if name == "ddp" else SPECS[name], optimizer, max_steps=4)
+            trainer.save_checkpoint(f"{tmp}/{optimizer}-{name}.ckpt")
+
+
+def _resume_worker(rank: int, tmp: str, optimizers: list[str]) -> dict:
+    out = {}
+    for optimizer in optimizers:
+        for name in CKPT_SPECS:
+            spec = "ddp" if name == "ddp" else SPECS[name]
+            _, model = _run(spec, optimizer, max_steps=8, devices=1, ckpt_path=f"{tmp}/{optimizer}-{name}.ckpt")
+            out[(optimizer, name)] = state(model)
+    return out
+
+
+def test_checkpoints_consolidate_and_resume_at_another_world_size(tmp_path):
+    from lightning_zero.checkpoint import to_lightning_checkpoint
+
+    optimizers = ["muon", "adafactor"]
+    run_ranks(_save_worker, str(tmp_path), optimizers, timeout=900)
+    for optimizer in optimizers:
+        ref = torch.load(tmp_path / f"{optimizer}-ddp.ckpt", weights_only=False)
+        for name in CKPT_SPECS[1:]:
+            out = tmp_path / f"{optimizer}-{name}.export"
+            to_lightning_checkpoint(tmp_path / f"{optimizer}-{name}.ckpt", out)
+            got = torch.load(out, weights_only=False)
+            for key, value in ref["state_dict"].items():
+                assert _max_rel(got["state_dict"][key].float(), value.float()) <= 1e-5, (optimizer, name, key)
+            # consolidated: per parameter the owner's whole state (Muon's momentum, Adafactor's row and
+            # column factors and step) as DDP's optimizer wrote it; fp32, so the 1e-5 of the weights
+            for opt_got, opt_ref in zip(got["optimizer_states"], ref["optimizer_states"], strict=True):
+                # (the elementwise AdamW of the Muon recipe also keeps a state, unchanged zeros, for a
+                # parameter without gradient that DDP's skips: a superset there)
+                assert set(opt_got["state"]) >= set(opt_ref["state"]), (optimizer, name)
+                for index, entry in opt_ref["state"].items():
+                    assert set(opt_got["state"][index]) == set(entry), (optimizer, name, index)
+                    for key, value in entry.items():
+                        mine = opt_got["state"][index][key]
+                        assert mine.shape == value.shape, (optimizer, name, index, key)
+                        assert _max_rel(mine.float(), value.float()) <= 1e-5, (optimizer, name, index, key)
+    # 2 -> 1 rank: the whole states land on the one owner there, and training continues as DDP's
+    (resumed,) = run_ranks(_resume_worker, str(tmp_path), optimizers, world_size=1, timeout=900)
+    for optimizer in optimizers:
+        ref = resumed[(optimizer, "ddp")]
+        for name in CKPT_SPECS[1:]:
+            for key, value in ref.items():
+                assert _max_rel(resumed[(optimizer, name)][key], value) <= 1e-5, (optimizer, name, key)
