@@ -203,6 +203,13 @@ class ZeroEngine(CheckpointSurface):
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
             )
+        whole = [type(s.optimizer).__name__ for s in self._sharded.values() if s.whole is not None]
+        if whole and "nvme" in (config.offload.optimizer_tier, config.offload.parameter_tier):
+            raise ValueError(
+                f"{whole[0]} steps whole tensors on their owner ranks, which the NVMe tiers "
+                '(offload_optimizer="nvme", offload_parameters="nvme") do not support: their swap files hold '
+                'flat slices. Use offload_optimizer="cpu" (the owner steps on the host) or no offload.'
+            )
         #: gradients of the parameters several optimizers hold, as DDP's one param.grad (zero/shared.py)
         self._shared = SharedGrads([b for b in self._buffers if holders[id(b)] > 1], group)
         #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
@@ -307,6 +314,8 @@ class ZeroEngine(CheckpointSurface):
         if before_update is not None:
             before_update()
         overflow = False
+        if sharded.whole is not None:  # parameters without a gradient this window are skipped, as under DDP
+            sharded.whole.got_gradient = set(self._reducer.got_gradient)
         if update:
             # (known_finite: clipped gradients on the disk tier, not read again for the check)
             overflow = check_overflow and not (

@@ -33,6 +33,7 @@ from lightning_zero.zero.surface import (
     PieceReader,
 )
 from lightning_zero.zero.swap import EngineSwap, ParamTier
+from lightning_zero.zero.whole import WholeTensorStep
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -146,6 +147,13 @@ class CheckpointSurface:
         def snapshot(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.detach() if views else self._snapshot(tensor, own)
 
+        # whole-tensor groups: the owners' whole states, as every holder's per-piece entries (a collective)
+        whole: dict[int, dict[tuple[int, int], tuple[dict, dict]]] = {}
+        for o_index, optimizer in enumerate(self._optimizers):
+            stepper = self._sharded[id(optimizer)].whole
+            if stepper is not None and not views:
+                whole[o_index] = stepper.share_states(optimizer.state)
+        position = {id(p): (id(b), i) for b in buffers for i, p in enumerate(b.params)}
         # per buffer: the master's host copy and, per optimizer holding it, its states' copies
         copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
         for b in buffers:
@@ -174,6 +182,10 @@ class CheckpointSurface:
                 o_index: OptimizerPiece({k: v[window] for k, v in slices.items()}, scalars)
                 for o_index, (slices, scalars) in states.items()
             }
+            for o_index, parts in whole.items():
+                part = parts.get(position[id(held.param)])
+                if part is not None:  # this piece of the owner's whole state
+                    pieces[o_index] = OptimizerPiece(*part)
             out.append(LocalPiece(master[window], pieces))
         return out
 
@@ -216,11 +228,14 @@ class CheckpointSurface:
         hyperparameters of ``saved_groups``. Local."""
         index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
         buffers = self._all_buffers()
+        stepper = self._get(optimizer).whole
+        skip = {id(b) for b in stepper.buffers} if stepper is not None else set()
+        whole_state = self._read_whole(stepper, read) if stepper is not None else {}
         state: dict[int, dict[str, Any]] = {}
         filled: dict[int, list[tuple[int, int]]] = {}  # per buffer: the (shard_offset, numel) read
         current: FlatBuffer | None = None  # the buffer being filled (held params come buffer by buffer)
         for held in self._held:
-            if index not in held.optimizers or held.local is None:
+            if index not in held.optimizers or held.local is None or id(buffers[held.buffer]) in skip:
                 continue
             if self.swap is not None and current is not None and current is not buffers[held.buffer]:
                 self._zero_unread(current, state, filled)
@@ -244,12 +259,26 @@ class CheckpointSurface:
         if self.swap is not None and current is not None:
             self._adopt(current, state)
         if self.swap is None:
-            self._get(optimizer).load_slices(state, saved_groups)
+            self._get(optimizer).load_slices(state, saved_groups, whole_state)
             return
         # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
         # dtype and device); a state tensor that torch replaced anyway takes over its file.
         self._get(optimizer).load_slices(state, saved_groups)
         self.swap.settle()
+
+    def _read_whole(self, stepper: WholeTensorStep, read: OptimizerPieceReader) -> dict[int, dict[str, Any]]:
+        """The whole states of the parameters this rank owns (``id(key) -> state``), read from the
+        pieces of whichever ranks saved them (the owner may hold no piece, or the world size changed)."""
+        held_of = {id(h.param): h for h in self._held}
+        out: dict[int, dict[str, Any]] = {}
+        for w in stepper.owned_params():
+            piece = read(held_of[id(w.param)], 0, w.numel)
+            if piece is None:
+                continue
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in piece.scalars.items()}
+            state.update({k: v.reshape(w.shape).clone() for k, v in piece.slices.items()})
+            out[id(w.key)] = state
+        return out
 
     def _state_destination(self, index: int, buffer: FlatBuffer, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Where a loaded state ``key`` of ``buffer``'s shard goes: the optimizer's own tensor when it

@@ -6,8 +6,10 @@ only while torch's ``step()`` runs: :meth:`ShardedOptimizer.masters`). Its ``sta
 optimizer states for this rank's slice only: 12/N bytes per parameter for Adam.
 
 This is exact only for elementwise optimizers, whose update of an element reads that element
-alone: slices cut through parameters. Optimizers built on whole-tensor statistics (LAMB's trust
-ratio, Adafactor's factored moments, LBFGS) are rejected.
+alone: slices cut through parameters. Parameter groups of whole-tensor optimizers (Muon, Adafactor,
+one declared ``whole_tensor = True``) are stepped by parameter on one owner rank instead
+(:mod:`lightning_zero.zero.whole`); LBFGS, whose update couples all parameters and whose closure
+re-evaluates the model, and undeclared optimizers named like whole-tensor ones are rejected.
 
 Checkpoints are written per piece (:mod:`lightning_zero.checkpoint`) and loaded back through
 :meth:`ShardedOptimizer.load_slices`; an unsharded optimizer state (a plain DDP checkpoint, or the
@@ -27,6 +29,7 @@ from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.step_kernels import KernelStep, Stepped
 from lightning_zero.zero.swap_grads import Scale, squared_norm
+from lightning_zero.zero.whole import WholeTensorStep, declared_whole_tensor, whole_groups
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -45,29 +48,44 @@ _WHOLE_TENSOR_HINTS = ("lamb", "lars", "adafactor", "lbfgs", "shampoo", "muon", 
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
-    """Raise ``ValueError`` unless ``optimizer`` can step flat slices exactly."""
+    """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise)
+    or by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`)."""
     from lightning_zero import ops
 
     cls = type(optimizer)
+    name = cls.__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            f"{name} computes one update from all parameters together (its history of steps spans the whole "
+            "model) and its closure re-evaluates forward and backward several times per step, which ZeRO's "
+            "sharded step does not drive; it is not supported under ZeroStrategy. Use strategy='ddp' for LBFGS, "
+            "or a per-tensor optimizer (Muon, Adafactor, Adam, ...)."
+        )
+    declared = declared_whole_tensor(optimizer)
+    groups = whole_groups(optimizer)
+    if declared is not None or groups:
+        return  # the optimizer (or its groups) says how it must be stepped
     if cls in ELEMENTWISE_OPTIMIZERS or cls in (ops.CPUAdam, ops.FusedAdam, ops.Lion):
         return
     if issubclass(cls, ELEMENTWISE_OPTIMIZERS) and not issubclass(cls, (ops.CPULamb, ops.FusedLamb)):
         return  # a subclass (a counter, a logging hook) is trusted to stay elementwise; it steps itself
     if cls in (ops.CPULamb, ops.FusedLamb):
         return  # stepped by the shard-aware LAMB kernels (lightning_zero.zero.step_kernels)
-    name = cls.__name__
     if any(hint in name.lower() for hint in _WHOLE_TENSOR_HINTS):
         raise ValueError(
             f"{name} computes its update from whole-tensor statistics (norms or factored moments), but ZeRO "
             "steps contiguous slices of flat buffers that cut through parameters, so its updates would be wrong. "
-            "Use an elementwise optimizer (SGD, Adam, AdamW, ...), or for LAMB the shard-aware "
-            "lightning_zero.ops.CPULamb / FusedLamb."
+            f"If each parameter's update reads only that parameter, declare it: set {name}.whole_tensor = True "
+            "(each parameter is then stepped whole on one owner rank); for LAMB use the shard-aware "
+            "lightning_zero.ops.CPULamb / FusedLamb; otherwise use an elementwise optimizer (SGD, Adam, AdamW, ...)."
         )
     if not allow_untested:
         raise ValueError(
             f"{name} is not known to be elementwise. ZeRO steps slices of parameters, which is exact only when "
             "each element's update depends on that element alone. If that holds for your optimizer, pass "
-            "ZeroStrategy(allow_untested_optimizer=True); otherwise use SGD, Adam, AdamW or another "
+            "ZeroStrategy(allow_untested_optimizer=True); if its update of a parameter reads the whole parameter "
+            f"(norms, matrix products), set {name}.whole_tensor = True (or a param group's 'whole_tensor': True) "
+            "to step each parameter whole on one owner rank; otherwise use SGD, Adam, AdamW or another "
             "torch.optim elementwise optimizer."
         )
 
@@ -162,16 +180,22 @@ class ShardedOptimizer:
         self.pipeline_parallel_group = pipeline_parallel_group
         self.counted_elsewhere = counted_elsewhere
         self.original_params = [list(g["params"]) for g in optimizer.param_groups]
+        groups = whole_groups(optimizer)
+        #: the parameters of whole-tensor groups, stepped by parameter (None: every group is elementwise)
+        self.whole = WholeTensorStep(buffers, self.group_of, groups, group) if groups else None
         self.master_params = [
-            [b.master for b in buffers if self.group_of[id(b)] == g_index]
+            self.whole.owned(g_index)
+            if self.whole is not None and g_index in groups
+            else [b.master for b in buffers if self.group_of[id(b)] == g_index]
             for g_index in range(len(optimizer.param_groups))
         ]
         optimizer.state.clear()
         if isinstance(optimizer, torch.optim.Adagrad):
             _adagrad_init_state(optimizer)
-        self.kernel = KernelStep.for_optimizer(optimizer, buffers, group, self.group_of)
+        # the compiled kernels step flat slices of every group at once: not with a whole-tensor group
+        self.kernel = None if groups else KernelStep.for_optimizer(optimizer, buffers, group, self.group_of)
         if self.kernel is None:
-            prefer_fused(optimizer, [b.master for b in buffers])
+            prefer_fused(optimizer, [m for masters in self.master_params for m in masters])
         self._finite_after_clip = False  # see known_finite
 
     @contextmanager
@@ -193,6 +217,12 @@ class ShardedOptimizer:
     def add_groups(self, buffers: list[FlatBuffer]) -> None:
         """Take the parameter groups added to the optimizer since setup (``add_param_group`` during
         fit), whose parameters ``buffers`` now hold (stages 1/2: :meth:`ZeroEngine.add_param_groups`)."""
+        if self.whole is not None or whole_groups(self.optimizer):
+            raise ValueError(
+                f"optimizer.add_param_group() during fit on {type(self.optimizer).__name__}, which has whole-tensor "
+                "parameter groups, is not supported (their owners are assigned at setup). Give every parameter "
+                "group to the optimizer in configure_optimizers (a group that should not train yet can have lr=0)."
+            )
         self.buffers.extend(buffers)
         self.group_of.update({id(b): b.optimizer_group for b in buffers if b.optimizer_group is not None})
         for g_index in range(len(self.master_params), len(self.optimizer.param_groups)):
@@ -319,8 +349,17 @@ class ShardedOptimizer:
         if self.kernel is not None:
             self.kernel.step(self.tensor_parallel_group, stepped)
             return
-        with self.masters():
-            self.optimizer.step(**(step_kwargs or {}))
+        if self.whole is not None:
+            self.whole.load()  # each owned parameter whole, with its whole gradient
+        try:
+            with self.masters():
+                self.optimizer.step(**(step_kwargs or {}))
+        except BaseException:
+            if self.whole is not None:
+                self.whole.release()
+            raise
+        if self.whole is not None:
+            self.whole.store()  # the updated pieces back into every holder's master slice
         for b in self.buffers:
             b.params_from_master()
             if stepped is not None:
@@ -339,13 +378,20 @@ class ShardedOptimizer:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def load_slices(self, state: dict[int, dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
-        """Load per-buffer states (``id(buffer) -> {key: slice or scalar}``) and the hyperparameters
-        of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
+    def load_slices(
+        self,
+        state: dict[int, dict[str, Any]],
+        saved_groups: list[dict[str, Any]],
+        whole_state: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
+        """Load per-buffer states (``id(buffer) -> {key: slice or scalar}``), the whole states of the
+        parameters this rank owns in whole-tensor groups (``id(key) -> state``) and the
+        hyperparameters of ``saved_groups`` (their ``params`` entries are ignored) into the optimizer."""
         # Optimizer.load_state_dict keys are positions in the optimizer's own parameter order (group
         # by group), which under stage 3 is not the order of self.buffers.
         position = {id(m): k for k, m in enumerate(m for masters in self.master_params for m in masters)}
         by_position = {position[id(b.master)]: state[id(b)] for b in self.buffers if id(b) in state}
+        by_position.update({position[key]: value for key, value in (whole_state or {}).items()})
         groups, start = [], 0
         for g_index, saved in enumerate(saved_groups):
             group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
@@ -373,14 +419,29 @@ class ShardedOptimizer:
         position = {id(p): saved_ids[k] for k, p in enumerate(p for group in self.original_params for p in group)}
         full_state = state_dict["state"]
         state: dict[int, dict[str, Any]] = {}
+        whole_state: dict[int, dict[str, Any]] = {}
+        if self.whole is not None:
+            for w in self.whole.owned_params():  # the owner takes the parameter's entry as it is
+                entry = full_state.get(position[id(w.param)])
+                if entry:
+                    whole_state[id(w.key)] = {
+                        k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items() if k != "master"
+                    }
+        skip = {id(b) for b in self.whole.buffers} if self.whole is not None else set()
         for b in self.buffers:
+            if id(b) in skip:  # only the fp32 masters some saves carry (our earlier single-file format)
+                entries = [full_state.get(position[id(p)], {}) for p in b.params]
+                masters = self._slice_state(b, [{"master": e["master"]} if "master" in e else {} for e in entries])
+                if "master" in masters and b.separate_master:
+                    b.master.copy_(masters["master"])
+                continue
             shard_state = self._slice_state(b, [full_state.get(position[id(p)], {}) for p in b.params])
             master = shard_state.pop("master", None)
             if master is not None and b.separate_master:
                 b.master.copy_(master)
             if shard_state:
                 state[id(b)] = shard_state
-        self.load_slices(state, saved_groups)
+        self.load_slices(state, saved_groups, whole_state)
 
     @staticmethod
     def _slice_state(b: FlatBuffer, entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -78,13 +78,18 @@ def _params():
     [
         (lambda: Lamb(_params()), "Lamb computes its update from whole-tensor statistics"),
         (lambda: torch.optim.LBFGS(_params()), "LBFGS computes"),
-        (lambda: torch.optim.Adafactor(_params()), "Adafactor computes"),
+        (lambda: Shampoo(_params()), "set Shampoo.whole_tensor = True"),
         (lambda: Custom(_params()), "allow_untested_optimizer=True"),
     ],
 )
 def test_rejected_optimizers(optimizer, match):
     with pytest.raises(ValueError, match=match):
         check_optimizer(optimizer(), allow_untested=False)
+
+
+class Shampoo(torch.optim.Optimizer):  # named like a whole-tensor optimizer, not declared
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3})
 
 
 class Custom(torch.optim.Optimizer):  # an optimizer of unknown arithmetic
