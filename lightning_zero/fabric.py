@@ -27,8 +27,9 @@ into buckets) and completes the reductions; ``optimizer.step()`` exposes this ra
 steps them and publishes. What differs from the Trainer:
 
 * The engine is built for the model and all its optimizers at once: ``fabric.setup(model, opt1, opt2)``,
-  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)`` (stages 1 and 2; stage 3
-  shards the model in ``setup_module``, so it needs ``fabric.setup(model, optimizer)``).
+  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)``. Stage 3 shards the model
+  in ``setup_module`` (for evaluation) and, when an optimizer follows, builds the engine again for it
+  from the weights it holds (the whole model on every rank for the moment of the rebuild).
 * ``fabric.no_backward_sync`` is accepted and changes nothing: ZeRO accumulates the window in its own
   buffers (stage 1 reduces once, at the step; stages 2 and 3 reduce-scatter each micro-batch into the
   gradient shard, which is what keeps their gradients sharded), so there is no synchronization to skip.
@@ -175,6 +176,7 @@ class ZeroStrategy(DDPStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
@@ -254,16 +256,26 @@ class ZeroStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
-        """``fabric.setup_module(model)``. Stage 3 shards the model now (evaluation, or training after
-        ``fabric.setup`` instead); stages 1/2 make every rank's weights rank 0's and build the engine
-        at ``setup_optimizers``."""
+        """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
+        ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
+        model's parameters, which are the model's own), else at the first forward, save, load or
+        ``gathered_parameters``; a model built under ``fabric.init_module()`` stays without storage
+        until then. Stages 1/2 make every rank's weights rank 0's and build the engine at
+        ``setup_optimizers``."""
         self._adopt(module)
         if self.config.zero.stage == 3:
-            self._build(module, [])
-        else:
-            self._check_not_meta(module)
-            comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
+            self._deferred = True
+            return _BuildOnFirstForward(module, self._ensure_built)
+        self._check_not_meta(module)
+        comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
         return module
+
+    def _ensure_built(self) -> None:
+        """Stage 3 after ``setup_module`` alone: build the engine without an optimizer (evaluation,
+        or a save or load before ``setup_optimizers``). Call on all ranks."""
+        if self._deferred and self._engine is None and self._module is not None:
+            self._deferred = False
+            self._build(self._module, [])
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
@@ -272,14 +284,44 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
                 "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
             )
-        if self._engine is not None:
+        if self._engine is not None and (self._optimizers or self._steps):
             raise ValueError(
                 f"fabric.setup_optimizers() after the engine was built (stage {self.config.zero.stage}, "
                 f"{len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model once, for all of its "
                 "optimizers; pass them together: fabric.setup(model, optimizer1, optimizer2)."
             )
-        self._build(self._module, [optimizer])
+        self._deferred = False
+        if self._engine is not None:
+            self._rebuild_for(self._module, optimizer)
+        else:
+            self._build(self._module, [optimizer])
         return optimizer
+
+    def _rebuild_for(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Stage 3, ``setup_optimizers`` after the engine was built without an optimizer (a forward,
+        save or load came between ``setup_module`` and it): the engine is rebuilt for ``optimizer``
+        from the weights it holds. Without a separate master (fp32, "bf16-true") the result equals
+        ``fabric.setup(model, optimizer)``; under mixed precision the weights start from their
+        compute-dtype values (an engine without optimizer keeps no fp32 master). Costs the whole
+        model on every rank for the rebuild. Call on all ranks."""
+        assert self._engine is not None
+        if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{type(optimizer).__name__} already has state (it stepped before fabric.setup_optimizers); "
+                "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
+            )
+        whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
+        self._engine.close(unshard=False)
+        self._engine = None
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
+        with torch.no_grad():
+            for param in module.parameters():
+                if id(param) in whole:
+                    param.data = whole[id(param)].to(self.root_device)
+        del whole
+        self._build(module, [optimizer])
 
     def _adopt(self, module: nn.Module) -> None:
         if self._module is not None and self._module is not module:
@@ -436,6 +478,7 @@ class ZeroStrategy(DDPStrategy):
         """Inside the block ``module`` (default: the model) has its full parameters on every rank, under
         stage 3 too; edits on ``modifier_rank`` are written back into every rank's shards and fp32
         masters. Call on all ranks."""
+        self._ensure_built()
         module = module or self._module
         if self._engine is None or module is None:
             yield
@@ -458,6 +501,8 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
                 "format holds every parameter piece of every rank; save without them."
             )
+        self._ensure_built()
+        state = {k: _inner(v) for k, v in state.items()}
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         stage, precision = self.config.zero.stage, self.precision
         checkpoint = fabric_state.to_checkpoint(state, keys, self._engine, stage, precision.state_dict())
@@ -478,6 +523,13 @@ class ZeroStrategy(DDPStrategy):
         )
         if not state:
             return checkpoint
+        self._ensure_built()
+        if isinstance(state, dict):
+            unwrapped = {k: _inner(v) for k, v in state.items()}
+            remainder = self._load_state(checkpoint, unwrapped, strict)
+            state.update({k: v for k, v in unwrapped.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))})
+            return remainder
+        state = _inner(state)
         if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
             self._adopt(state)
             ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
@@ -487,6 +539,9 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
                 "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
             )
+        raise TypeError(f"fabric.load(path, state): state must be a dict, a module or an optimizer, not {type(state)}.")
+
+    def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         return fabric_state.restore(checkpoint, state, keys, self._engine, self._optimizers, self.precision, strict)
 
@@ -513,6 +568,32 @@ class ZeroStrategy(DDPStrategy):
         failures.restore_environment(self._environment_before)
         self._environment_before.clear()
         super().teardown()
+
+
+class _BuildOnFirstForward(nn.Module):
+    """What stage 3's ``setup_module`` returns for Fabric to call: the model, whose engine is built
+    (without an optimizer) at the first forward when ``setup_optimizers`` did not build it before.
+    A module of its own so that the engine's gather hooks, registered by the build, are in place
+    before the model's own ``__call__`` runs them."""
+
+    def __init__(self, module: nn.Module, build: Callable[[], None]) -> None:
+        super().__init__()
+        self.module = module
+        self._build = build
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _build_now(self._build)
+        return self.module(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _build_now(build: Callable[[], None]) -> None:
+    build()
+
+
+def _inner(obj: Any) -> Any:
+    """The model itself for what Fabric hands the strategy (its forward module) of stage 3's ``setup_module``."""
+    return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -152,9 +152,13 @@ def _write_records(pickled: bytes, storages: dict[str, _StorageRef], target: Any
         for ref in storages.values():
             tensor = ref.produce().to(ref.dtype).contiguous()
             assert tensor.numel() == ref.numel, (ref.key, tensor.numel(), ref.numel)
-            # By data pointer, not storage: a tensor may be a view into a larger storage.
-            writer.write_record(f"data/{ref.key}", tensor.data_ptr(), tensor.nbytes)
-            del tensor
+            storage = tensor.untyped_storage()
+            if tensor.storage_offset() != 0 or storage.nbytes() != tensor.nbytes:
+                # A view into a larger storage: written by storage (torch deprecated writing by data
+                # pointer), so only the view's bytes are copied out, this tensor alone at a time.
+                storage = tensor.clone().untyped_storage()
+            writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
+            del tensor, storage
 
 
 def consolidate(
