@@ -77,8 +77,10 @@ from torch import nn
 from lightning_zero import comm, debug, failures, memory, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import fabric_state
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
@@ -164,12 +166,11 @@ class ZeroStrategy(DDPStrategy):
                 "lightning_zero.ZeroStrategy (a LightningModule's plan and configure_pipeline)."
             )
         ckpt = self.config.checkpoint
-        if ckpt.state_dict_type != "sharded" or ckpt.async_save or ckpt.node_local_storage:
+        if ckpt.async_save or ckpt.node_local_storage:
             raise ValueError(
-                f"state_dict_type={ckpt.state_dict_type!r}, async_save={ckpt.async_save}, node_local_storage="
-                f"{ckpt.node_local_storage}: Fabric's ZeroStrategy writes sharded checkpoints synchronously into one "
-                "shared directory (no step boundary of a Trainer publishes an async save); leave all three at their "
-                "defaults and convert a checkpoint with `lightning-zero consolidate` when one file is needed."
+                f"async_save={ckpt.async_save}, node_local_storage={ckpt.node_local_storage}: Fabric's ZeroStrategy "
+                "writes checkpoints synchronously into one shared place (no step boundary of a Trainer publishes an "
+                "async save); leave both at their defaults."
             )
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
@@ -177,6 +178,7 @@ class ZeroStrategy(DDPStrategy):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
+        self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
@@ -259,10 +261,15 @@ class ZeroStrategy(DDPStrategy):
         """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
         ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
         model's parameters, which are the model's own), else at the first forward, save, load or
-        ``gathered_parameters``; a model built under ``fabric.init_module()`` stays without storage
-        until then. Stages 1/2 make every rank's weights rank 0's and build the engine at
-        ``setup_optimizers``."""
+        ``gathered_parameters``. A model built under ``fabric.init_module()`` is built into its shards
+        now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
+        Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
         self._adopt(module)
+        if self.config.zero.stage == 3 and _on_meta(module):
+            # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
+            # this build, and setup_optimizers rebuilds the engine for it (see _rebuild_for).
+            self._build(module, [])
+            return module
         if self.config.zero.stage == 3:
             self._deferred = True
             return _BuildOnFirstForward(module, self._ensure_built)
@@ -311,11 +318,9 @@ class ZeroStrategy(DDPStrategy):
                 "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
             )
         whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
+        self._remove_hooks()
         self._engine.close(unshard=False)
         self._engine = None
-        if self._eval_hook is not None:
-            self._eval_hook.remove()
-            self._eval_hook = None
         with torch.no_grad():
             for param in module.parameters():
                 if id(param) in whole:
@@ -402,6 +407,8 @@ class ZeroStrategy(DDPStrategy):
         if stage3:
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
+        # model.load_state_dict(full) loads into the shards; stage 3 model.state_dict() gathers (as FSDP's)
+        self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=stage3)
 
     def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() and self._engine is not None:
@@ -505,9 +512,33 @@ class ZeroStrategy(DDPStrategy):
         state = {k: _inner(v) for k, v in state.items()}
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         stage, precision = self.config.zero.stage, self.precision
-        checkpoint = fabric_state.to_checkpoint(state, keys, self._engine, stage, precision.state_dict())
+        module = self._saved_module()
+        checkpoint = fabric_state.to_checkpoint(state, keys, module, self._engine, stage, precision.state_dict())
         optimizers = [state[k] for k in keys.optimizers]
-        ckpt_save.save_sharded(checkpoint, path, state[keys.module], self._engine, optimizers, precision.precision)
+        if self.config.checkpoint.state_dict_type == "sharded":
+            ckpt_save.save_sharded(checkpoint, path, module, self._engine, optimizers, precision.precision)
+            return
+        where = ckpt_io.location(path)
+        if not where.local:
+            raise ValueError(
+                f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
+                "default, which writes to object stores too) or a local or shared path."
+            )
+        # A sharded save beside the file (every rank its pieces), which rank 0 turns into the one file.
+        target = where.as_path()
+        staging = target.with_name(f".{target.name}.zero-full-staging")
+        ckpt_save.save_sharded(checkpoint, staging, module, self._engine, optimizers, precision.precision)
+        error = None
+        if self.global_rank == 0:
+            try:
+                fabric_state.to_fabric_file(staging, target)
+            except Exception as exc:  # reported on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                ckpt_save.remove_sharded(staging)
+        errors = [e for e in comm.all_gather_object(error, None) if e]
+        if errors:
+            raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")
 
     def load_checkpoint(
         self,
@@ -543,16 +574,30 @@ class ZeroStrategy(DDPStrategy):
 
     def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         keys = fabric_state.split_state(state, self._module, self._optimizers)
-        return fabric_state.restore(checkpoint, state, keys, self._engine, self._optimizers, self.precision, strict)
+        module = self._saved_module()
+        return fabric_state.restore(
+            checkpoint, state, keys, module, self._engine, self._optimizers, self.precision, strict
+        )
+
+    def _saved_module(self) -> nn.Module:
+        if self._module is None:
+            raise ValueError("fabric.save/load before the model was set up: call fabric.setup(model, optimizer) first.")
+        return self._module
 
     # -- teardown ----------------------------------------------------------------------------------------
+
+    def _remove_hooks(self) -> None:
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
+        if self._state_hooks is not None:
+            self._state_hooks.remove()
+            self._state_hooks = None
 
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
-        if self._eval_hook is not None:
-            self._eval_hook.remove()
-            self._eval_hook = None
+        self._remove_hooks()
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None

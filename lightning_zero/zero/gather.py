@@ -66,6 +66,11 @@ def placeholders_allowed() -> Iterator[None]:
         _PLACEHOLDERS_OK.reset(token)
 
 
+def placeholders_ok() -> bool:
+    """Whether the caller is inside :func:`placeholders_allowed`."""
+    return _PLACEHOLDERS_OK.get()
+
+
 def _released(param: nn.Parameter, names: dict[int, tuple[str, torch.Size]]) -> bool:
     """A sharded parameter that holds only this rank's piece (or nothing) right now."""
     entry = names.get(id(param))
