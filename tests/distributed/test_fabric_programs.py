@@ -167,3 +167,41 @@ def test_fabric_programs_match_ddp(tmp_path) -> None:
                 ckpt.consolidate(path, tmp_path / f"{name}.pt")
             saved = {"model": torch.load(tmp_path / f"{name}.pt", weights_only=True)}
         _close(name + " saved", {k: v.float() for k, v in saved["model"].items()}, ddp_model)
+
+
+class PretrainedModel(ParityModel):
+    """Loads the pretrained weights with ``self.load_state_dict`` in ``setup`` (before the strategy sets
+    the model up) or ``on_fit_start`` (after: under stage 3 the parameters are pieces then)."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def setup(self, stage: str) -> None:
+        if self.when == "setup":
+            self.load_state_dict(_pretrained())
+
+    def on_fit_start(self) -> None:
+        if self.when == "on_fit_start":
+            self.load_state_dict(_pretrained())
+
+
+def _trainer_worker(rank: int) -> dict[str, Any]:
+    from models import fit, state
+
+    out = {}
+    for name, spec in (("ddp", "ddp"), ("zero3", ZERO3), ("zero3_default", "zero3"), ("zero2", "zero2")):
+        for when in ("setup", "on_fit_start"):
+            trainer, model = fit(spec, max_steps=3, model_cls=PretrainedModel, model_kwargs={"when": when})
+            out[(name, when)] = {"losses": model.losses, "state": state(model)}  # stage 3: whole again after fit
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_trainer_loads_pretrained_weights_after_setup() -> None:
+    results = run_ranks(_trainer_worker, timeout=600)
+    for rank_out in results:
+        for (name, when), ours in rank_out.items():
+            ddp = rank_out[("ddp", when)]
+            torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=f"{name} {when}")
+            _close(f"{name} {when}", ours["state"], ddp["state"])
