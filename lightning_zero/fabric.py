@@ -82,6 +82,7 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.lockstep import Lockstep
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
@@ -179,6 +180,8 @@ class ZeroStrategy(DDPStrategy):
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
+        self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
+        self._watch_hook: Any = None
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
@@ -409,6 +412,27 @@ class ZeroStrategy(DDPStrategy):
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
         # model.load_state_dict(full) loads into the shards; stage 3 model.state_dict() gathers (as FSDP's)
         self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=stage3)
+        sharded = any(tuple(h.param.shape) != tuple(h.shape) for h in self._engine.held_params())
+        store = comm.default_store()
+        if stage3 and sharded and store is not None and self.world_size > 1:
+            if self._lockstep is None:
+                run = str(next(_RUNS))  # the same on every rank: each rank makes the same strategies
+                timeout = self.config.failure.collective_timeout
+                self._lockstep = Lockstep(store, self.global_rank, self.world_size, timeout, run)
+            # before the engine's own hooks: the check comes before the first all-gather
+            self._watch_hook = module.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._lockstep is not None:
+            self._lockstep.before_forward(type(module).__name__)
+
+    def barrier(self, name: str | None = None) -> None:
+        """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
+        forward this rank does not (:mod:`lightning_zero.lockstep`) instead of hanging."""
+        if self._lockstep is None or self._module is None:
+            super().barrier(name)
+            return
+        self._lockstep.barrier(type(self._module).__name__)
 
     def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() and self._engine is not None:
@@ -490,8 +514,14 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is None or module is None:
             yield
             return
-        with self._engine.gathered_parameters(module, modifier_rank):
-            yield
+        if self._lockstep is not None:
+            self._lockstep.paused += 1  # a forward in here gathers nothing: one rank alone may run it
+        try:
+            with self._engine.gathered_parameters(module, modifier_rank):
+                yield
+        finally:
+            if self._lockstep is not None:
+                self._lockstep.paused -= 1
 
     # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
@@ -593,6 +623,9 @@ class ZeroStrategy(DDPStrategy):
         if self._state_hooks is not None:
             self._state_hooks.remove()
             self._state_hooks = None
+        if self._watch_hook is not None:
+            self._watch_hook.remove()
+            self._watch_hook = None
 
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
@@ -634,6 +667,9 @@ class _BuildOnFirstForward(nn.Module):
 @torch.compiler.disable
 def _build_now(build: Callable[[], None]) -> None:
     build()
+
+
+_RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank
 
 
 def _inner(obj: Any) -> Any:

@@ -205,3 +205,42 @@ def test_trainer_loads_pretrained_weights_after_setup() -> None:
             ddp = rank_out[("ddp", when)]
             torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=f"{name} {when}")
             _close(f"{name} {when}", ours["state"], ddp["state"])
+
+
+def _solo_worker(rank: int, solo: int) -> str:
+    """Rank ``solo`` runs a forward alone (as LitGPT's rank-0 sample generation) while the other
+    waits at fabric.barrier()."""
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+
+    fabric = make_fabric(ZERO3)
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel()
+    fabric_model, _ = fabric.setup(model, _optimizer(model))
+    tokens = make_loader().dataset.tensors[0][:3]
+    with torch.no_grad():
+        fabric_model(tokens)  # every rank: fine
+        # inside gathered_parameters (entered by every rank) one rank alone may run a forward
+        with fabric.strategy.gathered_parameters():
+            if rank == solo:
+                fabric_model(tokens)
+        fabric.barrier()
+        try:
+            if rank == solo:
+                fabric_model(tokens)
+            fabric.barrier()
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("solo", [0, 1])
+def test_forward_on_one_rank_is_an_error_not_a_hang(solo: int) -> None:
+    messages = run_ranks(_solo_worker, solo, timeout=240)
+    # The rank that detects it names the model and the barrier; the other one's wait ends with it
+    # (its peer's exit), whatever the message of that.
+    named = [m for m in messages if "ParityModel" in m and "fabric.barrier()" in m]
+    assert named, messages
+    assert all(m != "no error" for m in messages), messages
