@@ -12,7 +12,8 @@ or load the parameter but not its master (the next step would put the old weight
 * ``load_state_dict`` (any submodule, any stage): each partitioned parameter found in the state dict
   is checked against its full shape, and once the whole call has gone through the module tree each
   rank copies its own piece of each into its master and parameter shard (no communication; the
-  state dict is already in every rank's memory, as under DDP, where every rank loads it). Parameters
+  state dict is in every rank's memory, as under DDP, where every rank loads it; a lazily loaded one,
+  Lightning's ``lazy_load`` as LitGPT uses, is read one parameter at a time). Parameters
   that are whole (stages 1/2, small stage-3 ones) are also copied by torch as usual. As FSDP's
   ``set_model_state_dict`` with a full state dict; ``strict`` and the returned missing and unexpected
   keys are torch's.
@@ -100,8 +101,9 @@ class FullStateDictHooks:
             if param is None or held is None or key not in state_dict:
                 continue
             value = state_dict[key]
-            if not torch.is_tensor(value) or tuple(value.shape) != tuple(held.shape):
-                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            shape = getattr(value, "shape", None)  # a tensor, or a lazily loaded one (Lightning's lazy_load)
+            if shape is None or tuple(shape) != tuple(held.shape):
+                shape = type(value).__name__ if shape is None else tuple(shape)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
                     f"the shape in current model is {tuple(held.shape)}."
@@ -124,7 +126,9 @@ class FullStateDictHooks:
 
         def read(held: HeldParam, param_offset: int, numel: int) -> torch.Tensor | None:
             value = pending.get(id(held.param))
-            return None if value is None else value.detach().reshape(-1)[param_offset : param_offset + numel]
+            if value is None:
+                return None
+            return _materialize(value).detach().reshape(-1)[param_offset : param_offset + numel]
 
         self.engine.load_pieces_local(read)
 
@@ -150,6 +154,15 @@ class FullStateDictHooks:
         if module is self._saving:
             token, self._token, self._saving, self._whole = self._token, None, None, {}
             token.__exit__(None, None, None)
+
+
+def _materialize(value: Any) -> torch.Tensor:
+    """A tensor from a state-dict value: Lightning's ``lazy_load`` gives ``_NotYetLoadedTensor``\ s,
+    read from the file here, one parameter at a time."""
+    if torch.is_tensor(value):
+        return value
+    load = getattr(value, "_load_tensor", None)
+    return load() if load is not None else torch.as_tensor(value)
 
 
 def _call(fn: Any, *args: Any) -> Any:

@@ -70,6 +70,10 @@ def _program(spec: Any, how: str, load: str, tmp: str, name: str) -> dict[str, A
         optimizer = fabric.setup_optimizers(_optimizer(fabric_model.module))
     if load == "load_state_dict":
         fabric_model.load_state_dict(_pretrained())
+    elif load == "lazy_load":  # LitGPT's load_checkpoint: tensors read from the file as they are copied
+        from lightning.fabric.utilities.load import _lazy_load
+
+        fabric_model.load_state_dict(_lazy_load(f"{tmp}/pretrained.pt"))
     else:
         fabric.load_raw(f"{tmp}/pretrained.pt", fabric_model)
     loader = fabric.setup_dataloaders(make_loader())
@@ -104,6 +108,7 @@ CASES = [
     ("zero3_before", ZERO3, "module_opt_before", "load_raw"),
     ("zero3_after", ZERO3, "module_opt_after", "load_state_dict"),
     ("zero3_init_empty", ZERO3, "init_empty", "load_raw"),
+    ("zero3_lazy", ZERO3, "init_empty", "lazy_load"),
     ("zero3_full", {**ZERO3, "state_dict_type": "full"}, "module_opt_after", "load_state_dict"),
     ("zero3_offload_full", {**ZERO3, "offload_optimizer": "cpu", "state_dict_type": "full"}, "init_empty", "load_raw"),
     ("zero2", {"stage": 2, "reduce_bucket_size": 40}, "module_opt_after", "load_state_dict"),
@@ -244,3 +249,47 @@ def test_forward_on_one_rank_is_an_error_not_a_hang(solo: int) -> None:
     named = [m for m in messages if "ParityModel" in m and "fabric.barrier()" in m]
     assert named, messages
     assert all(m != "no error" for m in messages), messages
+
+
+def _failed_save_worker(rank: int, tmp: str) -> dict[str, Any]:
+    """A model-only save over an earlier checkpoint fails on rank 1 mid-write: every rank raises and
+    the earlier checkpoint still loads, with its own weights."""
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+    from lightning_zero.checkpoint import save as ckpt_save
+
+    fabric = make_fabric(ZERO3)
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel()
+    fabric_model, optimizer = fabric.setup(model, _optimizer(model))
+    loader = fabric.setup_dataloaders(make_loader())
+    train(fabric, fabric_model, optimizer, None, loader, "norm", 1)
+    saved = weights(fabric, model)
+    fabric.save(f"{tmp}/ck", {"model": fabric_model, "optimizer": optimizer})
+    train(fabric, fabric_model, optimizer, None, loader, "norm", 1)
+    real = ckpt_save.rank_payload
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full (injected)")
+
+    ckpt_save.rank_payload = broken if rank == 1 else real  # type: ignore[assignment]
+    try:
+        fabric.save(f"{tmp}/ck", {"model": fabric_model})
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        ckpt_save.rank_payload = real  # type: ignore[assignment]
+    fabric.load(f"{tmp}/ck", {"model": fabric_model, "optimizer": optimizer})
+    loaded = weights(fabric, model)
+    fabric.strategy.teardown()
+    return {"error": error, "saved": saved, "loaded": loaded}
+
+
+@pytest.mark.timeout(300)
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path) -> None:
+    for out in run_ranks(_failed_save_worker, str(tmp_path), timeout=240):
+        assert "disk full (injected)" in out["error"], out["error"]
+        for key, value in out["saved"].items():
+            torch.testing.assert_close(out["loaded"][key], value, rtol=0, atol=0, msg=key)
