@@ -47,7 +47,16 @@ steps them and publishes. What differs from the Trainer:
   optimizer})`` (the rest comes back, e.g. ``global_step``), and a Fabric one resumes a Trainer
   through ``ckpt_path=`` (use the same module class, so that the parameter names match; the Trainer's
   loop counters start from 0). A plain Fabric DDP checkpoint file loads too. Any world size and stage
-  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank).
+  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank). Any
+  part of the state may be saved and loaded: the model alone, the optimizers alone (the weights are
+  stored with them), plain values. ``state_dict_type="full"`` writes one file from rank 0 instead,
+  ``{"model": whole state dict, "optimizer": its own state_dict, ...}`` under the state's keys, as
+  Fabric's DDP and FSDP (full) write it, which ``torch.load`` reads.
+* The set-up model's own ``load_state_dict`` takes a full state dict at every stage (each rank keeps
+  its piece, in its fp32 master), and under stage 3 its ``state_dict()`` is a full one, gathered on
+  every rank (a collective), as FSDP's (:mod:`lightning_zero.checkpoint.module_state`).
+* Stage 3: a forward that only some ranks run while the others wait at ``fabric.barrier()`` raises,
+  naming the model, instead of hanging (:mod:`lightning_zero.lockstep`).
 * Stage 3 evaluation: a forward without backward (under ``torch.no_grad()``) ends its pass at the
   model's forward hook (the Trainer ends it after ``validation_step``).
 """
@@ -137,8 +146,7 @@ class ZeroStrategy(DDPStrategy):
 
     Raises:
         ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
-            above 1, ``state_dict_type="full"``, ``async_save=True`` or ``node_local_storage=True`` (the
-            Trainer strategy's).
+            above 1, ``async_save=True`` or ``node_local_storage=True`` (the Trainer strategy's).
         TypeError: for an unknown option.
     """
 

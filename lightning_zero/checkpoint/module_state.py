@@ -157,7 +157,7 @@ class FullStateDictHooks:
 
 
 def _materialize(value: Any) -> torch.Tensor:
-    """A tensor from a state-dict value: Lightning's ``lazy_load`` gives ``_NotYetLoadedTensor``\ s,
+    """A tensor from a state-dict value: Lightning's ``lazy_load`` gives ``_NotYetLoadedTensor`` objects,
     read from the file here, one parameter at a time."""
     if torch.is_tensor(value):
         return value
