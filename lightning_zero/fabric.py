@@ -27,8 +27,9 @@ into buckets) and completes the reductions; ``optimizer.step()`` exposes this ra
 steps them and publishes. What differs from the Trainer:
 
 * The engine is built for the model and all its optimizers at once: ``fabric.setup(model, opt1, opt2)``,
-  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)`` (stages 1 and 2; stage 3
-  shards the model in ``setup_module``, so it needs ``fabric.setup(model, optimizer)``).
+  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)``. Stage 3 shards the model
+  in ``setup_module`` (for evaluation) and, when an optimizer follows, builds the engine again for it
+  from the weights it holds (the whole model on every rank for the moment of the rebuild).
 * ``fabric.no_backward_sync`` is accepted and changes nothing: ZeRO accumulates the window in its own
   buffers (stage 1 reduces once, at the step; stages 2 and 3 reduce-scatter each micro-batch into the
   gradient shard, which is what keeps their gradients sharded), so there is no synchronization to skip.
@@ -46,7 +47,16 @@ steps them and publishes. What differs from the Trainer:
   optimizer})`` (the rest comes back, e.g. ``global_step``), and a Fabric one resumes a Trainer
   through ``ckpt_path=`` (use the same module class, so that the parameter names match; the Trainer's
   loop counters start from 0). A plain Fabric DDP checkpoint file loads too. Any world size and stage
-  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank).
+  load, as for the Trainer. ``filter=`` is refused (the format holds every piece of every rank). Any
+  part of the state may be saved and loaded: the model alone, the optimizers alone (the weights are
+  stored with them), plain values. ``state_dict_type="full"`` writes one file from rank 0 instead,
+  ``{"model": whole state dict, "optimizer": its own state_dict, ...}`` under the state's keys, as
+  Fabric's DDP and FSDP (full) write it, which ``torch.load`` reads.
+* The set-up model's own ``load_state_dict`` takes a full state dict at every stage (each rank keeps
+  its piece, in its fp32 master), and under stage 3 its ``state_dict()`` is a full one, gathered on
+  every rank (a collective), as FSDP's (:mod:`lightning_zero.checkpoint.module_state`).
+* Stage 3: a forward that only some ranks run while the others wait at ``fabric.barrier()`` raises,
+  naming the model, instead of hanging (:mod:`lightning_zero.lockstep`).
 * Stage 3 evaluation: a forward without backward (under ``torch.no_grad()``) ends its pass at the
   model's forward hook (the Trainer ends it after ``validation_step``).
 """
@@ -76,9 +86,12 @@ from torch import nn
 from lightning_zero import comm, debug, failures, memory, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import fabric_state
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.lockstep import Lockstep
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
@@ -134,8 +147,7 @@ class ZeroStrategy(DDPStrategy):
 
     Raises:
         ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
-            above 1, ``state_dict_type="full"``, ``async_save=True`` or ``node_local_storage=True`` (the
-            Trainer strategy's).
+            above 1, ``async_save=True`` or ``node_local_storage=True`` (the Trainer strategy's).
         TypeError: for an unknown option.
     """
 
@@ -164,18 +176,21 @@ class ZeroStrategy(DDPStrategy):
                 "lightning_zero.ZeroStrategy (a LightningModule's plan and configure_pipeline)."
             )
         ckpt = self.config.checkpoint
-        if ckpt.state_dict_type != "sharded" or ckpt.async_save or ckpt.node_local_storage:
+        if ckpt.async_save or ckpt.node_local_storage:
             raise ValueError(
-                f"state_dict_type={ckpt.state_dict_type!r}, async_save={ckpt.async_save}, node_local_storage="
-                f"{ckpt.node_local_storage}: Fabric's ZeroStrategy writes sharded checkpoints synchronously into one "
-                "shared directory (no step boundary of a Trainer publishes an async save); leave all three at their "
-                "defaults and convert a checkpoint with `lightning-zero consolidate` when one file is needed."
+                f"async_save={ckpt.async_save}, node_local_storage={ckpt.node_local_storage}: Fabric's ZeroStrategy "
+                "writes checkpoints synchronously into one shared place (no step boundary of a Trainer publishes an "
+                "async save); leave both at their defaults."
             )
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
+        self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
+        self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
+        self._watch_hook: Any = None
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
@@ -255,16 +270,31 @@ class ZeroStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
-        """``fabric.setup_module(model)``. Stage 3 shards the model now (evaluation, or training after
-        ``fabric.setup`` instead); stages 1/2 make every rank's weights rank 0's and build the engine
-        at ``setup_optimizers``."""
+        """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
+        ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
+        model's parameters, which are the model's own), else at the first forward, save, load or
+        ``gathered_parameters``. A model built under ``fabric.init_module()`` is built into its shards
+        now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
+        Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
         self._adopt(module)
-        if self.config.zero.stage == 3:
+        if self.config.zero.stage == 3 and _on_meta(module):
+            # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
+            # this build, and setup_optimizers rebuilds the engine for it (see _rebuild_for).
             self._build(module, [])
-        else:
-            self._check_not_meta(module)
-            comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
+            return module
+        if self.config.zero.stage == 3:
+            self._deferred = True
+            return _BuildOnFirstForward(module, self._ensure_built)
+        self._check_not_meta(module)
+        comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
         return module
+
+    def _ensure_built(self) -> None:
+        """Stage 3 after ``setup_module`` alone: build the engine without an optimizer (evaluation,
+        or a save or load before ``setup_optimizers``). Call on all ranks."""
+        if self._deferred and self._engine is None and self._module is not None:
+            self._deferred = False
+            self._build(self._module, [])
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
@@ -273,14 +303,42 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
                 "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
             )
-        if self._engine is not None:
+        if self._engine is not None and (self._optimizers or self._steps):
             raise ValueError(
                 f"fabric.setup_optimizers() after the engine was built (stage {self.config.zero.stage}, "
                 f"{len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model once, for all of its "
                 "optimizers; pass them together: fabric.setup(model, optimizer1, optimizer2)."
             )
-        self._build(self._module, [optimizer])
+        self._deferred = False
+        if self._engine is not None:
+            self._rebuild_for(self._module, optimizer)
+        else:
+            self._build(self._module, [optimizer])
         return optimizer
+
+    def _rebuild_for(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Stage 3, ``setup_optimizers`` after the engine was built without an optimizer (a forward,
+        save or load came between ``setup_module`` and it): the engine is rebuilt for ``optimizer``
+        from the weights it holds. Without a separate master (fp32, "bf16-true") the result equals
+        ``fabric.setup(model, optimizer)``; under mixed precision the weights start from their
+        compute-dtype values (an engine without optimizer keeps no fp32 master). Costs the whole
+        model on every rank for the rebuild. Call on all ranks."""
+        assert self._engine is not None
+        if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{type(optimizer).__name__} already has state (it stepped before fabric.setup_optimizers); "
+                "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
+            )
+        whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
+        self._remove_hooks()
+        self._engine.close(unshard=False)
+        self._engine = None
+        with torch.no_grad():
+            for param in module.parameters():
+                if id(param) in whole:
+                    param.data = whole[id(param)].to(self.root_device)
+        del whole
+        self._build(module, [optimizer])
 
     def _adopt(self, module: nn.Module) -> None:
         if self._module is not None and self._module is not module:
@@ -361,6 +419,29 @@ class ZeroStrategy(DDPStrategy):
         if stage3:
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
+        # model.load_state_dict(full) loads into the shards; stage 3 model.state_dict() gathers (as FSDP's)
+        self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=stage3)
+        sharded = any(tuple(h.param.shape) != tuple(h.shape) for h in self._engine.held_params())
+        store = comm.default_store()
+        if stage3 and sharded and store is not None and self.world_size > 1:
+            if self._lockstep is None:
+                run = str(next(_RUNS))  # the same on every rank: each rank makes the same strategies
+                timeout = self.config.failure.collective_timeout
+                self._lockstep = Lockstep(store, self.global_rank, self.world_size, timeout, run)
+            # before the engine's own hooks: the check comes before the first all-gather
+            self._watch_hook = module.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._lockstep is not None:
+            self._lockstep.before_forward(type(module).__name__)
+
+    def barrier(self, name: str | None = None) -> None:
+        """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
+        forward this rank does not (:mod:`lightning_zero.lockstep`) instead of hanging."""
+        if self._lockstep is None or self._module is None:
+            super().barrier(name)
+            return
+        self._lockstep.barrier(type(self._module).__name__)
 
     def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() and self._engine is not None:
@@ -437,12 +518,19 @@ class ZeroStrategy(DDPStrategy):
         """Inside the block ``module`` (default: the model) has its full parameters on every rank, under
         stage 3 too; edits on ``modifier_rank`` are written back into every rank's shards and fp32
         masters. Call on all ranks."""
+        self._ensure_built()
         module = module or self._module
         if self._engine is None or module is None:
             yield
             return
-        with self._engine.gathered_parameters(module, modifier_rank):
-            yield
+        if self._lockstep is not None:
+            self._lockstep.paused += 1  # a forward in here gathers nothing: one rank alone may run it
+        try:
+            with self._engine.gathered_parameters(module, modifier_rank):
+                yield
+        finally:
+            if self._lockstep is not None:
+                self._lockstep.paused -= 1
 
     # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
@@ -459,11 +547,37 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
                 "format holds every parameter piece of every rank; save without them."
             )
+        self._ensure_built()
+        state = {k: _inner(v) for k, v in state.items()}
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         stage, precision = self.config.zero.stage, self.precision
-        checkpoint = fabric_state.to_checkpoint(state, keys, self._engine, stage, precision.state_dict())
+        module = self._saved_module()
+        checkpoint = fabric_state.to_checkpoint(state, keys, module, self._engine, stage, precision.state_dict())
         optimizers = [state[k] for k in keys.optimizers]
-        ckpt_save.save_sharded(checkpoint, path, state[keys.module], self._engine, optimizers, precision.precision)
+        if self.config.checkpoint.state_dict_type == "sharded":
+            ckpt_save.save_sharded(checkpoint, path, module, self._engine, optimizers, precision.precision)
+            return
+        where = ckpt_io.location(path)
+        if not where.local:
+            raise ValueError(
+                f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
+                "default, which writes to object stores too) or a local or shared path."
+            )
+        # A sharded save beside the file (every rank its pieces), which rank 0 turns into the one file.
+        target = where.as_path()
+        staging = target.with_name(f".{target.name}.zero-full-staging")
+        ckpt_save.save_sharded(checkpoint, staging, module, self._engine, optimizers, precision.precision)
+        error = None
+        if self.global_rank == 0:
+            try:
+                fabric_state.to_fabric_file(staging, target)
+            except Exception as exc:  # reported on every rank below
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                ckpt_save.remove_sharded(staging)
+        errors = [e for e in comm.all_gather_object(error, None) if e]
+        if errors:
+            raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")
 
     def load_checkpoint(
         self,
@@ -479,6 +593,13 @@ class ZeroStrategy(DDPStrategy):
         )
         if not state:
             return checkpoint
+        self._ensure_built()
+        if isinstance(state, dict):
+            unwrapped = {k: _inner(v) for k, v in state.items()}
+            remainder = self._load_state(checkpoint, unwrapped, strict)
+            state.update({k: v for k, v in unwrapped.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))})
+            return remainder
+        state = _inner(state)
         if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
             self._adopt(state)
             ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
@@ -488,17 +609,37 @@ class ZeroStrategy(DDPStrategy):
                 "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
                 "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
             )
+        raise TypeError(f"fabric.load(path, state): state must be a dict, a module or an optimizer, not {type(state)}.")
+
+    def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         keys = fabric_state.split_state(state, self._module, self._optimizers)
-        return fabric_state.restore(checkpoint, state, keys, self._engine, self._optimizers, self.precision, strict)
+        module = self._saved_module()
+        return fabric_state.restore(
+            checkpoint, state, keys, module, self._engine, self._optimizers, self.precision, strict
+        )
+
+    def _saved_module(self) -> nn.Module:
+        if self._module is None:
+            raise ValueError("fabric.save/load before the model was set up: call fabric.setup(model, optimizer) first.")
+        return self._module
 
     # -- teardown ----------------------------------------------------------------------------------------
+
+    def _remove_hooks(self) -> None:
+        if self._eval_hook is not None:
+            self._eval_hook.remove()
+            self._eval_hook = None
+        if self._state_hooks is not None:
+            self._state_hooks.remove()
+            self._state_hooks = None
+        if self._watch_hook is not None:
+            self._watch_hook.remove()
+            self._watch_hook = None
 
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
-        if self._eval_hook is not None:
-            self._eval_hook.remove()
-            self._eval_hook = None
+        self._remove_hooks()
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None
@@ -514,6 +655,35 @@ class ZeroStrategy(DDPStrategy):
         failures.restore_environment(self._environment_before)
         self._environment_before.clear()
         super().teardown()
+
+
+class _BuildOnFirstForward(nn.Module):
+    """What stage 3's ``setup_module`` returns for Fabric to call: the model, whose engine is built
+    (without an optimizer) at the first forward when ``setup_optimizers`` did not build it before.
+    A module of its own so that the engine's gather hooks, registered by the build, are in place
+    before the model's own ``__call__`` runs them."""
+
+    def __init__(self, module: nn.Module, build: Callable[[], None]) -> None:
+        super().__init__()
+        self.module = module
+        self._build = build
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _build_now(self._build)
+        return self.module(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _build_now(build: Callable[[], None]) -> None:
+    build()
+
+
+_RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank
+
+
+def _inner(obj: Any) -> Any:
+    """The model itself for what Fabric hands the strategy (its forward module) of stage 3's ``setup_module``."""
+    return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -48,6 +48,7 @@ from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
+from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
@@ -241,6 +242,7 @@ class ZeroStrategy(DDPStrategy):
         self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
+        self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
         self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
@@ -408,6 +410,8 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+            # Pretrained weights loaded in on_fit_start (after this setup) go into the masters and shards.
+            self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -445,6 +449,9 @@ class ZeroStrategy(DDPStrategy):
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a
         # collective that a crashed rank would never join.
+        if self._state_hooks is not None:
+            self._state_hooks.remove()
+            self._state_hooks = None
         if self._engine is not None:
             trainer = getattr(self.lightning_module, "_trainer", None)
             finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED

@@ -152,9 +152,13 @@ def _write_records(pickled: bytes, storages: dict[str, _StorageRef], target: Any
         for ref in storages.values():
             tensor = ref.produce().to(ref.dtype).contiguous()
             assert tensor.numel() == ref.numel, (ref.key, tensor.numel(), ref.numel)
-            # By data pointer, not storage: a tensor may be a view into a larger storage.
-            writer.write_record(f"data/{ref.key}", tensor.data_ptr(), tensor.nbytes)
-            del tensor
+            storage = tensor.untyped_storage()
+            if tensor.storage_offset() != 0 or storage.nbytes() != tensor.nbytes:
+                # A view into a larger storage: written by storage (torch deprecated writing by data
+                # pointer), so only the view's bytes are copied out, this tensor alone at a time.
+                storage = tensor.clone().untyped_storage()
+            writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
+            del tensor, storage
 
 
 def consolidate(
@@ -207,6 +211,12 @@ def to_lightning_checkpoint(
     and Lightning's state. A DDP or single-device Trainer resumes from it. Built in memory.
     ``checkpoint_dir`` as for :func:`consolidate` (several node-local directories too);
     ``trust_pickles``: see :func:`_open`."""
+    checkpoint = full_checkpoint(checkpoint_dir, dtype, trust_pickles)
+    write_file(out, functools.partial(torch.save, checkpoint))
+
+
+def full_checkpoint(checkpoint_dir: Paths, dtype: torch.dtype | None = None, trust_pickles: bool = False) -> dict:
+    """What :func:`to_lightning_checkpoint` writes, in memory (the whole model and optimizer states)."""
     reader, checkpoint = _open(checkpoint_dir, trust_pickles)
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     checkpoint["state_dict"] = {k: _cast(reader.full(k), dtype) for k in keys}
@@ -236,7 +246,7 @@ def to_lightning_checkpoint(
         states.append({"state": per_param, "param_groups": groups})
     if "optimizer_states" in checkpoint:  # a weights-only save (ModelCheckpoint(save_weights_only=True)) has none
         checkpoint["optimizer_states"] = states
-    write_file(out, functools.partial(torch.save, checkpoint))
+    return checkpoint
 
 
 def load_from_checkpoint(cls: Any, checkpoint_path: fmt.PathLike, trust_pickles: bool = False, **kwargs: Any) -> Any:

@@ -17,7 +17,9 @@ plain Fabric checkpoint of another strategy (``{"model": ..., "optimizer": ...}`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -28,6 +30,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.consolidate import full_checkpoint, write_file
 from lightning_zero.checkpoint.pieces import module_state_dict
 from lightning_zero.precision import OffloadPrecision
 
@@ -45,7 +48,8 @@ _FORMAT_KEYS = ("state_dict", "optimizer_states", "lr_schedulers", PRECISION_KEY
 class StateKeys:
     """Where the objects the format stores apart are in a Fabric ``state`` dict."""
 
-    module: str
+    module: str | None
+    """``None``: a save or load of optimizers (or plain values) alone."""
     optimizers: tuple[str, ...]
     schedulers: tuple[str, ...]
 
@@ -54,13 +58,15 @@ class StateKeys:
 
 
 def split_state(state: dict[str, Any], module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> StateKeys:
-    """The keys of ``module`` (the one set up), of its ``optimizers`` and of the LR schedulers in
-    ``state``; ``ValueError`` for another or a second module, a reserved key, a foreign optimizer."""
+    """The keys of ``module`` (the one set up; it may be left out), of its ``optimizers`` and of the
+    LR schedulers in ``state``; ``ValueError`` for another or a second module, a reserved key, a
+    foreign optimizer."""
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    if len(modules) != 1 or state[modules[0]] is not module:
+    if len(modules) > 1 or (modules and state[modules[0]] is not module):
         raise ValueError(
-            f"the state to save or load holds {len(modules)} module(s) ({modules}); ZeroStrategy saves exactly "
-            "one, the model set up with fabric.setup: e.g. {'model': model, 'optimizer': optimizer}."
+            f"the state to save or load holds {len(modules)} module(s) ({modules}) that are not the one model set "
+            "up with fabric.setup; ZeroStrategy saves that model (or none): e.g. {'model': model, 'optimizer': "
+            "optimizer}."
         )
     reserved = [k for k in state if k in _FORMAT_KEYS]
     if reserved:
@@ -70,14 +76,20 @@ def split_state(state: dict[str, Any], module: nn.Module | None, optimizers: lis
     if unknown:
         raise ValueError(f"the optimizers {unknown} were not set up with this model (fabric.setup(model, optimizer)).")
     schedulers = tuple(k for k, v in state.items() if isinstance(v, LRScheduler))
-    return StateKeys(modules[0], optimizer_keys, schedulers)
+    return StateKeys(modules[0] if modules else None, optimizer_keys, schedulers)
 
 
 def to_checkpoint(
-    state: dict[str, Any], keys: StateKeys, engine: ZeroEngine | None, stage: int, precision_state: dict[str, Any]
+    state: dict[str, Any],
+    keys: StateKeys,
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    stage: int,
+    precision_state: dict[str, Any],
 ) -> dict[str, Any]:
-    """The Trainer's checkpoint dict for ``state`` (see the module docstring). Local."""
-    module = state[keys.module]
+    """The Trainer's checkpoint dict for ``state`` (see the module docstring); ``module``: the model
+    set up (its weights are saved also when ``state`` leaves it out: the optimizer states are stored
+    by parameter). Local."""
     checkpoint = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in state.items() if not keys.own(k)}
     checkpoint["state_dict"] = module_state_dict(module, engine, stage)
     checkpoint["optimizer_states"] = [_optimizer_state(module, engine, state[k]) for k in keys.optimizers]
@@ -103,6 +115,7 @@ def restore(
     checkpoint: dict[str, Any],
     state: dict[str, Any],
     keys: StateKeys,
+    module: nn.Module,
     engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],
     precision: OffloadPrecision,
@@ -110,15 +123,23 @@ def restore(
 ) -> dict[str, Any]:
     """Load ``checkpoint`` (as :func:`~lightning_zero.checkpoint.load.load_checkpoint` returns it) into the
     objects of ``state``; plain values of ``state`` are replaced. Returns what is left of the checkpoint.
-    ``optimizers``: every optimizer the engine was built with. Call on all ranks."""
-    module = state[keys.module]
+    ``module``: the model set up (loaded only when ``state`` holds it); ``optimizers``: every optimizer
+    the engine was built with. Call on all ranks."""
     saved_keys = checkpoint.pop(FABRIC_KEYS, None) or {}
-    if "state_dict" not in checkpoint and keys.module in checkpoint:  # a Fabric checkpoint of another strategy
-        checkpoint["state_dict"] = checkpoint.pop(keys.module)
+    if "state_dict" not in checkpoint:  # a Fabric checkpoint of another strategy (or a "full" one of ours)
+        if keys.module is not None:
+            if keys.module not in checkpoint:
+                raise KeyError(
+                    f"the checkpoint has no {keys.module!r} (it holds {sorted(checkpoint)}); load the keys it has, "
+                    "e.g. fabric.load(path, {'optimizer': optimizer})."
+                )
+            checkpoint["state_dict"] = checkpoint.pop(keys.module)
+        checkpoint.setdefault("state_dict", {})  # an optimizer alone: its states are whole tensors here
         checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in keys.optimizers if k in checkpoint]
         checkpoint["lr_schedulers"] = [checkpoint.pop(k) for k in keys.schedulers if k in checkpoint]
         saved_keys = {"optimizers": list(keys.optimizers), "schedulers": list(keys.schedulers)}
-    ckpt_load.load_model(checkpoint, module, engine, optimizers, strict)
+    if keys.module is not None:
+        ckpt_load.load_model(checkpoint, module, engine, optimizers, strict)
     if keys.optimizers:
         states = _saved_states(checkpoint, "optimizer_states", keys.optimizers, saved_keys.get("optimizers"))
         chosen = [state[k] for k in keys.optimizers]
@@ -146,6 +167,23 @@ def restore(
         else:
             state[key] = checkpoint.pop(key)
     return checkpoint
+
+
+def to_fabric_file(staging: Path, out: Path) -> None:
+    """Turn the sharded save ``staging`` of a Fabric ``state`` into one file as Fabric's DDP (and
+    FSDP's ``state_dict_type="full"``) writes it: ``{"model": whole state dict, "optimizer": the
+    optimizer's own state_dict (whole tensors, torch's numbering), "step": ...}`` under the keys of
+    ``state``, which ``torch.load`` reads. Built in this process's memory (the whole checkpoint). Local."""
+    checkpoint = full_checkpoint(staging, trust_pickles=True)  # our own directory, just written
+    names = checkpoint.pop(FABRIC_KEYS, {})
+    out_state = {k: v for k, v in checkpoint.items() if k not in _FORMAT_KEYS and k != "pytorch-lightning_version"}
+    if names.get("model") is not None:
+        out_state[names["model"]] = checkpoint["state_dict"]
+    out_state.update(zip(names.get("optimizers", []), checkpoint.get("optimizer_states", []), strict=True))
+    out_state.update(zip(names.get("schedulers", []), checkpoint.get("lr_schedulers", []), strict=True))
+    if PRECISION_KEY in checkpoint:
+        out_state[PRECISION_KEY] = checkpoint[PRECISION_KEY]  # the loss scaler ("16-mixed"), read back by load
+    write_file(out, functools.partial(torch.save, out_state))
 
 
 def _saved_states(

@@ -140,6 +140,21 @@ def module_state_dict(module: nn.Module, engine: ZeroEngine | None, stage: int, 
     return out
 
 
+def saved_positions(engine: ZeroEngine | None, optimizers: list[torch.optim.Optimizer]) -> dict[int, int]:
+    """``engine's optimizer index -> position in optimizers`` for the optimizers a save holds: a
+    checkpoint numbers optimizer states by their position in the save (its ``optimizer_states``),
+    which is the engine's numbering only when every optimizer is saved, in the engine's order (a
+    model-only or optimizer-subset save is neither)."""
+    if engine is None:
+        return {}
+    out: dict[int, int] = {}
+    for position, optimizer in enumerate(optimizers):
+        index = engine.optimizer_index(optimizer)
+        if index is not None:
+            out[index] = position
+    return out
+
+
 def local_shards(
     params: dict[str, PartitionedParam],
     engine: ZeroEngine,
@@ -147,13 +162,15 @@ def local_shards(
     views: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, dict[str, Any]]]]:
     """This rank's pieces: ``({name: master piece}, [{name: {"slices": {key: piece}, "scalars": {key: value}}}
-    per optimizer])``; ``slices`` are states with one element per parameter element (``exp_avg``),
-    ``scalars`` the others (``step``).
+    per optimizer of optimizers])``; ``slices`` are states with one element per parameter element
+    (``exp_avg``), ``scalars`` the others (``step``). The states of the engine's optimizers that are
+    not in ``optimizers`` (a model-only save) are left out.
 
     Pieces are views of one CPU copy per flat buffer, so each buffer is written once. ``views``:
     of the engine's tensors where they are, for their sizes only (see ``engine.local_pieces``).
     """
     local = engine.local_pieces(views)
+    position = saved_positions(engine, optimizers)
     values: dict[str, torch.Tensor] = {}
     optim: list[dict[str, dict[str, Any]]] = [{} for _ in optimizers]
     for p in params.values():
@@ -162,7 +179,8 @@ def local_shards(
             continue
         values[p.name] = piece.master
         for o_index, state in piece.states.items():  # several for a parameter several optimizers hold
-            optim[o_index][p.name] = {"slices": state.slices, "scalars": state.scalars}
+            if o_index in position:
+                optim[position[o_index]][p.name] = {"slices": state.slices, "scalars": state.scalars}
     return values, optim
 
 
@@ -204,25 +222,27 @@ def rank_report(
     """
     params = partitioned_params(module, engine)
     rank, coords = placement.rank, placement.coords
+    position = saved_positions(engine, optimizers)
     entries: dict[str, dict[str, Any]] = {}
     for p in params.values():
+        saved = [position[o] for o in p.held.optimizers if o in position]
         split = placement.split(p.partition_dim)
         if split is None and coords.tp != 0:
             continue
         local = p.local_piece()
         piece = None if local is None else [rank, coords.tp if split else 0, local[0], local[2]]
-        saved = fmt.dtype_name(p.held.saved_dtype)
         entries[p.name] = _entry(
             [p.name, *p.aliases],
             p.shape,
             p.partition_dim,
             placement,
             dtype=fmt.dtype_name(p.dtype),
-            saved_dtype=saved,
-            optimizer=p.optimizer,
+            saved_dtype=fmt.dtype_name(p.held.saved_dtype),
+            # positions in this save's optimizer_states (None: frozen, or its optimizer is not saved)
+            optimizer=saved[0] if saved else None,
             piece=piece,
             # only for a parameter several optimizers hold (each has its state under its index in "optim")
-            **({"optimizers": list(p.held.optimizers)} if len(p.held.optimizers) > 1 else {}),
+            **({"optimizers": saved} if len(saved) > 1 else {}),
         )
     names = tensor_names(module)
     skip = state_dict_keys(params)

@@ -289,6 +289,12 @@ class ZeroEngine(CheckpointSurface):
     def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         return self._sharded[id(_unwrap(optimizer))]
 
+    def optimizer_index(self, optimizer: torch.optim.Optimizer) -> int | None:
+        """Position of ``optimizer`` in the list the engine was built with (the indices of
+        :attr:`HeldParam.optimizers`), ``None`` for one the engine does not manage."""
+        target = _unwrap(optimizer)
+        return next((i for i, o in enumerate(self._optimizers) if o is target), None)
+
     def step(
         self,
         optimizer: torch.optim.Optimizer,

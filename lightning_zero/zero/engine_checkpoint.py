@@ -221,6 +221,23 @@ class CheckpointSurface:
                             b.params_from_master()
                         self._published_on_load.add(id(b))
 
+    def load_pieces_local(self, read: PieceReader) -> None:
+        """:meth:`load_pieces`, then every separate master cast into this rank's parameter slice,
+        without communication (no :meth:`publish`): for a caller that also writes every whole
+        parameter itself with the same values (``module.load_state_dict`` of a full state dict, which
+        copies into the parameters stages 1/2 and small stage-3 ones keep whole). Local."""
+        self.load_pieces(read)
+        cast, self._published_on_load = self._published_on_load, set()
+        with torch.no_grad():
+            for b in self._all_buffers():
+                if not b.separate_master or id(b) in cast:
+                    continue
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(self._buffer_resident(b))
+                    if b.shard_tier is not None:
+                        stack.enter_context(b.shard_tier.rewrite([b]))
+                    b.params_from_master()
+
     def load_optimizer_pieces(
         self, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]], read: OptimizerPieceReader
     ) -> None:

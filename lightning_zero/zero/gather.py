@@ -66,6 +66,11 @@ def placeholders_allowed() -> Iterator[None]:
         _PLACEHOLDERS_OK.reset(token)
 
 
+def placeholders_ok() -> bool:
+    """Whether the caller is inside :func:`placeholders_allowed`."""
+    return _PLACEHOLDERS_OK.get()
+
+
 def _released(param: nn.Parameter, names: dict[int, tuple[str, torch.Size]]) -> bool:
     """A sharded parameter that holds only this rank's piece (or nothing) right now."""
     entry = names.get(id(param))
@@ -101,7 +106,8 @@ def _guarded_class(cls: type) -> type:
                 raise RuntimeError(
                     f"parameter {names[id(value)][0]!r} is sharded by ZeRO stage 3 and was read outside the forward of "
                     "the module that owns it, where it holds no data. Read it inside "
-                    "`with trainer.strategy.gathered_parameters(module):`, or use it through its module's forward."
+                    "`with trainer.strategy.gathered_parameters(module):` (Fabric: "
+                    "`with fabric.strategy.gathered_parameters(module):`), or use it through its module's forward."
                 )
             return value
 
@@ -116,7 +122,9 @@ def _guarded_class(cls: type) -> type:
                         f"state_dict() of {type(self).__name__} under ZeRO stage 3 outside a forward: its parameter "
                         f"{prefix + name!r} is sharded and holds no data here. Call it inside "
                         "`with trainer.strategy.gathered_parameters(module):` on every rank, save with "
-                        "trainer.save_checkpoint, or read it after fit (the parameters are whole again)."
+                        "trainer.save_checkpoint, or read it after fit (the parameters are whole again). Under "
+                        "Fabric, model.state_dict() gathers a full state dict on every rank (call it on all ranks); "
+                        "save with fabric.save."
                     )
 
         members = {"__getattr__": __getattr__, "_save_to_state_dict": _save_to_state_dict, "__module__": cls.__module__}

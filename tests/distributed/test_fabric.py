@@ -312,11 +312,13 @@ def _errors_worker(rank: int) -> dict:
     tokens = make_loader().dataset.tensors[0][:3]
     expect("no_optimizer", ValueError, lambda: fabric.backward(loss_of(fabric_model, tokens)))
     fabric.strategy.teardown()
-    # stage 3: setup_module shards the model; a later setup_optimizers is refused
+    # stage 3: setup_module then setup_optimizers builds the engine for that optimizer; a second
+    # setup_optimizers afterwards is refused (ZeRO partitions the model once, for all its optimizers)
     fabric = make_fabric("zero3")
     model = ParityModel()
     fabric.setup_module(model)
-    expect("stage3_two_step", ValueError, lambda: fabric.setup_optimizers(torch.optim.AdamW(model.parameters())))
+    fabric.setup_optimizers(torch.optim.AdamW(model.up.parameters()))
+    expect("stage3_two_step", ValueError, lambda: fabric.setup_optimizers(torch.optim.AdamW(model.down.parameters())))
     fabric.strategy.teardown()
     # unsupported options, caught at construction
     from lightning_zero.fabric import ZeroStrategy

@@ -47,7 +47,7 @@ def test_options_are_the_trainer_strategys():
         ({"reduce_bucket_size": 0}, "reduce_bucket_size=0"),
         ({"stage": 2, "offload_parameters": True, "offload_optimizer": True}, "needs stage=3"),
         ({"pipeline_parallel_size": 2}, "data parallel only"),
-        ({"state_dict_type": "full"}, "state_dict_type='full'"),
+        ({"state_dict_type": "whole"}, "state_dict_type='whole'"),
         ({"async_save": True}, "async_save=True"),
         ({"node_local_storage": True}, "node_local_storage=True"),
         ({"node_local_storage": True, "state_dict_type": "full"}, "rank 0 assembles from every rank's shards"),

@@ -1,0 +1,177 @@
+"""LitGPT's own full-finetune script under Fabric's ZeroStrategy, against Fabric's DDP (2 CPU ranks, fp32).
+
+LitGPT (``pip install --no-deps litgpt==0.5.13 psutil``) hard-codes ``FSDPStrategy`` for more than one
+device; this check swaps it at run time for ``lightning_zero.fabric.ZeroStrategy(stage=N,
+state_dict_type="full")`` (or Fabric's ``"ddp"`` for the reference) and runs
+``litgpt.finetune.full.setup`` unchanged on a 2-layer LLaMA-shaped model with random weights, a
+word-level tokenizer trained here and a JSON instruction data set made here (nothing is downloaded).
+The script exercises what LitGPT does: ``init_module(empty_init=True)``, ``fabric.setup(model)``,
+``setup_optimizers`` of an optimizer over the set-up model's parameters, ``model.load_state_dict`` of
+the "pretrained" ``lit_model.pth`` (its ``load_checkpoint`` for non-FSDP strategies), ``fabric.save``
+of the state every ``save_interval`` steps, a final model-only save, and a resume from the step
+checkpoint. It prints each run's losses (LitGPT's CSV log), their largest relative difference from
+DDP's, and the largest difference of the final weights (``final/lit_model.pth``, one file
+``torch.load`` reads).
+
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py            # stages 1, 2, 3
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3
+
+Takes about a minute per stage on 2 CPU cores. Not part of the test suite (LitGPT is not a test
+dependency); ``tests/distributed/test_fabric_programs.py`` holds a LitGPT-like program that is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.testing import run_ranks
+
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "learns",
+    "to",
+    "answer",
+    "short",
+    "questions",
+    "about",
+    "colors",
+    "numbers",
+    "animals",
+    "and",
+    "plants",
+]
+
+
+def _make_checkpoint(root: Path) -> Path:
+    """A LitGPT checkpoint directory: config, random weights, a word-level tokenizer."""
+    from litgpt import GPT, Config
+    from litgpt.utils import save_config
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    ckpt = root / "checkpoint"
+    ckpt.mkdir(parents=True)
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["<unk>", "<s>", "</s>"]
+    trainer = trainers.WordLevelTrainer(special_tokens=special)
+    text = [" ".join(WORDS)] + [
+        "Below is an instruction that describes a task . Write a response that appropriately completes the request ."
+        " ### Instruction : ### Input : ### Response : Response Instruction Input"
+    ]
+    tokenizer.train_from_iterator(text, trainer)
+    tokenizer.save(str(ckpt / "tokenizer.json"))
+    special_tokens = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(special_tokens))
+    vocab = tokenizer.get_vocab_size()
+    config = Config(
+        name="tiny-llama",
+        block_size=64,
+        vocab_size=vocab,
+        padded_vocab_size=vocab + (-vocab % 8),
+        n_layer=2,
+        n_head=4,
+        n_query_groups=2,
+        n_embd=32,
+        intermediate_size=72,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        parallel_residual=False,
+        rotary_percentage=1.0,
+    )
+    save_config(config, ckpt)
+    torch.manual_seed(0)
+    torch.save(GPT(config).state_dict(), ckpt / "lit_model.pth")
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(48):
+        pick = torch.randint(0, len(WORDS), (8,), generator=generator).tolist()
+        words = [WORDS[i] for i in pick]
+        rows.append({"instruction": " ".join(words[:4]), "input": "", "output": " ".join(words[4:])})
+    (root / "data.json").write_text(json.dumps(rows))
+    return ckpt
+
+
+def _run(rank: int, root: str, name: str, stage: int | None, resume: bool) -> None:
+    import sys
+
+    import litgpt.finetune.full as full
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import JSON
+
+    import lightning_zero  # noqa: F401 - registers the names
+    from lightning_zero.fabric import ZeroStrategy
+
+    full.FSDPStrategy = (  # what LitGPT builds for devices > 1
+        (lambda **_: "ddp") if stage is None else (lambda **_: ZeroStrategy(stage=stage, state_dict_type="full"))
+    )
+    out = Path(root) / name
+    # LitGPT saves its "hyperparameters" by parsing the command line as its own CLI's: give it one
+    sys.argv = [sys.argv[0], str(Path(root) / "checkpoint")]
+    full.setup(
+        Path(root) / "checkpoint",
+        out_dir=out,
+        precision="32-true",
+        devices=2,
+        resume=resume,
+        data=JSON(json_path=Path(root) / "data.json", val_split_fraction=0.25, num_workers=0),
+        train=TrainArgs(
+            save_interval=2,
+            log_interval=1,
+            global_batch_size=4,
+            micro_batch_size=2,
+            lr_warmup_steps=1,
+            epochs=1,
+            max_steps=4 if resume else 2,
+            max_seq_length=32,
+        ),
+        eval=EvalArgs(interval=1000, max_new_tokens=4, max_iters=1, initial_validation=False, final_validation=False),
+        logger_name="csv",
+        optimizer="AdamW",
+        seed=1337,
+    )
+
+
+def _losses(out: Path) -> list[float]:
+    rows: list[dict[str, Any]] = []
+    for path in sorted(out.glob("logs/csv/**/metrics.csv")):
+        with path.open() as f:
+            rows += [r for r in csv.DictReader(f) if r.get("loss")]
+    return [float(r["loss"]) for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _make_checkpoint(root)
+        runs: list[tuple[str, int | None]] = [("ddp", None)] + [(f"zero{s}", s) for s in args.stages]
+        for name, stage in runs:
+            run_ranks(_run, str(root), name, stage, False, timeout=900)
+            run_ranks(_run, str(root), name, stage, True, timeout=900)  # resume from step-000002
+        ref_losses = _losses(root / "ddp")
+        ref = torch.load(root / "ddp" / "final" / "lit_model.pth", weights_only=True)["model"]
+        print(f"ddp losses: {[round(x, 6) for x in ref_losses]}")
+        for name, _ in runs[1:]:
+            losses = _losses(root / name)
+            final = torch.load(root / name / "final" / "lit_model.pth", weights_only=True)["model"]
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+            weights = max((final[k].float() - v.float()).abs().max().item() for k, v in ref.items())
+            print(
+                f"{name}: {len(losses)} losses, max relative loss diff {rel:.2e}, max final weight diff {weights:.2e}"
+            )
+
+
+if __name__ == "__main__":
+    main()

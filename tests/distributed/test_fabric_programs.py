@@ -1,0 +1,295 @@
+"""Fabric programs written for DDP or FSDP, run unchanged with ZeRO on 2 gloo ranks, against Fabric's DDP.
+
+Each program builds a model, sets it up in one of the call orders Lightning documents for FSDP, loads
+"pretrained" weights after setup (``model.load_state_dict`` of a full state dict, or
+``fabric.load_raw``), trains, and saves as LitGPT does: the model with the optimizer and a counter,
+then the model alone, then (here also) the optimizer alone. A second program of another seed resumes
+from the model-only and the optimizer-only saves. Everything must equal Fabric's DDP doing the same.
+
+Orders: ``fabric.setup(model, optimizer)``; ``setup_module`` then ``setup_optimizers`` with the
+optimizer built before or after ``setup_module`` (from the set-up model's parameters); a model built
+under ``fabric.init_module(empty_init=True)`` whose weights come only from the load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from models import ParityModel, make_loader
+from test_fabric import make_fabric, train, weights
+
+from lightning_zero.testing import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+ZERO3 = {"stage": 3, "reduce_bucket_size": 30, "param_persistence_threshold": 0}
+# fp32 on CPU: ZeRO reduces the same gradients in another grouping (bucketed reduce-scatter vs DDP's
+# all-reduce) and steps slices instead of whole tensors, so sums round differently: ~1e-7 relative per
+# step, a few steps. 1e-5 relative on losses and 1e-4 on weights leave two orders of margin and still
+# catch any wrong piece (a missed load moves a weight by ~1e-1, a lost step by ~1e-2).
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
+
+
+def _pretrained() -> dict[str, torch.Tensor]:
+    """The weights every program loads after setup: another seed's model."""
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        return {k: v.clone() for k, v in ParityModel().state_dict().items()}
+
+
+def _optimizer(model: ParityModel) -> torch.optim.Optimizer:
+    """ParityModel's groups, chosen by name: a stage-3 parameter outside a forward has the shape of its
+    piece, so grouping by ``p.dim()`` (as ``configure_optimizers`` does) after setup would differ."""
+    decay = [
+        p for n, p in model.named_parameters() if n in ("embed.weight", "frozen.weight", "up.weight", "down.weight")
+    ]
+    no_decay = [p for p in model.parameters() if all(p is not d for d in decay)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _program(spec: Any, how: str, load: str, tmp: str, name: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    fabric = make_fabric(spec)
+    pl.seed_everything(7, verbose=False)
+    with fabric.init_module(empty_init=True) if how == "init_empty" else contextlib.nullcontext():
+        model = ParityModel()
+    if how == "setup":
+        fabric_model, optimizer = fabric.setup(model, _optimizer(model))
+    elif how == "module_opt_before":
+        built = _optimizer(model)
+        fabric_model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(built)
+    else:  # "module_opt_after", "init_empty": the optimizer over the set-up model's parameters (LitGPT)
+        fabric_model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(_optimizer(fabric_model.module))
+    if load == "load_state_dict":
+        fabric_model.load_state_dict(_pretrained())
+    elif load == "lazy_load":  # LitGPT's load_checkpoint: tensors read from the file as they are copied
+        from lightning.fabric.utilities.load import _lazy_load
+
+        fabric_model.load_state_dict(_lazy_load(f"{tmp}/pretrained.pt"))
+    else:
+        fabric.load_raw(f"{tmp}/pretrained.pt", fabric_model)
+    loader = fabric.setup_dataloaders(make_loader())
+    losses = train(fabric, fabric_model, optimizer, None, loader, "norm", 2)
+    out: dict[str, Any] = {"losses": losses, "state": weights(fabric, model)}
+    # A full state dict gathered on request, as FSDP's (stage 3 too), equal to the gathered weights
+    out["state_dict"] = {k: v.detach().float().clone() for k, v in fabric_model.state_dict().items()}
+    fabric.save(f"{tmp}/{name}/step", {"model": fabric_model, "optimizer": optimizer, "iter_num": 2})
+    fabric.save(f"{tmp}/{name}/model", {"model": fabric_model})
+    fabric.save(f"{tmp}/{name}/optimizer", {"optimizer": optimizer})
+    fabric.strategy.teardown()
+    # another seed's program resumes from the model-only and the optimizer-only saves
+    fabric = make_fabric(spec)
+    pl.seed_everything(8, verbose=False)
+    model = ParityModel()
+    fabric_model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(_optimizer(fabric_model.module))
+    fabric.load(f"{tmp}/{name}/model", {"model": fabric_model})
+    fabric.load(f"{tmp}/{name}/optimizer", {"optimizer": optimizer})
+    state = {"iter_num": -1}
+    fabric.load(f"{tmp}/{name}/step", state, strict=False)
+    loader = fabric.setup_dataloaders(make_loader())
+    out["resumed"] = train(fabric, fabric_model, optimizer, None, loader, "norm", 2)
+    out["resumed_state"] = weights(fabric, model)
+    out["iter_num"] = state["iter_num"]
+    fabric.strategy.teardown()
+    return out
+
+
+CASES = [
+    ("zero3_setup", ZERO3, "setup", "load_state_dict"),
+    ("zero3_before", ZERO3, "module_opt_before", "load_raw"),
+    ("zero3_after", ZERO3, "module_opt_after", "load_state_dict"),
+    ("zero3_init_empty", ZERO3, "init_empty", "load_raw"),
+    ("zero3_lazy", ZERO3, "init_empty", "lazy_load"),
+    ("zero3_full", {**ZERO3, "state_dict_type": "full"}, "module_opt_after", "load_state_dict"),
+    ("zero3_offload_full", {**ZERO3, "offload_optimizer": "cpu", "state_dict_type": "full"}, "init_empty", "load_raw"),
+    ("zero2", {"stage": 2, "reduce_bucket_size": 40}, "module_opt_after", "load_state_dict"),
+    ("zero1_full", {"stage": 1, "state_dict_type": "full"}, "setup", "load_raw"),
+]
+
+
+def _worker(rank: int, tmp: str) -> dict[str, Any]:
+    import lightning_zero  # noqa: F401 - registers the names
+
+    if rank == 0:
+        torch.save(_pretrained(), f"{tmp}/pretrained.pt")
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    out = {"ddp": _program("ddp", "setup", "load_state_dict", tmp, "ddp")}
+    for name, spec, how, load in CASES:
+        out[name] = _program(spec, how, load, tmp, name)
+    return out
+
+
+def _close(name: str, ours: dict[str, torch.Tensor], ddp: dict[str, torch.Tensor]) -> None:
+    assert ours.keys() == ddp.keys(), name
+    for key, value in ddp.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=WEIGHT_ATOL, msg=f"{name}: {key}")
+
+
+@pytest.mark.timeout(900)
+def test_fabric_programs_match_ddp(tmp_path) -> None:
+    import lightning_zero.checkpoint as ckpt
+
+    results = run_ranks(_worker, str(tmp_path), timeout=900)
+    for rank_out in results:
+        ddp = rank_out["ddp"]
+        for name, _, _, _ in CASES:
+            ours = rank_out[name]
+            torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=name)
+            torch.testing.assert_close(ours["resumed"], ddp["resumed"], rtol=LOSS_RTOL, atol=0, msg=name)
+            _close(name, ours["state"], ddp["state"])
+            _close(name + " state_dict()", ours["state_dict"], ddp["state"])
+            _close(name + " resumed", ours["resumed_state"], ddp["resumed_state"])
+            assert ours["iter_num"] == 2, name
+    # The saved files: a "full" save is one file that torch.load reads, with Fabric DDP's keys; a sharded
+    # one consolidates (without torch's deprecation warning) into the same weights.
+    ddp_model = results[0]["ddp"]["state"]
+    for name, spec, _, _ in CASES:
+        path = tmp_path / name / "model"
+        if spec.get("state_dict_type") == "full":
+            assert path.is_file(), name
+            saved = torch.load(path, weights_only=True)
+            assert sorted(saved) == ["model"], name
+            step = torch.load(tmp_path / name / "step", weights_only=True)
+            ddp_step = torch.load(tmp_path / "ddp" / "step", weights_only=True)
+            assert sorted(step) == sorted(ddp_step) == ["iter_num", "model", "optimizer"], name
+            for key, value in ddp_step["optimizer"]["state"].items():
+                for state_key, tensor in value.items():
+                    mine = step["optimizer"]["state"][key][state_key]
+                    torch.testing.assert_close(mine.float(), tensor.float(), rtol=0, atol=WEIGHT_ATOL)
+        else:
+            assert path.is_dir(), name
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ckpt.consolidate(path, tmp_path / f"{name}.pt")
+            saved = {"model": torch.load(tmp_path / f"{name}.pt", weights_only=True)}
+        _close(name + " saved", {k: v.float() for k, v in saved["model"].items()}, ddp_model)
+
+
+class PretrainedModel(ParityModel):
+    """Loads the pretrained weights with ``self.load_state_dict`` in ``setup`` (before the strategy sets
+    the model up) or ``on_fit_start`` (after: under stage 3 the parameters are pieces then)."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when = when
+
+    def setup(self, stage: str) -> None:
+        if self.when == "setup":
+            self.load_state_dict(_pretrained())
+
+    def on_fit_start(self) -> None:
+        if self.when == "on_fit_start":
+            self.load_state_dict(_pretrained())
+
+
+def _trainer_worker(rank: int) -> dict[str, Any]:
+    from models import fit, state
+
+    out = {}
+    for name, spec in (("ddp", "ddp"), ("zero3", ZERO3), ("zero3_default", "zero3"), ("zero2", "zero2")):
+        for when in ("setup", "on_fit_start"):
+            trainer, model = fit(spec, max_steps=3, model_cls=PretrainedModel, model_kwargs={"when": when})
+            out[(name, when)] = {"losses": model.losses, "state": state(model)}  # stage 3: whole again after fit
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_trainer_loads_pretrained_weights_after_setup() -> None:
+    results = run_ranks(_trainer_worker, timeout=600)
+    for rank_out in results:
+        for (name, when), ours in rank_out.items():
+            ddp = rank_out[("ddp", when)]
+            torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=f"{name} {when}")
+            _close(f"{name} {when}", ours["state"], ddp["state"])
+
+
+def _solo_worker(rank: int, solo: int) -> str:
+    """Rank ``solo`` runs a forward alone (as LitGPT's rank-0 sample generation) while the other
+    waits at fabric.barrier()."""
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+
+    fabric = make_fabric(ZERO3)
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel()
+    fabric_model, _ = fabric.setup(model, _optimizer(model))
+    tokens = make_loader().dataset.tensors[0][:3]
+    with torch.no_grad():
+        fabric_model(tokens)  # every rank: fine
+        # inside gathered_parameters (entered by every rank) one rank alone may run a forward
+        with fabric.strategy.gathered_parameters():
+            if rank == solo:
+                fabric_model(tokens)
+        fabric.barrier()
+        try:
+            if rank == solo:
+                fabric_model(tokens)
+            fabric.barrier()
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("solo", [0, 1])
+def test_forward_on_one_rank_is_an_error_not_a_hang(solo: int) -> None:
+    messages = run_ranks(_solo_worker, solo, timeout=240)
+    # The rank that detects it names the model and the barrier; the other one's wait ends with it
+    # (its peer's exit), whatever the message of that.
+    named = [m for m in messages if "ParityModel" in m and "fabric.barrier()" in m]
+    assert named, messages
+    assert all(m != "no error" for m in messages), messages
+
+
+def _failed_save_worker(rank: int, tmp: str) -> dict[str, Any]:
+    """A model-only save over an earlier checkpoint fails on rank 1 mid-write: every rank raises and
+    the earlier checkpoint still loads, with its own weights."""
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+    from lightning_zero.checkpoint import save as ckpt_save
+
+    fabric = make_fabric(ZERO3)
+    pl.seed_everything(7, verbose=False)
+    model = ParityModel()
+    fabric_model, optimizer = fabric.setup(model, _optimizer(model))
+    loader = fabric.setup_dataloaders(make_loader())
+    train(fabric, fabric_model, optimizer, None, loader, "norm", 1)
+    saved = weights(fabric, model)
+    fabric.save(f"{tmp}/ck", {"model": fabric_model, "optimizer": optimizer})
+    train(fabric, fabric_model, optimizer, None, loader, "norm", 1)
+    real = ckpt_save.rank_payload
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("disk full (injected)")
+
+    ckpt_save.rank_payload = broken if rank == 1 else real  # type: ignore[assignment]
+    try:
+        fabric.save(f"{tmp}/ck", {"model": fabric_model})
+        error = "no error"
+    except RuntimeError as exc:
+        error = str(exc)
+    finally:
+        ckpt_save.rank_payload = real  # type: ignore[assignment]
+    fabric.load(f"{tmp}/ck", {"model": fabric_model, "optimizer": optimizer})
+    loaded = weights(fabric, model)
+    fabric.strategy.teardown()
+    return {"error": error, "saved": saved, "loaded": loaded}
+
+
+@pytest.mark.timeout(300)
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path) -> None:
+    for out in run_ranks(_failed_save_worker, str(tmp_path), timeout=240):
+        assert "disk full (injected)" in out["error"], out["error"]
+        for key, value in out["saved"].items():
+            torch.testing.assert_close(out["loaded"][key], value, rtol=0, atol=0, msg=key)
