@@ -113,10 +113,22 @@ class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ig
 
 
 class _ZeroBackwardSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: ZeRO has nothing to skip (see the module docstring)."""
+    """``fabric.no_backward_sync``: ZeRO's gradients have nothing to skip (see the module docstring);
+    buffers are not broadcast inside it, as inside DDP's ``no_sync``."""
+
+    def __init__(self) -> None:
+        self.blocked = False
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return nullcontext()
+        return self._blocking() if enabled else nullcontext()
+
+    @contextmanager
+    def _blocking(self) -> Generator[None, None, None]:
+        self.blocked = True
+        try:
+            yield
+        finally:
+            self.blocked = False
 
 
 class ZeroStrategy(DDPStrategy):
@@ -176,6 +188,7 @@ class ZeroStrategy(DDPStrategy):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
+        self._buffers_hook: Any = None  # broadcast_buffers: rank 0's buffers before each training forward
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
@@ -360,6 +373,15 @@ class ZeroStrategy(DDPStrategy):
         if stage3:
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
+        if self.config.data_parallel.broadcast_buffers and self._buffers_hook is None:
+            self._buffers_hook = module.register_forward_pre_hook(self._broadcast_buffers)
+
+    def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
+        """DDP's ``broadcast_buffers``: rank 0's buffers before each forward with grad enabled outside
+        ``fabric.no_backward_sync`` (where DDP's forward broadcasts them)."""
+        control = self._backward_sync_control
+        if torch.is_grad_enabled() and not (isinstance(control, _ZeroBackwardSync) and control.blocked):
+            comm.broadcast_buffers(list(module.buffers()), self.data_parallel_group)
 
     def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() and self._engine is not None:
@@ -495,9 +517,10 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
-        if self._eval_hook is not None:
-            self._eval_hook.remove()
-            self._eval_hook = None
+        for hook in (self._eval_hook, self._buffers_hook):
+            if hook is not None:
+                hook.remove()
+        self._eval_hook = self._buffers_hook = None
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None

@@ -164,8 +164,11 @@ class OffloadPrecision(HalfPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast floating parameters (and for "bf16-true" also buffers) to the compute dtype.
 
-        Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage.
+        Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage. "32-true"
+        casts nothing, as Lightning's: every parameter keeps its dtype (ZeRO's flat buffers too).
         """
+        if self.precision == "32-true":
+            return module
         if self.precision in ("bf16-true", "64-true"):
             for buffer in list(module.buffers()):
                 if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:

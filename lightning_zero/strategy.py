@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -56,10 +57,18 @@ from lightning_zero.config import (
     StrategyConfig,
     ZeroConfig,
 )
+from lightning_zero.ddp_args import BufferSync
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
+from lightning_zero.options import (
+    STRATEGY_OPTIONS,
+    as_offload_precision,
+    new_precision,
+    register_names,
+    strategy_config,
+)
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
+from lightning_zero.sync_batchnorm import ZeroSyncBatchNorm
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -144,6 +153,8 @@ class ZeroStrategy(DDPStrategy):
             loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
         node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
             resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
+        broadcast_buffers, find_unused_parameters, ..., **ddp_kwargs: DDPStrategy's and torch DDP's arguments,
+            each with its ZeRO meaning or a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
         The remaining arguments are those of Lightning's ``DDPStrategy``.
     """
 
@@ -152,16 +163,16 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         stage: int = 2,
-        reduce_bucket_size: int | str = "auto",
-        allgather_bucket_size: int = 50_000_000,
+        reduce_bucket_size: int | float | str = "auto",
+        allgather_bucket_size: int | float = 50_000_000,
         overlap_comm: bool = True,
-        prefetch_bucket_size: int | str = 5_000_000,
-        param_persistence_threshold: int = 100_000,
-        max_live_parameters: int = 1_000_000_000,
+        prefetch_bucket_size: int | float | str = 5_000_000,
+        param_persistence_threshold: int | float = 100_000,
+        max_live_parameters: int | float = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
-        host_mmap_threshold: int | None = 1 << 20,
+        host_mmap_threshold: int | float | None = 1 << 20,
         expose_param_grads: bool | None = None,
         reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | str = False,
@@ -193,44 +204,24 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing_offload: bool = False,
         async_save: bool = False,
         node_local_storage: bool = False,
+        # DDPStrategy's arguments, each with its ZeRO meaning (lightning_zero.ddp_args)
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        **ddp_kwargs: Any,
     ) -> None:
+        # Every parameter of strategy_config is one of ours, with the same default (a test checks it):
+        # they go over by name, so the two lists cannot drift apart.
+        arguments = locals()
+        options = {name: arguments[name] for name in STRATEGY_OPTIONS}
         #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
-        self.config = strategy_config(
-            stage=stage,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            overlap_comm=overlap_comm,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters,
-            allow_untested_optimizer=allow_untested_optimizer,
-            on_nonfinite=on_nonfinite,
-            absorb_param_edits=absorb_param_edits,
-            host_mmap_threshold=host_mmap_threshold,
-            expose_param_grads=expose_param_grads,
-            reduce_dtype=reduce_dtype,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            pin_memory=pin_memory,
-            offload_pipeline=offload_pipeline,
-            nvme_path=nvme_path,
-            nvme_config=nvme_config,
-            timeout=timeout,
-            debug_collectives=debug_collectives,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            tensor_parallel_plan=tensor_parallel_plan,
-            pipeline_micro_batches=pipeline_micro_batches,
-            pipeline_schedule=pipeline_schedule,
-            pipeline_partition=pipeline_partition,
-            pipeline_chunks=pipeline_chunks,
-            sequence_parallel=sequence_parallel,
-            state_dict_type=state_dict_type,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_offload=activation_checkpointing_offload,
-            async_save=async_save,
-            node_local_storage=node_local_storage,
-        )
+        self.config = strategy_config(**options, **ddp_kwargs)
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
@@ -244,6 +235,7 @@ class ZeroStrategy(DDPStrategy):
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
+        self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
@@ -338,6 +330,12 @@ class ZeroStrategy(DDPStrategy):
                 "predict with pipeline_parallel_size=1 (a checkpoint converts to any layout)"
             )
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            # sync_batchnorm=True, as DDPStrategy (reverted at teardown), before the engine hooks the
+            # modules; torch's SyncBatchNorm refuses CPU tensors, ours runs there too
+            if type(self._layer_sync) is TorchSyncBatchNorm:
+                self._layer_sync = ZeroSyncBatchNorm()
+            self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         assert module is not None
         stage3 = self.zero_config.stage == 3
@@ -550,6 +548,7 @@ class ZeroStrategy(DDPStrategy):
         """Under pipeline parallelism: forward and backward of every micro-batch by the schedule
         (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
         loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
+        self._buffer_sync.before_forward(self.config.data_parallel, self.lightning_module, self.data_parallel_group)
         if not self._parallel.pipelined:
             return super().training_step(*args, **kwargs)
         runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
@@ -566,6 +565,13 @@ class ZeroStrategy(DDPStrategy):
         assert self._parallel.spec is not None
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
         return loss
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's micro-batches before the last of a window: ZeRO's buckets accumulate them
+        anyway; as under DDP's ``no_sync``, buffers are not broadcast there."""
+        with self._buffer_sync.blocking():
+            yield
 
     def _pipeline_eval(self, prefix: str, *args: Any, **kwargs: Any) -> Any:
         runner, module = self._parallel.runner, self.lightning_module

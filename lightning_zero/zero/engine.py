@@ -90,7 +90,15 @@ class ZeroEngine(CheckpointSurface):
             check_optimizer(optimizer, config.zero.allow_untested_optimizer)
         # "auto" bucket sizes from the model's size (every rank sees the same module: same sizes)
         numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if p.is_floating_point())
-        config = dataclasses.replace(config, zero=config.zero.sized_for(numel))
+        zero, ddp = config.zero, config.data_parallel
+        # DDP's bucket_cap_mb: as many elements of the gradient buckets' dtype as fit in that many MiB
+        bucket_bytes = grad_dtype(zero.reduce_dtype, PRECISIONS[precision][0]).itemsize
+        if (from_mb := ddp.reduce_bucket_numel(bucket_bytes)) is not None:
+            zero, ddp = (
+                dataclasses.replace(zero, reduce_bucket_size=from_mb),
+                dataclasses.replace(ddp, bucket_cap_mb=None),
+            )
+        config = dataclasses.replace(config, zero=zero.sized_for(numel), data_parallel=ddp)
         self.config = config
         self.group = group = parallel.data
         self.device = device
@@ -176,6 +184,7 @@ class ZeroEngine(CheckpointSurface):
             device=device,
             recordings=tuple(recordings),
             sink=sink,
+            keep_param_dtypes=precision == "32-true",  # as DDP (Lightning's 32-true casts nothing)
         )
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
