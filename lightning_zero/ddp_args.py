@@ -155,23 +155,44 @@ class DataParallelConfig:
 
 
 class BufferSync:
-    """``broadcast_buffers`` for both strategies: rank 0's buffers before each forward that DDP would
-    synchronize: with grad enabled, outside the accumulation micro-batches that DDP runs under
-    ``no_sync`` (Lightning's ``block_backward_sync``, Fabric's ``no_backward_sync``)."""
+    """``broadcast_buffers`` for both strategies, with DDP's rule: a forward that DDP runs (the step
+    methods during ``fit``; Fabric: the model's forward) starts with a broadcast of rank 0's buffers
+    when the previous one synchronized gradients (grad enabled, outside ``no_sync``: Lightning's
+    ``block_backward_sync``, Fabric's ``no_backward_sync``), or is the first; in manual optimization
+    when a ``manual_backward`` came since (DDP's ``require_forward_param_sync``). With accumulation
+    that is the first micro-batch of each window; after validation, the second training forward."""
 
     def __init__(self) -> None:
         self.blocked = False
+        self.due = True  # a freshly wrapped DDP model broadcasts before its first forward
 
     @contextmanager
     def blocking(self) -> Generator[None, None, None]:
-        """Inside: no broadcast (DDP's ``no_sync``)."""
+        """Inside: forwards do not make the next one broadcast (DDP's ``no_sync``)."""
         self.blocked = True
         try:
             yield
         finally:
             self.blocked = False
 
-    def before_forward(self, config: DataParallelConfig, module: nn.Module | None, group: comm.ProcessGroup) -> None:
-        """Broadcast ``module``'s buffers from group rank 0 when DDP would. Call on all ranks."""
-        if config.broadcast_buffers and module is not None and not self.blocked and torch.is_grad_enabled():
+    @contextmanager
+    def forward(
+        self, config: DataParallelConfig, module: nn.Module | None, group: comm.ProcessGroup, manual: bool = False
+    ) -> Generator[None, None, None]:
+        """Around one forward that DDP runs (``manual``: under manual optimization). Call on all ranks."""
+        self.before(config, module, group)
+        try:
+            yield
+        finally:
+            self.after(manual)
+
+    def before(self, config: DataParallelConfig, module: nn.Module | None, group: comm.ProcessGroup) -> None:
+        if config.broadcast_buffers and self.due and module is not None:
             comm.broadcast_buffers(list(module.buffers()), group)
+
+    def after(self, manual: bool = False) -> None:
+        self.due = torch.is_grad_enabled() and not self.blocked and not manual
+
+    def manual_backward(self) -> None:
+        """Manual optimization: a backward outside ``no_sync`` makes the next forward broadcast."""
+        self.due = torch.is_grad_enabled() and not self.blocked

@@ -79,6 +79,7 @@ from lightning_zero.checkpoint import fabric_state
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.ddp_args import BufferSync
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.deferred import Recorder, Recording
@@ -114,21 +115,13 @@ class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ig
 
 class _ZeroBackwardSync(_BackwardSyncControl):
     """``fabric.no_backward_sync``: ZeRO's gradients have nothing to skip (see the module docstring);
-    buffers are not broadcast inside it, as inside DDP's ``no_sync``."""
+    buffers are broadcast as around DDP's ``no_sync`` (:class:`~lightning_zero.ddp_args.BufferSync`)."""
 
-    def __init__(self) -> None:
-        self.blocked = False
+    def __init__(self, buffers: BufferSync) -> None:
+        self.buffers = buffers
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self._blocking() if enabled else nullcontext()
-
-    @contextmanager
-    def _blocking(self) -> Generator[None, None, None]:
-        self.blocked = True
-        try:
-            yield
-        finally:
-            self.blocked = False
+        return self.buffers.blocking() if enabled else nullcontext()
 
 
 class ZeroStrategy(DDPStrategy):
@@ -188,7 +181,7 @@ class ZeroStrategy(DDPStrategy):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
-        self._buffers_hook: Any = None  # broadcast_buffers: rank 0's buffers before each training forward
+        self._buffers_hooks: list[Any] = []  # broadcast_buffers: around the model's forward, as DDP's
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
@@ -204,7 +197,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=self.config.failure.collective_timeout,
             start_method=start_method,
         )
-        self._backward_sync_control = _ZeroBackwardSync()
+        self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
+        self._backward_sync_control = _ZeroBackwardSync(self._buffer_sync)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -373,15 +367,10 @@ class ZeroStrategy(DDPStrategy):
         if stage3:
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
-        if self.config.data_parallel.broadcast_buffers and self._buffers_hook is None:
-            self._buffers_hook = module.register_forward_pre_hook(self._broadcast_buffers)
-
-    def _broadcast_buffers(self, module: nn.Module, args: Any) -> None:
-        """DDP's ``broadcast_buffers``: rank 0's buffers before each forward with grad enabled outside
-        ``fabric.no_backward_sync`` (where DDP's forward broadcasts them)."""
-        control = self._backward_sync_control
-        if torch.is_grad_enabled() and not (isinstance(control, _ZeroBackwardSync) and control.blocked):
-            comm.broadcast_buffers(list(module.buffers()), self.data_parallel_group)
+        if not self._buffers_hooks:
+            sync, ddp = self._buffer_sync, self.config.data_parallel
+            before = module.register_forward_pre_hook(lambda m, a: sync.before(ddp, m, self.data_parallel_group))
+            self._buffers_hooks = [before, module.register_forward_hook(lambda m, a, o: sync.after())]
 
     def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() and self._engine is not None:
@@ -517,10 +506,10 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
-        for hook in (self._eval_hook, self._buffers_hook):
+        for hook in [self._eval_hook, *self._buffers_hooks]:
             if hook is not None:
                 hook.remove()
-        self._eval_hook = self._buffers_hook = None
+        self._eval_hook, self._buffers_hooks = None, []
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None

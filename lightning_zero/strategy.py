@@ -28,7 +28,7 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,12 +36,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, memory, summary, threads
+from lightning_zero import comm, debug, failures, memory, options, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -59,16 +58,10 @@ from lightning_zero.config import (
 )
 from lightning_zero.ddp_args import BufferSync
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.options import (
-    STRATEGY_OPTIONS,
-    as_offload_precision,
-    new_precision,
-    register_names,
-    strategy_config,
-)
+from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
-from lightning_zero.sync_batchnorm import ZeroSyncBatchNorm
+from lightning_zero.sync_batchnorm import zero_layer_sync
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -216,12 +209,10 @@ class ZeroStrategy(DDPStrategy):
         model_averaging_period: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        # Every parameter of strategy_config is one of ours, with the same default (a test checks it):
-        # they go over by name, so the two lists cannot drift apart.
-        arguments = locals()
-        options = {name: arguments[name] for name in STRATEGY_OPTIONS}
+        arguments = locals()  # strategy_config's parameters are ours, by name and default (a test checks it)
+        named = {name: arguments[name] for name in options.STRATEGY_OPTIONS}
         #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
-        self.config = strategy_config(**options, **ddp_kwargs)
+        self.config = strategy_config(**named, **ddp_kwargs)
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
@@ -331,11 +322,10 @@ class ZeroStrategy(DDPStrategy):
             )
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
-            # sync_batchnorm=True, as DDPStrategy (reverted at teardown), before the engine hooks the
-            # modules; torch's SyncBatchNorm refuses CPU tensors, ours runs there too
-            if type(self._layer_sync) is TorchSyncBatchNorm:
-                self._layer_sync = ZeroSyncBatchNorm()
+            # sync_batchnorm=True as DDPStrategy (reverted by its teardown), before the engine hooks modules
+            self._layer_sync = zero_layer_sync(self._layer_sync)
             self.model = self._layer_sync.apply(self.model)
+        self._buffer_sync = BufferSync()  # as a freshly wrapped DDP model: broadcast before the first forward
         module = self.lightning_module
         assert module is not None
         stage3 = self.zero_config.stage == 3
@@ -524,7 +514,8 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
         try:
-            return super().validation_step(*args, **kwargs)
+            with self._ddp_forward():
+                return super().validation_step(*args, **kwargs)
         finally:
             self._end_pass()
 
@@ -548,9 +539,12 @@ class ZeroStrategy(DDPStrategy):
         """Under pipeline parallelism: forward and backward of every micro-batch by the schedule
         (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
         loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
-        self._buffer_sync.before_forward(self.config.data_parallel, self.lightning_module, self.data_parallel_group)
-        if not self._parallel.pipelined:
-            return super().training_step(*args, **kwargs)
+        with self._ddp_forward():
+            if not self._parallel.pipelined:
+                return super().training_step(*args, **kwargs)
+            return self._pipeline_train(*args, **kwargs)
+
+    def _pipeline_train(self, *args: Any, **kwargs: Any) -> Any:
         runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
         assert runner is not None and module is not None
         accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
@@ -566,10 +560,20 @@ class ZeroStrategy(DDPStrategy):
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
         return loss
 
+    def _ddp_forward(self) -> AbstractContextManager:  # broadcast_buffers around what DDP's forward runs in fit
+        module = self.lightning_module
+        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return nullcontext()
+        manual = not module.automatic_optimization
+        return self._buffer_sync.forward(self.config.data_parallel, module, self.data_parallel_group, manual)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            self._buffer_sync.manual_backward()  # DDP's prepare_for_backward
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning's micro-batches before the last of a window: ZeRO's buckets accumulate them
-        anyway; as under DDP's ``no_sync``, buffers are not broadcast there."""
+        """Accumulation micro-batches: ZeRO's buckets hold them; buffers as under DDP's ``no_sync``."""
         with self._buffer_sync.blocking():
             yield
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from torch import nn
 
 from lightning_zero import comm
@@ -89,3 +89,10 @@ class ZeroSyncBatchNorm(TorchSyncBatchNorm):
 
     def apply(self, model: nn.Module) -> nn.Module:
         return SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def zero_layer_sync(layer_sync: LayerSync) -> LayerSync:
+    """The Trainer's ``sync_batchnorm=True`` plugin as ZeRO applies it: Lightning's default
+    (torch's SyncBatchNorm, which refuses CPU tensors) becomes :class:`ZeroSyncBatchNorm`; a user's
+    own ``LayerSync`` plugin stays."""
+    return ZeroSyncBatchNorm() if type(layer_sync) is TorchSyncBatchNorm else layer_sync
