@@ -255,6 +255,16 @@ class ZeroEngine(CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.end_pass()
 
+    def last_gathered(self) -> str | None:
+        """Stage 3, for error messages: the module this rank gathered last in the current (or just
+        ended) pass, and how many gathers that pass made; ``None`` otherwise."""
+        coordinator = self._coordinator
+        trace = getattr(coordinator, "trace", None) or getattr(coordinator, "previous", None)
+        names = getattr(coordinator, "names", None)
+        if not trace or not names:
+            return None
+        return f"{names[trace[-1]]} (gather {len(trace)} of its pass)"
+
     @contextmanager
     def gathered_parameters(
         self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
