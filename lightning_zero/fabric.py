@@ -348,7 +348,7 @@ class ZeroStrategy(DDPStrategy):
             module,
             optimizers,
             config=config,
-            precision=precision.precision,
+            precision=precision.engine_precision,
             device=self.root_device,
             parallel=ModelParallelContext(data=self.data_parallel_group),
             recordings=self._recordings,

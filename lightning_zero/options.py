@@ -189,6 +189,7 @@ def as_offload_precision(
             pin_memory=plugin.offload.pin_memory,
             loss_scale=scale,
             nvme=plugin.offload.nvme,
+            param_dtype="fp32" if plugin.fp32_params else None,
         )
         return converted
     # (A plugin given to the strategy itself reaches here unchanged: Lightning prefers it to the

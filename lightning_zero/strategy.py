@@ -370,7 +370,7 @@ class ZeroStrategy(DDPStrategy):
                 module,
                 self.optimizers if fitting else [],
                 config=config,
-                precision=precision.precision,
+                precision=precision.engine_precision,
                 device=self.root_device,
                 parallel=self._parallel.context(self.data_parallel_group),
                 recordings=self._recordings,
@@ -393,13 +393,13 @@ class ZeroStrategy(DDPStrategy):
             self._route_lightning_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
-            summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+            summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.engine_precision][0])
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
         assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
-        itemsize = PRECISIONS[self.precision_plugin.precision][0].itemsize
+        itemsize = PRECISIONS[self.precision_plugin.engine_precision][0].itemsize
         check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize, self.optimizers)
 
     def _route_lightning_optimizers(self) -> None:

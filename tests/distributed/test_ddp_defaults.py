@@ -222,3 +222,26 @@ def test_fabric_broadcasts_buffers_as_ddp():
     for rank, res in enumerate(run_ranks(_fabric_worker, timeout=600)):
         for name in ("zero1", "zero3", "zero2_offload"):
             _close(res[name], res["ddp"], f"fabric rank {rank} {name}")
+
+
+def _fp32_params_worker(rank: int) -> dict:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import OffloadPrecision, ZeroStrategy
+
+    out = {"ddp": fit(DDPStrategy(), precision="bf16-mixed")[1]}
+    for name, spec in LAYOUTS.items():
+        offload = {k: spec[k] for k in ("offload_optimizer", "offload_parameters") if k in spec}
+        plugin = OffloadPrecision("bf16-mixed", param_dtype="fp32", **offload)
+        out[name] = fit(ZeroStrategy(**spec), plugins=[plugin])[1]
+    return out
+
+
+def test_bf16_mixed_with_fp32_parameters_is_lightnings_ddp():
+    """OffloadPrecision("bf16-mixed", param_dtype="fp32"): fp32 parameters under bf16 autocast, as
+    Lightning's DDP: the 16-bit matmuls see the same operands, so ZeRO and DDP agree as in fp32
+    (DeepSpeed's default, bf16 parameters, cannot even run this model on CPU: BatchNorm's fp32
+    running statistics meet bf16 weights)."""
+    for rank, res in enumerate(run_ranks(_fp32_params_worker, timeout=600)):
+        for name in LAYOUTS:
+            _close(res[name], res["ddp"], f"rank {rank} {name} bf16-mixed fp32 parameters")

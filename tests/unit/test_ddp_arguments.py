@@ -145,3 +145,19 @@ def test_lightning_cli_yaml_with_deepspeed_sizes_and_ddp_arguments(tmp_path):
 def test_strategy_config_carries_the_ddp_section():
     assert isinstance(ZeroStrategy(find_unused_parameters=True).config, StrategyConfig)
     assert ZeroStrategy(find_unused_parameters=True).config.data_parallel.find_unused_parameters
+
+
+def test_param_dtype_fp32_runs_the_engine_as_32_true():
+    from lightning_zero import OffloadPrecision
+    from lightning_zero.fabric import FabricOffloadPrecision
+    from lightning_zero.options import as_offload_precision
+
+    plugin = OffloadPrecision("bf16-mixed", param_dtype="fp32")
+    assert plugin.engine_precision == "32-true" and plugin.compute_dtype == torch.bfloat16  # autocast dtype
+    assert OffloadPrecision("bf16-mixed").engine_precision == "bf16-mixed"
+    fabric = as_offload_precision(plugin, FabricZeroStrategy().config, None, FabricOffloadPrecision)
+    assert fabric is not None and fabric.engine_precision == "32-true"  # kept through Fabric's conversion
+    with pytest.raises(ValueError, match="param_dtype='fp16'"):
+        OffloadPrecision("bf16-mixed", param_dtype="fp16")
+    with pytest.raises(ValueError, match="precision='bf16-true'"):
+        OffloadPrecision("bf16-true", param_dtype="fp32")
