@@ -60,6 +60,11 @@ class BatchNormModel(pl.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        # eval-mode BatchNorm reads the running statistics: the logged mean differs if ranks' do
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # SGD: Adam would scale rounding-level gradients up to full steps
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -74,7 +79,12 @@ def loader(batch_size: int = 4, rows: slice = slice(None)) -> DataLoader:
 
 
 def fit(
-    strategy: Any, devices: int = 2, batch_size: int = 4, rows: slice = slice(None), **kwargs: Any
+    strategy: Any,
+    devices: int = 2,
+    batch_size: int = 4,
+    rows: slice = slice(None),
+    validate: bool = False,
+    **kwargs: Any,
 ) -> tuple[BatchNormModel, dict]:
     import lightning_zero  # noqa: F401 - the strategy names
 
@@ -91,10 +101,15 @@ def fit(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
         **kwargs,
     )
-    trainer.fit(model, loader(batch_size, rows))
+    # validation at the end of the first epoch (2 optimizer steps), between training forwards
+    trainer.fit(model, loader(batch_size, rows), loader(batch_size, rows) if validate else None)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if validate:
+        state["val_loss"] = trainer.callback_metrics["val_loss"].detach().clone()
     return model, state
 
 
@@ -107,10 +122,11 @@ def _zero(name: str, **options: Any) -> Any:
 def _buffers_worker(rank: int) -> dict:
     from lightning.pytorch.strategies import DDPStrategy
 
-    out: dict[str, Any] = {"ddp": fit(DDPStrategy())[1], "ddp_off": fit(DDPStrategy(broadcast_buffers=False))[1]}
+    off = DDPStrategy(broadcast_buffers=False)
+    out: dict[str, Any] = {"ddp": fit(DDPStrategy(), validate=True)[1], "ddp_off": fit(off, validate=True)[1]}
     for name in LAYOUTS:
-        out[name] = fit(_zero(name))[1]
-    out["zero2_off"] = fit(_zero("zero2", broadcast_buffers=False))[1]
+        out[name] = fit(_zero(name), validate=True)[1]
+    out["zero2_off"] = fit(_zero("zero2", broadcast_buffers=False), validate=True)[1]
     return out
 
 
