@@ -15,6 +15,7 @@ from lightning_zero.parallel.pipeline import PipelineSpec
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.pretrained import LoadResult, load_pretrained
 from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.sync_batchnorm import SyncBatchNorm
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
@@ -26,6 +27,7 @@ __all__ = [
     "OffloadPrecision",
     "PipelineConfig",
     "PipelineSpec",
+    "SyncBatchNorm",
     "ZeroConfig",
     "ZeroStrategy",
     "fabric",

@@ -243,6 +243,18 @@ def broadcast_each(
     flush()
 
 
+def broadcast_buffers(buffers: list[torch.Tensor], group: ProcessGroup, bucket_bytes: int = 250 << 20) -> None:
+    """DDP's ``broadcast_buffers``: overwrite every module buffer (BatchNorm running statistics, step
+    counters) with group rank 0's, coalesced as DDP does: buffers of one dtype and device in flat
+    buckets of up to ``bucket_bytes`` (DDP's 250 MiB), so a BatchNorm model costs one collective per
+    dtype. Call on all ranks, with the same buffers in the same order."""
+    if world_size(group) == 1 or not buffers:
+        return
+    order = sorted(range(len(buffers)), key=lambda i: (str(buffers[i].dtype), str(buffers[i].device), i))
+    with record_function("lightning_zero::broadcast_buffers"):
+        broadcast_each([buffers[i] for i in order], 0, group, bucket_bytes=bucket_bytes)
+
+
 def send(tensor: torch.Tensor, dst_rank_in_group: int, group: ProcessGroup, tag: int = 0) -> Handle:
     """Start sending ``tensor`` to group rank ``dst_rank_in_group``; keep ``tensor`` unchanged until
     the returned handle's ``wait()``. Point-to-point (pipeline stages): only the two ranks take part;

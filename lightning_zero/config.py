@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from lightning_zero.ddp_args import DataParallelConfig
+
 #: Precision strings accepted by :class:`~lightning_zero.OffloadPrecision`, with the dtype that
 #: parameters and gradients have under ZeRO and whether an fp32 master copy is kept.
 PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
@@ -90,6 +92,25 @@ def normalize_precision(precision: str | int) -> str:
 #: options that take ``"auto"`` (:meth:`ZeroConfig.sized_for`) and its bounds, in elements
 AUTO_SIZED = ("reduce_bucket_size", "prefetch_bucket_size")
 AUTO_BUCKET_MIN, AUTO_BUCKET_MAX = 1 << 18, 5_000_000
+
+
+#: ZeroConfig's options counted in elements or bytes: an integral float (``5e8``) is taken as the integer
+ELEMENT_COUNTS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "prefetch_bucket_size",
+    "max_live_parameters",
+    "param_persistence_threshold",
+    "host_mmap_threshold",
+)
+
+
+def _integral(config: object, name: str) -> None:
+    """Replace a float option that holds a whole number (``5e8``, ``1e5``) by the integer (frozen
+    dataclass: set once here); anything else is left for the option's own check to refuse."""
+    value = getattr(config, name)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        object.__setattr__(config, name, int(value))
 
 
 def _resolved(name: str, value: int | str) -> int:
@@ -193,6 +214,8 @@ class ZeroConfig:
             raise ValueError("stage=0 is not a ZeRO stage: it is plain data parallelism. Use strategy='ddp' instead.")
         if type(self.stage) is not int or self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1, 2 or 3.")
+        for name in ELEMENT_COUNTS:
+            _integral(self, name)  # 5e8, as DeepSpeed configs and YAML files write sizes
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             value = getattr(self, name)
             if value == "auto" and name in AUTO_SIZED:
@@ -200,8 +223,8 @@ class ZeroConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 auto = ' or "auto" (sized to the model)' if name in AUTO_SIZED else ""
                 raise ValueError(
-                    f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000){auto}; "
-                    "smaller buckets use less memory, larger ones fewer collectives."
+                    f"{name}={value!r} must be a positive number of elements (e.g. 25_000_000, or 2.5e7: a whole "
+                    f"number){auto}; smaller buckets use less memory, larger ones fewer collectives."
                 )
         mmap = self.host_mmap_threshold
         if mmap is not None and (not isinstance(mmap, int) or isinstance(mmap, bool) or not 0 < mmap <= 1 << 40):
@@ -475,6 +498,8 @@ class NvmeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ValueError(f"nvme_path={self.path!r} must be a directory path (a string), e.g. '/local_nvme'.")
+        for name in ("block_size", "queue_depth", "threads", "buffer_count", "param_buffer_count"):
+            _integral(self, name)  # 1.048576e6 from a YAML file is the integer
         _positive_int("block_size", self.block_size, 4096, 64 << 20)
         if self.block_size & (self.block_size - 1):
             raise ValueError(
@@ -733,9 +758,16 @@ class StrategyConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     activations: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
 
     def __post_init__(self) -> None:
         stage = self.zero.stage
+        if self.data_parallel.bucket_cap_mb is not None and self.zero.reduce_bucket_size != "auto":
+            raise ValueError(
+                f"bucket_cap_mb={self.data_parallel.bucket_cap_mb} and reduce_bucket_size="
+                f"{self.zero.reduce_bucket_size!r} both set the gradient bucket size; give one of them "
+                "(bucket_cap_mb in MiB as DDP, reduce_bucket_size in elements as DeepSpeed)."
+            )
         if self.offload.offload_parameters and stage != 3:
             raise ValueError(
                 f"offload_parameters={self.offload.offload_parameters!r} shards parameters into host memory, which "

@@ -91,6 +91,7 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
@@ -126,10 +127,14 @@ class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ig
 
 
 class _ZeroBackwardSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: ZeRO has nothing to skip (see the module docstring)."""
+    """``fabric.no_backward_sync``: ZeRO's gradients have nothing to skip (see the module docstring);
+    buffers are broadcast as around DDP's ``no_sync`` (:class:`~lightning_zero.ddp_args.BufferSync`)."""
+
+    def __init__(self, buffers: BufferSync) -> None:
+        self.buffers = buffers
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return nullcontext()
+        return self.buffers.blocking() if enabled else nullcontext()
 
 
 class ZeroStrategy(DDPStrategy):
@@ -192,6 +197,7 @@ class ZeroStrategy(DDPStrategy):
         self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
         self._watch_hook: Any = None
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
+        self._buffers_hooks: list[Any] = []  # broadcast_buffers: around the model's forward, as DDP's
         self._checked_group: comm.CheckedGroup | None = None
         self._threads_before: int | None = None
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
@@ -207,7 +213,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=self.config.failure.collective_timeout,
             start_method=start_method,
         )
-        self._backward_sync_control = _ZeroBackwardSync()
+        self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
+        self._backward_sync_control = _ZeroBackwardSync(self._buffer_sync)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -400,7 +407,7 @@ class ZeroStrategy(DDPStrategy):
             module,
             optimizers,
             config=config,
-            precision=precision.precision,
+            precision=precision.engine_precision,
             device=self.root_device,
             parallel=ModelParallelContext(data=self.data_parallel_group),
             recordings=self._recordings,
@@ -419,6 +426,10 @@ class ZeroStrategy(DDPStrategy):
         if stage3:
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
+        if not self._buffers_hooks:
+            sync, ddp = self._buffer_sync, self.config.data_parallel
+            before = module.register_forward_pre_hook(lambda m, a: sync.before(ddp, m, self.data_parallel_group))
+            self._buffers_hooks = [before, module.register_forward_hook(lambda m, a, o: sync.after())]
         # model.load_state_dict(full) loads into the shards; stage 3 model.state_dict() gathers (as FSDP's)
         self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=stage3)
         sharded = any(tuple(h.param.shape) != tuple(h.shape) for h in self._engine.held_params())
@@ -635,6 +646,9 @@ class ZeroStrategy(DDPStrategy):
         if self._watch_hook is not None:
             self._watch_hook.remove()
             self._watch_hook = None
+        for hook in self._buffers_hooks:
+            hook.remove()
+        self._buffers_hooks = []
 
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless

@@ -209,18 +209,29 @@ def find_lost_ranks(rank: int, processes: Processes, grace: timedelta = ANSWER_G
     return lost
 
 
-def lost_rank_message(error: BaseException, rank: int, world_size: int, processes: Processes) -> str | None:
+def lost_rank_message(
+    error: BaseException, rank: int, world_size: int, processes: Processes, last_gathered: str | None = None
+) -> str | None:
     """The error text naming the lost rank(s), or ``None`` if ``error`` is not a communication
-    failure. Call on a rank whose collective just failed."""
+    failure. ``last_gathered``: under stage 3, the module this rank gathered last (ranks that took
+    different branches stop in different modules). Call on a rank whose collective just failed."""
     if world_size <= 1 or not is_communication_error(error):
         return None
     lost = find_lost_ranks(rank, processes)
     below = f"(the collective that failed on rank {rank} is below)"
     if not lost:
+        stage3 = (
+            f" Under stage 3 every rank must run the same modules: this rank last gathered {last_gathered}; a "
+            "branch taken on some ranks only (an early exit, HF generate() stopping at EOS on one rank: pass "
+            "synced_gpus=True) ends like this."
+            if last_gathered
+            else ""
+        )
         return (
             f"a collective failed on rank {rank}, but no rank of {world_size} is known to be gone: stopping {below}. "
             "A rank that is alive but stuck (or a collective timeout too short for a slow step) looks like this; "
             "raise ZeroStrategy(timeout=...), or run with debug_collectives=True to find a mismatched collective."
+            + stage3
         )
     names = ", ".join(f"rank {r} of {world_size} is gone ({why})" for r, why in sorted(lost.items()))
     return f"{names}: stopping {below}. Look for the first error in the log of the lost rank."
@@ -308,7 +319,9 @@ def explain(error: BaseException, strategy: ZeroStrategy) -> None:
                 breakdown = None
             text: str | None = oom_message(error, breakdown, strategy.zero_config, list(StrategyRegistry))
         else:
-            text = lost_rank_message(error, strategy.global_rank, strategy.world_size, strategy.rank_processes)
+            engine = strategy._engine
+            last = engine.last_gathered() if engine is not None else None
+            text = lost_rank_message(error, strategy.global_rank, strategy.world_size, strategy.rank_processes, last)
         if text is not None:
             _replace_message(error, text)
     except Exception:  # noqa: BLE001 - explaining must never hide the error being explained

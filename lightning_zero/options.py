@@ -10,6 +10,8 @@ precision plugin Lightning or Fabric assigns a strategy chosen by name into an
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,21 +32,22 @@ from lightning_zero.config import (
     normalize_precision,
 )
 from lightning_zero.config import nvme_config as nvme_config_from
+from lightning_zero.ddp_args import DataParallelConfig
 from lightning_zero.precision import OffloadPrecision
 
 
 def strategy_config(
     stage: int = 2,
-    reduce_bucket_size: int | str = "auto",
-    allgather_bucket_size: int = 50_000_000,
+    reduce_bucket_size: int | float | str = "auto",
+    allgather_bucket_size: int | float = 50_000_000,
     overlap_comm: bool = True,
-    prefetch_bucket_size: int | str = 5_000_000,
-    param_persistence_threshold: int = 100_000,
-    max_live_parameters: int = 1_000_000_000,
+    prefetch_bucket_size: int | float | str = 5_000_000,
+    param_persistence_threshold: int | float = 100_000,
+    max_live_parameters: int | float = 1_000_000_000,
     allow_untested_optimizer: bool = False,
     on_nonfinite: str = "error",
     absorb_param_edits: bool = True,
-    host_mmap_threshold: int | None = 1 << 20,
+    host_mmap_threshold: int | float | None = 1 << 20,
     expose_param_grads: bool | None = None,
     reduce_dtype: str | torch.dtype | None = None,
     offload_optimizer: bool | str = False,
@@ -68,28 +71,44 @@ def strategy_config(
     activation_checkpointing_offload: bool = False,
     async_save: bool = False,
     node_local_storage: bool = False,
+    # DDPStrategy's arguments, each with its ZeRO meaning (lightning_zero.ddp_args)
+    broadcast_buffers: bool = True,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    gradient_as_bucket_view: bool = False,
+    bucket_cap_mb: float | None = None,
+    ddp_comm_state: object | None = None,
+    ddp_comm_hook: Callable | None = None,
+    ddp_comm_wrapper: Callable | None = None,
+    model_averaging_period: int | None = None,
+    **ddp_kwargs: Any,
 ) -> StrategyConfig:
     """Every ZeRO option of a strategy, validated once (``ValueError`` naming the bad value and the fix).
 
     The arguments are those of :class:`lightning_zero.ZeroStrategy` (see its docstring) without
     Lightning's own (accelerator, devices, cluster environment, precision plugin, ...) and ``loss_scale``
-    (which belongs to the precision plugin).
+    (which belongs to the precision plugin). ``ddp_kwargs``: the other keyword arguments of torch's
+    ``DistributedDataParallel`` (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
     """
+    # sizes in elements or bytes: integral floats (5e8) are taken as integers by ZeroConfig
+    sizes: dict[str, Any] = dict(
+        reduce_bucket_size=reduce_bucket_size,
+        allgather_bucket_size=allgather_bucket_size,
+        prefetch_bucket_size=prefetch_bucket_size,
+        param_persistence_threshold=param_persistence_threshold,
+        max_live_parameters=max_live_parameters,
+        host_mmap_threshold=host_mmap_threshold,
+    )
     return StrategyConfig(
         zero=ZeroConfig(
             stage=stage,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
             overlap_comm=overlap_comm,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters,
             allow_untested_optimizer=allow_untested_optimizer,
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,
-            host_mmap_threshold=host_mmap_threshold,
             expose_param_grads=expose_param_grads,
             reduce_dtype=reduce_dtype,
+            **sizes,
         ),
         offload=OffloadConfig(
             offload_optimizer=offload_optimizer,
@@ -118,7 +137,23 @@ def strategy_config(
         activations=ActivationCheckpointConfig(
             policy=activation_checkpointing, offload=activation_checkpointing_offload
         ),
+        data_parallel=DataParallelConfig(
+            broadcast_buffers=broadcast_buffers,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            bucket_cap_mb=bucket_cap_mb,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            torch_kwargs=ddp_kwargs,
+        ),
     )
+
+
+#: the options of :func:`strategy_config` by name (the Trainer strategy passes its own on by these names)
+STRATEGY_OPTIONS = tuple(name for name in inspect.signature(strategy_config).parameters if name != "ddp_kwargs")
 
 
 def new_precision(
@@ -154,6 +189,7 @@ def as_offload_precision(
             pin_memory=plugin.offload.pin_memory,
             loss_scale=scale,
             nvme=plugin.offload.nvme,
+            param_dtype="fp32" if plugin.fp32_params else None,
         )
         return converted
     # (A plugin given to the strategy itself reaches here unchanged: Lightning prefers it to the

@@ -98,6 +98,11 @@ class OffloadPrecision(HalfPrecision):
         pin_memory: page-lock the host buffers when the device is a GPU.
         loss_scale: dynamic loss scaling options for "16-mixed" (ignored otherwise).
         nvme: the disk tier's path and I/O knobs (:class:`~lightning_zero.config.NvmeConfig`).
+        param_dtype: ``None`` (default: DeepSpeed's mixed precision, 16-bit parameters beside fp32
+            masters) or "fp32" (Lightning's DDP and FSDP semantics under "bf16-mixed" / "16-mixed":
+            parameters and gradients stay fp32, the fp32 parameters are the masters, and only
+            ``torch.autocast`` computes in 16 bits). Costs 4 bytes per parameter of parameters and
+            of gradients instead of 2, and saves the separate 4-byte master.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class OffloadPrecision(HalfPrecision):
         pin_memory: bool = True,
         loss_scale: LossScaleConfig | None = None,
         nvme: NvmeConfig | None = None,
+        param_dtype: str | torch.dtype | None = None,
     ) -> None:
         self.precision = normalize_precision(precision)  # type: ignore[assignment]  # Lightning types it as its Literal
         if loss_scale is not None and not isinstance(loss_scale, LossScaleConfig):
@@ -129,6 +135,18 @@ class OffloadPrecision(HalfPrecision):
                 "CPU; use precision='bf16-mixed' (bf16 parameters, fp32 master and states in host memory)."
             )
         self.compute_dtype, self.separate_master = PRECISIONS[self.precision]
+        if param_dtype not in (None, "fp32", "float32", torch.float32):
+            raise ValueError(
+                f"param_dtype={param_dtype!r}: use None (16-bit parameters and fp32 masters, as DeepSpeed) or 'fp32' "
+                "(fp32 parameters under torch.autocast, as Lightning's DDP under mixed precision)."
+            )
+        if param_dtype is not None and self.precision in ("bf16-true", "64-true"):
+            raise ValueError(
+                f"param_dtype={param_dtype!r} with precision={self.precision!r}: a '-true' precision computes in its "
+                "own dtype; use precision='bf16-mixed' for fp32 parameters under bf16 autocast."
+            )
+        #: fp32 parameters under autocast (``param_dtype="fp32"``): the engine runs as under "32-true"
+        self.fp32_params = param_dtype is not None
         self.scaler = DynamicLossScaler(loss_scale or LossScaleConfig()) if self.precision == "16-mixed" else None
         self.device_type = "cpu"
         #: optimizer steps skipped for non-finite gradients ("16-mixed" counts in ``scaler.skipped_steps``)
@@ -136,6 +154,12 @@ class OffloadPrecision(HalfPrecision):
         self._told_exposed = False  # the one-time note on expose_param_grads=None
         self._engine: ZeroEngine | None = None
         self._pipelined = False
+
+    @property
+    def engine_precision(self) -> str:
+        """The precision the ZeRO engine builds its flat buffers for: "32-true" (fp32 parameters,
+        no separate master) under ``param_dtype="fp32"``, else :attr:`precision`."""
+        return "32-true" if self.fp32_params else self.precision
 
     @property
     def _desired_input_dtype(self) -> torch.dtype:  # type: ignore[override]  # an attribute in HalfPrecision
@@ -164,8 +188,11 @@ class OffloadPrecision(HalfPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast floating parameters (and for "bf16-true" also buffers) to the compute dtype.
 
-        Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage.
+        Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage. "32-true"
+        casts nothing, as Lightning's: every parameter keeps its dtype (ZeRO's flat buffers too).
         """
+        if self.engine_precision == "32-true":
+            return module
         if self.precision in ("bf16-true", "64-true"):
             for buffer in list(module.buffers()):
                 if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:

@@ -27,8 +27,8 @@ import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, memory, summary, threads
+from lightning_zero import comm, debug, failures, memory, options, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -57,10 +57,12 @@ from lightning_zero.config import (
     StrategyConfig,
     ZeroConfig,
 )
+from lightning_zero.ddp_args import BufferSync
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
+from lightning_zero.sync_batchnorm import zero_layer_sync
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -145,6 +147,8 @@ class ZeroStrategy(DDPStrategy):
             loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
         node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
             resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
+        broadcast_buffers, find_unused_parameters, ..., **ddp_kwargs: DDPStrategy's and torch DDP's arguments,
+            each with its ZeRO meaning or a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
 
     The remaining arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ...) are
     those of Lightning's ``DDPStrategy``.
@@ -155,16 +159,16 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         stage: int = 2,
-        reduce_bucket_size: int | str = "auto",
-        allgather_bucket_size: int = 50_000_000,
+        reduce_bucket_size: int | float | str = "auto",
+        allgather_bucket_size: int | float = 50_000_000,
         overlap_comm: bool = True,
-        prefetch_bucket_size: int | str = 5_000_000,
-        param_persistence_threshold: int = 100_000,
-        max_live_parameters: int = 1_000_000_000,
+        prefetch_bucket_size: int | float | str = 5_000_000,
+        param_persistence_threshold: int | float = 100_000,
+        max_live_parameters: int | float = 1_000_000_000,
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
-        host_mmap_threshold: int | None = 1 << 20,
+        host_mmap_threshold: int | float | None = 1 << 20,
         expose_param_grads: bool | None = None,
         reduce_dtype: str | torch.dtype | None = None,
         offload_optimizer: bool | str = False,
@@ -196,44 +200,22 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing_offload: bool = False,
         async_save: bool = False,
         node_local_storage: bool = False,
+        # DDPStrategy's arguments, each with its ZeRO meaning (lightning_zero.ddp_args)
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        **ddp_kwargs: Any,
     ) -> None:
+        arguments = locals()  # strategy_config's parameters are ours, by name and default (a test checks it)
+        named = {name: arguments[name] for name in options.STRATEGY_OPTIONS}
         #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
-        self.config = strategy_config(
-            stage=stage,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            overlap_comm=overlap_comm,
-            prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters,
-            allow_untested_optimizer=allow_untested_optimizer,
-            on_nonfinite=on_nonfinite,
-            absorb_param_edits=absorb_param_edits,
-            host_mmap_threshold=host_mmap_threshold,
-            expose_param_grads=expose_param_grads,
-            reduce_dtype=reduce_dtype,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            pin_memory=pin_memory,
-            offload_pipeline=offload_pipeline,
-            nvme_path=nvme_path,
-            nvme_config=nvme_config,
-            timeout=timeout,
-            debug_collectives=debug_collectives,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            tensor_parallel_plan=tensor_parallel_plan,
-            pipeline_micro_batches=pipeline_micro_batches,
-            pipeline_schedule=pipeline_schedule,
-            pipeline_partition=pipeline_partition,
-            pipeline_chunks=pipeline_chunks,
-            sequence_parallel=sequence_parallel,
-            state_dict_type=state_dict_type,
-            activation_checkpointing=activation_checkpointing,
-            activation_checkpointing_offload=activation_checkpointing_offload,
-            async_save=async_save,
-            node_local_storage=node_local_storage,
-        )
+        self.config = strategy_config(**named, **ddp_kwargs)
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
@@ -248,6 +230,7 @@ class ZeroStrategy(DDPStrategy):
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
+        self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
         super().__init__(
             accelerator=accelerator,
@@ -342,6 +325,11 @@ class ZeroStrategy(DDPStrategy):
                 "predict with pipeline_parallel_size=1 (a checkpoint converts to any layout)"
             )
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            # sync_batchnorm=True as DDPStrategy (reverted by its teardown), before the engine hooks modules
+            self._layer_sync = zero_layer_sync(self._layer_sync)
+            self.model = self._layer_sync.apply(self.model)
+        self._buffer_sync = BufferSync()  # as a freshly wrapped DDP model: broadcast before the first forward
         module = self.lightning_module
         assert module is not None
         stage3 = self.zero_config.stage == 3
@@ -386,7 +374,7 @@ class ZeroStrategy(DDPStrategy):
                 module,
                 self.optimizers if fitting else [],
                 config=config,
-                precision=precision.precision,
+                precision=precision.engine_precision,
                 device=self.root_device,
                 parallel=self._parallel.context(self.data_parallel_group),
                 recordings=self._recordings,
@@ -409,7 +397,7 @@ class ZeroStrategy(DDPStrategy):
             self._route_lightning_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
-            summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+            summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.engine_precision][0])
             # Pretrained weights loaded in on_fit_start (after this setup) go into the masters and shards.
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
 
@@ -417,7 +405,7 @@ class ZeroStrategy(DDPStrategy):
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
         assert self.lightning_module is not None
         dp = comm.world_size(self.data_parallel_group)
-        itemsize = PRECISIONS[self.precision_plugin.precision][0].itemsize
+        itemsize = PRECISIONS[self.precision_plugin.engine_precision][0].itemsize
         check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize, self.optimizers)
 
     def _route_lightning_optimizers(self) -> None:
@@ -535,7 +523,8 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
         try:
-            return super().validation_step(*args, **kwargs)
+            with self._ddp_forward():
+                return super().validation_step(*args, **kwargs)
         finally:
             self._end_pass()
 
@@ -559,8 +548,12 @@ class ZeroStrategy(DDPStrategy):
         """Under pipeline parallelism: forward and backward of every micro-batch by the schedule
         (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
         loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
-        if not self._parallel.pipelined:
-            return super().training_step(*args, **kwargs)
+        with self._ddp_forward():
+            if not self._parallel.pipelined:
+                return super().training_step(*args, **kwargs)
+            return self._pipeline_train(*args, **kwargs)
+
+    def _pipeline_train(self, *args: Any, **kwargs: Any) -> Any:
         runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
         assert runner is not None and module is not None
         accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
@@ -575,6 +568,23 @@ class ZeroStrategy(DDPStrategy):
         assert self._parallel.spec is not None
         module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
         return loss
+
+    def _ddp_forward(self) -> AbstractContextManager:  # broadcast_buffers around what DDP's forward runs in fit
+        module = self.lightning_module
+        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+            return nullcontext()
+        manual = not module.automatic_optimization
+        return self._buffer_sync.forward(self.config.data_parallel, module, self.data_parallel_group, manual)
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            self._buffer_sync.manual_backward()  # DDP's prepare_for_backward
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches: ZeRO's buckets hold them; buffers as under DDP's ``no_sync``."""
+        with self._buffer_sync.blocking():
+            yield
 
     def _pipeline_eval(self, prefix: str, *args: Any, **kwargs: Any) -> Any:
         runner, module = self._parallel.runner, self.lightning_module

@@ -62,6 +62,13 @@ class BuildContext:
     sink: Callable[[FlatBuffer], None] | None = None
     """Stage 3: called with each sharded buffer as soon as it is built (the disk tier writes its
     slices to files and frees them: :class:`lightning_zero.zero.swap.BuildToDisk`)."""
+    keep_param_dtypes: bool = False
+    """"32-true": every parameter keeps its own dtype, as under DDP (a ``.double()`` sub-module stays
+    float64, in flat buffers of its own); otherwise every floating parameter gets ``dtype``."""
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ``param`` has in its flat buffer."""
+        return param.dtype if self.keep_param_dtypes else self.dtype
 
     @property
     def rank(self) -> int:
@@ -73,13 +80,16 @@ class BuildContext:
 
     def buffer(self, params: list[nn.Parameter], group: int | None, persistent: bool) -> FlatBuffer:
         layout = layout_flat_buffer([p.shape for p in params], self.world_size)
+        dtype = self.dtype_of(params[0])
+        assert all(self.dtype_of(p) == dtype for p in params), "one flat buffer holds one dtype"
         return FlatBuffer(
             params,
             layout,
             rank=self.rank,
             optimizer_group=group,
-            dtype=self.dtype,
-            grad_dtype=self.grad_dtype,
+            dtype=dtype,
+            # reduce_dtype applies to the compute dtype's buffers; a kept float64 one reduces in float64
+            grad_dtype=self.grad_dtype if dtype == self.dtype else dtype,
             device=self.device,
             separate_master=self.separate_master,
             persistent=persistent,
@@ -88,8 +98,15 @@ class BuildContext:
         )
 
     def buckets(self, params: list[nn.Parameter], group: int) -> list[FlatBuffer]:
-        runs = plan_buckets([p.numel() for p in params], self.config.reduce_bucket_numel)
-        return [self.buffer([params[i] for i in run], group, persistent=True) for run in runs]
+        """Buckets of at most ``reduce_bucket_size`` elements, each of one dtype (order kept within a dtype)."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(self.dtype_of(p), []).append(p)
+        out = []
+        for same in by_dtype.values():
+            runs = plan_buckets([p.numel() for p in same], self.config.reduce_bucket_numel)
+            out += [self.buffer([same[i] for i in run], group, persistent=True) for run in runs]
+        return out
 
 
 Holders = tuple[tuple[int, int], ...]
@@ -216,7 +233,7 @@ def build_sharded(
         # Every rank must start from the same weights (rank 0's), as DDP does; module by module so
         # that only one module is ever whole.
         comm.broadcast_tensors([p.data for p in own] + [b for b in sub._buffers.values() if b is not None], ctx.group)
-        units: dict[Holders | None, list[nn.Parameter]] = {}
+        units: dict[tuple[Holders | None, torch.dtype], list[nn.Parameter]] = {}
         for param in own:
             key = owners.get(id(param))
             if not param.is_floating_point():
@@ -225,8 +242,8 @@ def build_sharded(
                 if key is not None:
                     persistent.setdefault(key, []).append(param)
                 continue  # small frozen parameters stay whole and untouched
-            units.setdefault(key, []).append(param)
-        for key, params in units.items():
+            units.setdefault((key, ctx.dtype_of(param)), []).append(param)
+        for (key, _), params in units.items():
             buffer = ctx.buffer(params, None if key is None else key[0][1], persistent=False)
             if ctx.sink is not None:
                 ctx.sink(buffer)  # to disk before the next module is materialized

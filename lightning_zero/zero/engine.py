@@ -90,7 +90,15 @@ class ZeroEngine(CheckpointSurface):
             check_optimizer(optimizer, config.zero.allow_untested_optimizer)
         # "auto" bucket sizes from the model's size (every rank sees the same module: same sizes)
         numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values() if p.is_floating_point())
-        config = dataclasses.replace(config, zero=config.zero.sized_for(numel))
+        zero, ddp = config.zero, config.data_parallel
+        # DDP's bucket_cap_mb: as many elements of the gradient buckets' dtype as fit in that many MiB
+        bucket_bytes = grad_dtype(zero.reduce_dtype, PRECISIONS[precision][0]).itemsize
+        if (from_mb := ddp.reduce_bucket_numel(bucket_bytes)) is not None:
+            zero, ddp = (
+                dataclasses.replace(zero, reduce_bucket_size=from_mb),
+                dataclasses.replace(ddp, bucket_cap_mb=None),
+            )
+        config = dataclasses.replace(config, zero=zero.sized_for(numel), data_parallel=ddp)
         self.config = config
         self.group = group = parallel.data
         self.device = device
@@ -176,6 +184,7 @@ class ZeroEngine(CheckpointSurface):
             device=device,
             recordings=tuple(recordings),
             sink=sink,
+            keep_param_dtypes=precision == "32-true",  # as DDP (Lightning's 32-true casts nothing)
         )
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
@@ -252,6 +261,16 @@ class ZeroEngine(CheckpointSurface):
         """Stage 3: release what is still gathered; this pass's module order plans the next one."""
         if self._coordinator is not None:
             self._coordinator.end_pass()
+
+    def last_gathered(self) -> str | None:
+        """Stage 3, for error messages: the module this rank gathered last in the current (or just
+        ended) pass, and how many gathers that pass made; ``None`` otherwise."""
+        coordinator = self._coordinator
+        trace = getattr(coordinator, "trace", None) or getattr(coordinator, "previous", None)
+        names = getattr(coordinator, "names", None)
+        if not trace or not names:
+            return None
+        return f"{names[trace[-1]]} (gather {len(trace)} of its pass)"
 
     @contextmanager
     def gathered_parameters(

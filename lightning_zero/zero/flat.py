@@ -455,12 +455,13 @@ class FlatBuffer:
         """The reduced slice as the optimizer's ``master.grad``: fp32 where the master is separate,
         in host memory when offloaded (the host copy made during backward when there is one)."""
         assert self.grad_shard is not None
+        master_dtype = self.master.dtype  # fp32, or float64 (a float64 parameter kept under "32-true")
         if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
-            return self.host_grad.float()  # copied during backward (the engine waited for it)
+            return self.host_grad.to(master_dtype)  # copied during backward (the engine waited for it)
         if self.offloaded:
-            return self.grad_shard.to(device="cpu", dtype=torch.float32)  # to the host master
+            return self.grad_shard.to(device="cpu", dtype=master_dtype)  # to the host master
         if self.separate_master:
-            return self.grad_shard.float()
+            return self.grad_shard.to(master_dtype)
         # the master is param_shard: a reduce_dtype other than its dtype is cast to it
         return self.grad_shard if self.grad_shard.dtype == self.master.dtype else self.grad_shard.to(self.master.dtype)
 

@@ -267,7 +267,8 @@ class ShardedOptimizer:
         """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
         tensor-parallel group and copies of pipeline-tied parameters counted once. Call on all ranks."""
         device = self.buffers[0].master.device if self.buffers else torch.device("cpu")
-        dtype = _norm_dtype(self.buffers[0].master) if self.buffers else torch.float32
+        # float64 when any master is (a float64 sub-module kept under "32-true", or "64-true")
+        dtype = max((_norm_dtype(b.master) for b in self.buffers), key=lambda d: d.itemsize, default=torch.float32)
         local = torch.zeros((), dtype=dtype, device=device)
         tp, pp = self.tensor_parallel_group, self.pipeline_parallel_group
         replicas_counted = tp is None or comm.rank(tp) == 0  # (None is not "the default group" here)

@@ -175,6 +175,8 @@ class KernelStep:
         ``group_of``: ``id(buffer) -> parameter group`` (default: each buffer's ``optimizer_group``)."""
         if isinstance(optimizer, _lamb_family()):
             return KernelStep(optimizer, buffers, group, lamb=True, group_of=group_of)
+        if any(b.master.dtype == torch.float64 for b in buffers):
+            return None  # the compiled Adam kernels step fp32 masters; torch's step takes float64 ones
         if not any(b.offloaded for b in buffers):
             return KernelStep._for_host_masters(optimizer, buffers, group, group_of)
         # Offloaded: the compiled kernel for exactly Adam/AdamW, Adagrad or ops.Lion (a subclass may

@@ -80,3 +80,14 @@ def test_nccl_defaults_only_on_nccl_and_restored(monkeypatch):
     assert os.environ[name] == "0"
     failures.restore_environment(before)
     assert os.environ[name] == "0"
+
+
+def test_stage3_divergence_names_the_last_gathered_module():
+    """No rank is gone (the other is alive in another collective): under stage 3 the message names
+    the module this rank gathered last and the usual cause, HF generate() without synced_gpus."""
+    processes = {0: (socket.gethostname(), os.getpid()), 1: (socket.gethostname(), os.getpid())}
+    text = failures.lost_rank_message(GLOO_RESET, 0, 2, processes, "'model.layers.1.mlp' (gather 7 of its pass)")
+    assert text is not None and "no rank of 2 is known to be gone" in text
+    assert "last gathered 'model.layers.1.mlp' (gather 7 of its pass)" in text and "synced_gpus=True" in text
+    plain = failures.lost_rank_message(GLOO_RESET, 0, 2, processes)
+    assert plain is not None and "synced_gpus" not in plain  # stages 1/2: nothing gathered, nothing to name

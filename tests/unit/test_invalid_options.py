@@ -23,7 +23,7 @@ STRATEGY_ROWS = [
     # sizes in elements: positive integers
     ({"reduce_bucket_size": 0}, "reduce_bucket_size=0 must be a positive number of elements"),
     ({"reduce_bucket_size": -5}, "reduce_bucket_size=-5"),
-    ({"reduce_bucket_size": 2.5e7}, "reduce_bucket_size=25000000.0"),
+    ({"reduce_bucket_size": 2.5}, "reduce_bucket_size=2.5 must be a positive number of elements .* a whole number"),
     ({"reduce_bucket_size": True}, "reduce_bucket_size=True"),
     ({"allgather_bucket_size": 0}, "allgather_bucket_size=0"),
     ({"allgather_bucket_size": "50M"}, "allgather_bucket_size='50M'"),
