@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, memory, summary, threads
+from lightning_zero import comm, debug, exposure, failures, memory, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -380,7 +381,8 @@ class ZeroStrategy(DDPStrategy):
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
             self._engine = ZeroEngine(
                 module,
-                self.optimizers if fitting else [],
+                # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
+                [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else [],
                 config=config,
                 precision=precision.precision,
                 device=self.root_device,
@@ -404,8 +406,17 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             self._route_lightning_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._expose_grads(trainer, module)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+
+    def _expose_grads(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """``param.grad`` where Lightning code reads it (:mod:`lightning_zero.exposure`)."""
+        if self.zero_config.expose_param_grads is False:
+            exposure.warn_unexposed(module)
+        elif self._engine is not None and not self._parallel.pipelined:
+            callbacks: list[pl.Callback] = getattr(trainer, "callbacks")  # noqa: B009 - a property mypy cannot see
+            callbacks.insert(0, exposure.ValidationWindow(self._engine, self.precision_plugin))
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -439,6 +450,9 @@ class ZeroStrategy(DDPStrategy):
             self._teardown_engine()
 
     def _teardown_engine(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None:  # the callback of _expose_grads holds the engine: not kept past fit
+            trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, exposure.ValidationWindow)]
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a
