@@ -41,6 +41,32 @@ def reads_step_grads(model: pl.LightningModule) -> bool:
     return any(is_overridden("on_before_optimizer_step", c, pl.Callback) for c in callbacks)
 
 
+def install(
+    trainer: pl.Trainer,
+    model: pl.LightningModule,
+    engine: ZeroEngine | None,
+    precision: OffloadPrecision,
+    pipelined: bool = False,
+) -> None:
+    """At setup (fitting): the :class:`ValidationWindow` callback first among the trainer's, or with
+    ``expose_param_grads=False`` the warning of :func:`warn_unexposed`. (Under a pipeline schedule
+    every backward runs inside ``training_step``: no window is exposed there.)"""
+    if engine is None:
+        return
+    if engine.config.zero.expose_param_grads is False:
+        warn_unexposed(model)
+    elif not pipelined:
+        callbacks: list[pl.Callback] = getattr(trainer, "callbacks")  # noqa: B009 - a property mypy cannot see
+        callbacks.insert(0, ValidationWindow(engine, precision))
+
+
+def uninstall(trainer: pl.Trainer | None) -> None:
+    """At teardown: the callback of :func:`install` holds the engine, so it is not kept past fit."""
+    if trainer is not None:
+        callbacks: list[pl.Callback] = getattr(trainer, "callbacks")  # noqa: B009 - a property mypy cannot see
+        callbacks[:] = [c for c in callbacks if not isinstance(c, ValidationWindow)]
+
+
 def warn_unexposed(model: pl.LightningModule) -> None:
     """``expose_param_grads=False`` with a hook that reads gradients: say that they are None there."""
     if not model.automatic_optimization or not reads_step_grads(model):

@@ -219,6 +219,17 @@ def _worker(rank: int) -> dict:
             trainer_kwargs={"gradient_clip_algorithm": "value"},
         )
         res["value_clip"] = model.grad_max
+        if spec != "ddp":  # (Lightning's "16-mixed" needs a GPU under DDP; ZeRO's runs on the CPU)
+            _, model = fit(
+                spec,
+                precision="16-mixed",
+                max_steps=2,
+                accumulate=1,
+                clip=1e-10,
+                model_cls=ValueClipModel,
+                trainer_kwargs={"gradient_clip_algorithm": "value"},
+            )
+            res["value_clip16"] = model.grad_max
         _, model = fit(
             spec,
             max_steps=2,
@@ -281,6 +292,8 @@ def test_optimizer_contract_matches_ddp():
             assert min(got["clip"]["norms"]) > 0.05, name  # the gradients were there and got clipped
             assert _close(got["clip"]["losses"], ref["clip"]["losses"], 1e-5), name
             assert _close(got["value_clip"], [1e-10, 1e-10], 1e-5), name
+            if name != "ddp":  # 16-bit gradients: the clip value as fp16 holds it (spacing 2**-10 relative)
+                assert _close(got["value_clip16"], [1e-10, 1e-10], 1e-3), name
             assert [s[:2] for s in got["validation"]] == [s[:2] for s in ref["validation"]], name
             # DDP's .grad inside the window are this rank's own sums (Lightning's no_sync); ZeRO's are
             # the averages over ranks so far (stages 2/3 reduce at every backward): DDP's averaged
