@@ -199,11 +199,15 @@ class ZeroConfig:
 
     expose_param_grads: bool | None = None
     """Give user code DDP's ``param.grad`` where Lightning runs it. ``None`` (default): after each
-    ``manual_backward`` in manual optimization only (read-only, until the next backward, step or
-    ``zero_grad``; stage 3's sharded parameters hold this rank's piece of the weight there and get the
-    same piece of the gradient). ``True``: also in ``on_before_optimizer_step`` and
-    ``configure_gradient_clipping`` (every stage: elementwise edits such as ``p.grad.clamp_`` reach
-    the step). ``False``: never. Each full exposure all-gathers the gradients and holds them at full
+    ``manual_backward`` in manual optimization (read-only, until the next backward, step or
+    ``zero_grad``; an edit there warns; stage 3's sharded parameters hold this rank's piece of the
+    weight there and get the same piece of the gradient), during a validation run that starts inside
+    an accumulation window (the same read-only window), and in ``on_before_optimizer_step`` and
+    ``configure_gradient_clipping`` when the LightningModule overrides either hook or a callback
+    overrides ``on_before_optimizer_step`` (every stage: elementwise edits such as ``p.grad.clamp_`` or
+    ``clip_grad_norm_`` reach the step; runs that read nothing there pay nothing). ``True``: in those
+    two hooks always. ``False``: never (a warning at setup names the overridden hooks that would read
+    ``None``; see :mod:`lightning_zero.exposure`). Each full exposure all-gathers the gradients and holds them at full
     size (fp32 under mixed precision: 4 bytes per parameter, plus 2 for the 16-bit ``.grad`` copies),
     the memory stage 2 exists to save; stage 3's pieces cost a slice-sized copy and no communication.
     On demand, wrap the code in ``strategy.full_gradients(module)`` instead

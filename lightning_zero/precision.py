@@ -47,6 +47,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_zero.config import PRECISIONS, LossScaleConfig, NvmeConfig, OffloadConfig, normalize_precision
+from lightning_zero.exposure import reads_step_grads
 from lightning_zero.hardware import warn_if_slow_bf16
 
 if TYPE_CHECKING:
@@ -256,22 +257,27 @@ class OffloadPrecision(HalfPrecision):
     def optimizer_step(  # type: ignore[override]  # Lightning's takes Steppable and Module
         self, optimizer: torch.optim.Optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        """Run the closure (forward + backward), expose this rank's unscaled gradient slices, call
-        the user's ``on_before_optimizer_step`` hooks and clipping, then step the slices and publish."""
-        if self._engine is None:
+        """Call the user's ``optimizer.step(closure=...)`` as Lightning does under DDP (its hooks,
+        a subclass's code, a mock), with ZeRO's work inside: the closure handed to it runs forward and
+        backward, exposes this rank's unscaled gradient slices and runs the user's
+        ``on_before_optimizer_step`` hooks and clipping; the optimizer's own arithmetic then updates
+        the slices, which are published (:mod:`lightning_zero.zero.user_step`)."""
+        engine = self._engine
+        if engine is None or not engine.manages(optimizer):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        closure_result = closure()
-        skipped_backward = closure_result is None and model.automatic_optimization
-        self.zero_step(
+        policy = engine.config.zero.on_nonfinite
+        call = engine.step_through(
             optimizer,
-            step=model.trainer.global_step,
+            closure,
+            inv_scale=1.0 / self.loss_scale,
+            check_overflow=self.scaler is not None or policy != "ignore",
             before_update=lambda: self._before_update(model, optimizer),
-            update=not skipped_backward,
-            # The user's step(...) arguments reach their optimizer's step as under DDP; its closure
-            # already ran (forward, backward, reduction): the one handed on returns that result.
-            step_kwargs={"closure": lambda: closure_result, **kwargs},
+            automatic=model.automatic_optimization,
+            step_kwargs=kwargs,
         )
-        return closure_result
+        if call.ran and call.update:
+            self._after_step(call.overflow, model.trainer.global_step, policy)
+        return call.output
 
     def zero_step(
         self,
@@ -295,8 +301,11 @@ class OffloadPrecision(HalfPrecision):
             update=update,
             step_kwargs=step_kwargs,
         )
-        if not update:
-            return
+        if update:
+            self._after_step(overflow, step, policy)
+
+    def _after_step(self, overflow: bool, step: int, policy: str) -> None:
+        """The loss scale's update, or the non-finite policy, after a step that ran a backward."""
         if self.scaler is not None:
             self.scaler.update(overflow)
         elif overflow:
@@ -307,10 +316,21 @@ class OffloadPrecision(HalfPrecision):
         inside :meth:`ZeroEngine.full_gradients`, so they read (and edit) ``param.grad`` as under DDP
         (the parameters of the optimizer stepping; another optimizer's keep None)."""
         assert self._engine is not None
-        if self._engine.config.zero.expose_param_grads is not True:
+        if not self.exposes_step_grads(model):
             return self._after_closure(model, optimizer)
         with self._engine.full_gradients(model, 1.0 / self.loss_scale, optimizer=optimizer):
             self._after_closure(model, optimizer)
+
+    def exposes_step_grads(self, model: pl.LightningModule) -> bool:
+        """Whether ``on_before_optimizer_step`` and ``configure_gradient_clipping`` see ``param.grad``
+        under automatic optimization: ``expose_param_grads=True``, or None (the default) where user code
+        runs there (the LightningModule overrides either hook, or a callback overrides
+        ``on_before_optimizer_step``): runs that read no gradient pay nothing."""
+        assert self._engine is not None
+        exposed = self._engine.config.zero.expose_param_grads
+        if exposed is not None:
+            return exposed
+        return reads_step_grads(model)
 
     def _nonfinite(self, step: int, policy: str) -> None:
         """Non-finite gradients without loss scaling: the step was not applied (weights unchanged)."""

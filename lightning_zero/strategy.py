@@ -14,9 +14,11 @@ or in a LightningCLI YAML::
         init_args: {stage: 2}
 
 Processes are started the way Lightning starts DDP (its launcher, ``torchrun``, or SLURM). Under
-ZeRO, ``param.grad`` is not kept: gradients go straight into reduction buckets, so
-``on_before_optimizer_step`` hooks see ``None`` gradients; use :meth:`ZeroStrategy.grad_norm`
-for the global gradient norm. Checkpoints are sharded directories that every rank writes in
+ZeRO, ``param.grad`` is not kept: gradients go straight into reduction buckets; where Lightning
+code reads them (``on_before_optimizer_step``, ``configure_gradient_clipping``, after
+``manual_backward``, a validation run inside an accumulation window) they are exposed as DDP has
+them (``expose_param_grads``, :mod:`lightning_zero.exposure`); :meth:`ZeroStrategy.grad_norm` gives
+the global gradient norm without exposing them. Checkpoints are sharded directories that every rank writes in
 parallel and that load into any world size or stage (see :mod:`lightning_zero.checkpoint`); plain
 (DDP) checkpoint files load too.
 """
@@ -36,11 +38,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, failures, memory, options, summary, threads
+from lightning_zero import comm, debug, exposure, failures, memory, options, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -95,10 +98,12 @@ class ZeroStrategy(DDPStrategy):
             bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
             live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
         expose_param_grads: ``param.grad`` as under DDP. ``None`` (default): after ``manual_backward``
-            in manual optimization (stage 3's sharded parameters: this rank's piece); ``True``: also
-            in ``on_before_optimizer_step`` and ``configure_gradient_clipping``; ``False``: never. A
-            full exposure costs an all-gather and the full-size gradients (see
-            :class:`~lightning_zero.config.ZeroConfig`).
+            in manual optimization (stage 3's sharded parameters: this rank's piece), during a
+            validation run inside an accumulation window, and in ``on_before_optimizer_step`` /
+            ``configure_gradient_clipping`` when the model overrides either (or a callback the
+            first); ``True``: in those two hooks always; ``False``: never (with a warning when those
+            hooks are overridden). A full exposure costs an all-gather and the full-size gradients
+            (see :class:`~lightning_zero.config.ZeroConfig`).
         reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
             mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
             parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
@@ -372,7 +377,8 @@ class ZeroStrategy(DDPStrategy):
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
             self._engine = ZeroEngine(
                 module,
-                self.optimizers if fitting else [],
+                # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
+                [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else [],
                 config=config,
                 precision=precision.engine_precision,
                 device=self.root_device,
@@ -396,6 +402,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             self._route_lightning_optimizers()
             _optimizers_to_device(self.optimizers, self.root_device)
+            exposure.install(trainer, module, self._engine, self.precision_plugin, pipelined=self._parallel.pipelined)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.engine_precision][0])
             # Pretrained weights loaded in on_fit_start (after this setup) go into the masters and shards.
@@ -433,6 +440,7 @@ class ZeroStrategy(DDPStrategy):
             self._teardown_engine()
 
     def _teardown_engine(self) -> None:
+        exposure.uninstall(getattr(self.lightning_module, "_trainer", None) if self.lightning_module else None)
         # The engine stays (without its hooks) so that trainer.save_checkpoint() after fit still
         # writes the unsharded optimizer state; the next setup replaces it. Stage 3 parameters become
         # whole again, so the model is usable after fit; not after a failure, because gathering is a

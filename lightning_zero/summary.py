@@ -125,13 +125,28 @@ def local_counts(held: list[HeldParam]) -> dict[int, int]:
 
 def install(trainer: Any, held: list[HeldParam], dtype: torch.dtype) -> None:
     """Make the trainer's summary callbacks build a :class:`ZeroSummary` (an instance attribute on
-    each callback object of this trainer; their table format and depth are kept)."""
+    each callback object of this trainer; their table format and depth are kept). What is installed
+    is a :class:`SummaryFactory`, not a local closure: the trainer and its callbacks still pickle."""
     local = local_counts(held)
     for callback in trainer.callbacks:
         if isinstance(callback, ModelSummaryCallback):
-            depth = callback._max_depth
+            factory = SummaryFactory(callback._max_depth, held, local, dtype)
+            callback._summary = factory  # type: ignore[method-assign,assignment]  # this trainer's callbacks only
 
-            def summary(_trainer: Any, pl_module: Any, depth: int = depth) -> ZeroSummary:
-                return ZeroSummary(pl_module, depth, held, local, dtype)
 
-            callback._summary = summary  # type: ignore[method-assign,assignment]  # this trainer's callbacks only
+class SummaryFactory:
+    """What :func:`install` puts in place of ``ModelSummary._summary``: builds a :class:`ZeroSummary`."""
+
+    def __init__(self, depth: int, held: list[HeldParam], local: Mapping[int, int], dtype: torch.dtype) -> None:
+        self.depth = depth
+        self.held = held
+        self.local = dict(local)
+        self.dtype = dtype
+
+    def __call__(self, _trainer: Any, pl_module: Any) -> ZeroSummary:
+        return ZeroSummary(pl_module, self.depth, self.held, self.local, self.dtype)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ``local`` is keyed by id(param), meaningless in another process: a pickled copy (a trainer
+        # saved with torch.save) sizes what it is given by the parameters' own sizes
+        return {"depth": self.depth, "held": [], "local": {}, "dtype": self.dtype}

@@ -437,12 +437,17 @@ def load_optimizers(
 
 
 def replay_callback_restores(module: Any) -> None:
-    """Lightning's ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of
-    the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
-    restored before ``on_fit_start``; under ZeRO (``restore_checkpoint_after_setup``) after it, so the
-    callback would never add them and the optimizer states of the resumed run would meet fewer
-    groups. The strategy runs its restore before the optimizer states load, as DDP runs it before."""
-    from lightning.pytorch.callbacks import BaseFinetuning
+    """What callbacks do in ``on_fit_start`` with their restored state. Under DDP their state is
+    restored before ``on_fit_start``; under ZeRO (``restore_checkpoint_after_setup``) after it, so
+    the strategy runs this part of their ``on_fit_start`` again before the optimizer and LR scheduler
+    states load, as DDP runs it before them:
+
+    * ``BaseFinetuning`` (``BackboneFinetuning``) puts back the parameter groups of the run it
+      resumes (else the optimizer states of the resumed run would meet fewer groups);
+    * ``StochasticWeightAveraging`` that had started averaging drops the user's LR scheduler (its
+      own ``SWALR`` comes back from its state at the next epoch start): else the checkpoint's
+      ``SWALR`` state would load into the user's scheduler (a ``LambdaLR``: ``KeyError: 'lr_lambdas'``)."""
+    from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
     from lightning.pytorch.trainer.states import TrainerFn
 
     trainer = getattr(module, "_trainer", None)
@@ -451,3 +456,5 @@ def replay_callback_restores(module: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, BaseFinetuning) and callback._restarting:
             BaseFinetuning.on_fit_start(callback, trainer, module)
+        if isinstance(callback, StochasticWeightAveraging) and callback._scheduler_state is not None:
+            StochasticWeightAveraging._clear_schedulers(trainer)

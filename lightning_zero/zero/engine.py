@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from lightning_zero.zero.surface import (
 )
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
+from lightning_zero.zero.user_step import UserStep
 
 
 class ZeroEngine(CheckpointSurface):
@@ -347,16 +349,51 @@ class ZeroEngine(CheckpointSurface):
                 sharded.known_finite() or bool(torch.isfinite(self.grad_norm(optimizer)))
             )
             if not overflow:
-                if self.config.offload.pipeline and sharded.pipelines:
-                    # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
-                    publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
-                    sharded.step(publisher.send, step_kwargs)
-                    publisher.finish(sharded.buffers)
-                else:
-                    sharded.step(step_kwargs=step_kwargs)
-                    publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+                self._update(sharded, step_kwargs=step_kwargs)
         self._drop_grads(optimizer)  # (a shared parameter's accumulated gradient stays: zero_grad clears it)
         return overflow
+
+    def step_through(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        *,
+        inv_scale: float = 1.0,
+        check_overflow: bool = False,
+        before_update: Callable[[], None] | None = None,
+        automatic: bool = True,
+        step_kwargs: Mapping[str, Any] | None = None,
+    ) -> UserStep:
+        """The step as the user's own ``optimizer.step(closure=..., **step_kwargs)`` (the Trainer's
+        path, :mod:`lightning_zero.zero.user_step`): the closure handed to it runs ``closure``, the
+        preparation of :meth:`step` and ``before_update``; the class's step then updates the master
+        slices (or the kernels do) and they are published. Returns the record of what happened
+        (``output``: what the user's ``step`` returned). Call on all ranks."""
+        call = UserStep(
+            self,
+            _unwrap(optimizer),
+            closure,
+            inv_scale=inv_scale,
+            check_overflow=check_overflow,
+            before_update=before_update,
+            automatic=automatic,
+        )
+        call.output = call(**(step_kwargs or {}))
+        return call
+
+    def _update(
+        self, sharded: ShardedOptimizer, *, step_kwargs: Mapping[str, Any] | None = None, stepped_by_torch: bool = False
+    ) -> None:
+        """Update the master slices of a prepared optimizer and publish them (``stepped_by_torch``:
+        the class's own step already updated them; only the copy and the publication are left)."""
+        if self.config.offload.pipeline and sharded.pipelines:
+            # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
+            publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
+            sharded.step(publisher.send, step_kwargs)
+            publisher.finish(sharded.buffers)
+        else:
+            sharded.step(step_kwargs=step_kwargs, stepped_by_torch=stepped_by_torch)
+            publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def add_param_groups(self) -> None:
         """Partition the parameter groups added to an optimizer since setup
@@ -476,11 +513,7 @@ class ZeroEngine(CheckpointSurface):
         optimization calls it anywhere, e.g. between two backwards). Undone by :meth:`close`."""
         original = optimizer.zero_grad
 
-        def zero_grad(set_to_none: bool = True) -> None:
-            original(set_to_none)
-            self.zero_grad(optimizer, set_to_none)
-
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # an instance attribute, removed at close
+        optimizer.zero_grad = functools.partial(_routed_zero_grad, self, optimizer, original)  # type: ignore[method-assign]  # an instance attribute, removed at close
         self._routed.append(optimizer)
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> torch.Tensor:
@@ -565,8 +598,8 @@ class ZeroEngine(CheckpointSurface):
         communication; ``strategy.full_gradients`` gives whole ones). Read-only: edits are not
         applied (clip with ``self.clip_gradients``). Call on all ranks."""
         self.release_window()
-        if self._prepared:
-            return
+        if self._prepared or not self._reducer.got_gradient:
+            return  # (no gradient since the step: every .grad stays None, as DDP's after zero_grad)
         ids = {id(p) for p in module.parameters()}
         buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
         slices = {}
@@ -579,7 +612,7 @@ class ZeroEngine(CheckpointSurface):
             if b in self._shared:
                 got |= self._shared.with_grad(b)
         local = frozenset(id(b) for b in buffers if self.config.zero.stage == 3 and not b.persistent)
-        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device, local=local)
+        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device, local=local, read_only=True)
         self._window.gather()
 
     def release_window(self) -> None:
@@ -730,3 +763,13 @@ class ZeroEngine(CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
             self._coordinator = None
+
+
+def _routed_zero_grad(
+    engine: ZeroEngine, optimizer: torch.optim.Optimizer, original: Callable[[bool], None], set_to_none: bool = True
+) -> None:
+    """``optimizer.zero_grad()`` under ZeRO (:meth:`ZeroEngine._route_zero_grad`); a module-level
+    function, so that an optimizer (and a trainer holding it) still pickles."""
+    engine.release_window()  # the exposed .grad go first: the class's zero_grad must not clear them
+    original(set_to_none)
+    engine.zero_grad(optimizer, set_to_none)

@@ -54,6 +54,9 @@ class ExposedGrads:
         local: ids of stage-3 buffers whose parameters are released (each a view of this rank's
             piece of it): they get the matching piece of the slice as ``.grad``, without
             communication (read-only; see :meth:`ZeroEngine.expose_window`).
+        read_only: no :meth:`write_back` follows (the window of manual optimization): an edit of
+            an exposed ``.grad`` (``clip_grad_norm_``, ``clamp_``, a replaced tensor) would be lost, so
+            :meth:`release` warns about it instead of letting the step ignore it silently.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class ExposedGrads:
         group: comm.ProcessGroup,
         device: torch.device,
         local: frozenset[int] = frozenset(),
+        read_only: bool = False,
     ) -> None:
         self.buffers = [b for b in buffers if id(b) in slices]
         self.slices = slices
@@ -71,8 +75,10 @@ class ExposedGrads:
         self.group = group
         self.device = device
         self.local = local
+        self.read_only = read_only
         self.full: dict[int, torch.Tensor] = {}
         self.assigned: list[tuple[FlatBuffer, int, nn.Parameter]] = []
+        self.versions: list[tuple[torch.Tensor, int]] = []  # read_only: each .grad as set, its version
 
     def gather(self) -> None:
         """All-gather every buffer's slices and set ``param.grad``. Call on all ranks."""
@@ -88,7 +94,7 @@ class ExposedGrads:
             for index, (param, slot) in enumerate(zip(b.params, b.layout.slots, strict=True)):
                 if id(param) in self.wanted:
                     param.grad = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(param.dtype)
-                    self.assigned.append((b, index, param))
+                    self._assigned(b, index, param)
 
     def _own_pieces(self, b: FlatBuffer) -> None:
         """A released stage-3 parameter holds this rank's piece of it (1-D, or its own shape when
@@ -110,7 +116,14 @@ class ExposedGrads:
             else:
                 value = grad[piece.shard_offset : piece.shard_offset + piece.numel].view(param.shape)
             param.grad = value.to(device=param.device, dtype=param.dtype)
-            self.assigned.append((b, index, param))
+            self._assigned(b, index, param)
+
+    def _assigned(self, b: FlatBuffer, index: int, param: nn.Parameter) -> None:
+        self.assigned.append((b, index, param))
+        if self.read_only:
+            grad = param.grad
+            assert grad is not None
+            self.versions.append((grad, grad._version))
 
     def write_back(self) -> None:
         """Elementwise edits of the exposed ``param.grad`` (in place or a replaced tensor) into this
@@ -132,7 +145,21 @@ class ExposedGrads:
                 torch.where(own != rounded, own, grad, out=grad)
 
     def release(self) -> None:
-        """Every exposed ``param.grad`` back to None, the full tensors freed."""
+        """Every exposed ``param.grad`` back to None, the full tensors freed (read-only: a warning
+        when one of them was edited, see the ``read_only`` argument)."""
+        if self.read_only and any(
+            param.grad is not None and (param.grad is not grad or grad._version != version)
+            for (_, _, param), (grad, version) in zip(self.assigned, self.versions, strict=True)
+        ):
+            warnings.warn(
+                "param.grad was edited after manual_backward (e.g. torch.nn.utils.clip_grad_norm_ or p.grad.clamp_): "
+                "under ZeRO those .grad are read-only copies of the reduced gradients, so the edit does NOT reach "
+                "optimizer.step(). Clip with self.clip_gradients(optimizer, gradient_clip_val=..., "
+                "gradient_clip_algorithm=...) before optimizer.step(), or edit gradients inside "
+                "`with self.trainer.strategy.full_gradients():` there.",
+                stacklevel=3,
+            )
+        self.versions.clear()
         for _, _, param in self.assigned:
             param.grad = None
         self.assigned.clear()

@@ -339,26 +339,33 @@ class ShardedOptimizer:
             if b.grad_tier is not None:
                 b.grad_tier.materialize(b)
 
-    def step(self, stepped: Stepped | None = None, step_kwargs: Mapping[str, Any] | None = None) -> None:
+    def step(
+        self,
+        stepped: Stepped | None = None,
+        step_kwargs: Mapping[str, Any] | None = None,
+        stepped_by_torch: bool = False,
+    ) -> None:
         """Update the master slices and write them into the parameter slices (the kernels do both in
         one pass; after torch's step the cast copy is a second one). ``stepped`` (pipelined, kernels
         only): called with each buffer once it is updated (:class:`~lightning_zero.zero.publish.Publisher`);
         torch's own ``step()`` updates all buffers at once, so there it is called after it.
         ``step_kwargs``: what the user passed to ``optimizer.step(...)`` (a ``closure`` there returns
         the loss already computed: the closure ran before the reduction), handed to the optimizer's
-        own ``step`` as under DDP; the compiled Adam/AdamW kernels take none."""
+        own ``step`` as under DDP; the compiled Adam/AdamW kernels take none. ``stepped_by_torch``:
+        the user's own ``step`` already updated the masters (:mod:`lightning_zero.zero.user_step`)."""
         if self.kernel is not None:
             self.kernel.step(self.tensor_parallel_group, stepped)
             return
-        if self.whole is not None:
-            self.whole.load()  # each owned parameter whole, with its whole gradient
-        try:
-            with self.masters():
-                self.optimizer.step(**(step_kwargs or {}))
-        except BaseException:
+        if not stepped_by_torch:
             if self.whole is not None:
-                self.whole.release()
-            raise
+                self.whole.load()  # each owned parameter whole, with its whole gradient
+            try:
+                with self.masters():
+                    self.optimizer.step(**(step_kwargs or {}))
+            except BaseException:
+                if self.whole is not None:
+                    self.whole.release()
+                raise
         if self.whole is not None:
             self.whole.store()  # the updated pieces back into every holder's master slice
         for b in self.buffers:
