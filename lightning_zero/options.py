@@ -10,6 +10,7 @@ precision plugin Lightning or Fabric assigns a strategy chosen by name into an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +42,7 @@ def strategy_config(
     prefetch_bucket_size: int | str = 5_000_000,
     param_persistence_threshold: int = 100_000,
     max_live_parameters: int = 1_000_000_000,
+    gather_units: Sequence[type | str] = (),
     allow_untested_optimizer: bool = False,
     on_nonfinite: str = "error",
     absorb_param_edits: bool = True,
@@ -84,6 +86,7 @@ def strategy_config(
             prefetch_bucket_size=prefetch_bucket_size,
             param_persistence_threshold=param_persistence_threshold,
             max_live_parameters=max_live_parameters,
+            gather_units=tuple(gather_units),
             allow_untested_optimizer=allow_untested_optimizer,
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,

@@ -23,11 +23,12 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -81,6 +82,9 @@ class ZeroStrategy(DDPStrategy):
             ("auto": as reduce_bucket_size, less memory and less overlap on small models).
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
+        gather_units: stage 3: modules gathered whole before their forward (classes, class names or
+            module-name patterns), besides the default units (Hugging Face ``_no_split_modules``
+            blocks, ``nn.MultiheadAttention``, RNNs, PEFT LoRA layers).
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
             :func:`lightning_zero.zero.step.check_optimizer`).
         on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
@@ -158,6 +162,7 @@ class ZeroStrategy(DDPStrategy):
         prefetch_bucket_size: int | str = 5_000_000,
         param_persistence_threshold: int = 100_000,
         max_live_parameters: int = 1_000_000_000,
+        gather_units: Sequence[type | str] = (),
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
@@ -203,6 +208,7 @@ class ZeroStrategy(DDPStrategy):
             prefetch_bucket_size=prefetch_bucket_size,
             param_persistence_threshold=param_persistence_threshold,
             max_live_parameters=max_live_parameters,
+            gather_units=gather_units,
             allow_untested_optimizer=allow_untested_optimizer,
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,
@@ -486,6 +492,10 @@ class ZeroStrategy(DDPStrategy):
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
+    def _step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Stage 3: the step may read any parameter (gathered on use, the root unit around it)."""
+        return self._engine.step_scope() if self._engine is not None else contextlib.nullcontext()
+
     def _end_pass(self) -> None:
         if self._engine is not None:
             self._engine.end_pass()
@@ -526,7 +536,8 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
         try:
-            return super().validation_step(*args, **kwargs)
+            with self._step_scope():
+                return super().validation_step(*args, **kwargs)
         finally:
             self._end_pass()
 
@@ -534,13 +545,15 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("test", *args, **kwargs)
         try:
-            return super().test_step(*args, **kwargs)
+            with self._step_scope():
+                return super().test_step(*args, **kwargs)
         finally:
             self._end_pass()
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().predict_step(*args, **kwargs)
+            with self._step_scope():
+                return super().predict_step(*args, **kwargs)
         finally:
             self._end_pass()
 
@@ -551,7 +564,8 @@ class ZeroStrategy(DDPStrategy):
         (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
         loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
         if not self._parallel.pipelined:
-            return super().training_step(*args, **kwargs)
+            with self._step_scope():
+                return super().training_step(*args, **kwargs)
         runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
         assert runner is not None and module is not None
         accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1

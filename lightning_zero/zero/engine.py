@@ -246,6 +246,13 @@ class ZeroEngine(CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.end_pass()
 
+    def step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Stage 3, around a training/validation/test/predict step: the root unit (parameters the
+        root module holds itself) is gathered, and any released parameter the step reads (as a
+        module attribute or through an op) is gathered on use and kept until the end of the pass.
+        A no-op at stages 1 and 2. Call on all ranks."""
+        return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
+
     @contextmanager
     def gathered_parameters(
         self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True

@@ -1,0 +1,117 @@
+"""What a released (sharded, not gathered) stage-3 parameter looks like to code that reads it.
+
+* :class:`ReleasedParameter`: returned by a module attribute read of a released parameter outside
+  any forward or step (a callback, a hook between steps). It carries the full parameter's metadata
+  (``.dtype``, ``.device``, ``.requires_grad``, ``.shape``/``.size()``, ``.ndim``/``.dim()``,
+  ``.numel()``, ``.is_floating_point()``) and no data: reading metadata never gathers, and any use
+  of its values raises the error that says where they can be read.
+* :class:`GatherOnUse`: a ``TorchFunctionMode`` active during a training/validation/test/predict
+  step (and the root module's forward): the first op that takes a released parameter as an input
+  (an L2 penalty over ``self.parameters()``, which bypasses the modules' attribute guard) gathers
+  it first, as every rank's same op does (a collective at the same point of the same code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+def read_error(name: str) -> RuntimeError:
+    """The error for a value read of released parameter ``name`` outside any forward or step."""
+    return RuntimeError(
+        f"parameter {name!r} is sharded by ZeRO stage 3 and was read outside the forward of the module that "
+        "owns it, where it holds no data. Read it inside `with trainer.strategy.gathered_parameters(module):`, "
+        "or use it through its module's forward (or in a training/validation/test/predict step, where every "
+        "parameter is gathered on use). Metadata (.shape, .dtype, .device, .requires_grad) can be read anywhere."
+    )
+
+
+_META = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.element_size,
+    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_quantized.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.__hash__,
+}
+
+
+class ReleasedParameter(torch.Tensor):
+    """Metadata of a released stage-3 parameter, without data (a tensor of the full shape, dtype,
+    device and ``requires_grad``); every other use raises :func:`read_error`."""
+
+    _param_name: str
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, shape: torch.Size, name: str) -> ReleasedParameter:
+        made = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad
+        )
+        made._param_name = name
+        return made
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"ReleasedParameter({self._param_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _META:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise read_error(next((a._param_name for a in args if isinstance(a, ReleasedParameter)), "?"))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise read_error(next((a._param_name for a in args if isinstance(a, ReleasedParameter)), "?"))
+
+
+_ACCESSORS = ("__get__", "__set__", "__delete__")
+
+
+class GatherOnUse(TorchFunctionMode):
+    """Calls ``gather(param)`` before any op whose inputs include a released sharded parameter
+    (``released(value)``: False for anything else, answered from an id lookup); the op then runs on the full parameter. Looks at the op's positional and
+    keyword arguments and one level of lists/tuples in them (``torch.stack([...])``, foreach ops)."""
+
+    def __init__(self, released: Callable[[Any], bool], gather: Callable[[nn.Parameter], None]) -> None:
+        super().__init__()
+        self._released = released
+        self._gather = gather
+
+    def _visit(self, value: Any) -> None:
+        if type(value) in (list, tuple):
+            for item in value:
+                if self._released(item):
+                    self._gather(item)
+        elif self._released(value):
+            self._gather(value)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # Attribute reads and writes (``p.shape``, ``p.grad = None``, the gather's own ``p.data = ...``)
+        # need no data; gathering there would re-enter the gather that is binding the parameter.
+        if getattr(func, "__name__", "") not in _ACCESSORS and not torch.compiler.is_compiling():
+            for value in args:
+                self._visit(value)
+            for value in kwargs.values():
+                self._visit(value)
+        return func(*args, **kwargs)
