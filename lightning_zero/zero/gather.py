@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
+from lightning_zero.debug import GatherOrderCheck
 from lightning_zero.zero.flat import FlatBuffer, ParamState
 from lightning_zero.zero.released import GatherOnUse, ReleasedParameter
 from lightning_zero.zero.units import gather_units
@@ -150,6 +151,8 @@ class GatherCoordinator:
         for b in buffers:
             if not b.persistent and all(b is not o for o in self._all):
                 self._all.append(b)
+        self._number = {id(b): i for i, b in enumerate(self._all)}
+        self._order = GatherOrderCheck(group, self._describe) if comm.is_plain_gloo(group) else None
 
         def sharded(params: Any) -> list[FlatBuffer]:
             found: list[FlatBuffer] = []
@@ -198,6 +201,18 @@ class GatherCoordinator:
         self._learned: dict[int, list[FlatBuffer]] = {}  # read in a module's forward: joins its needs
         self._depth = 0  # nesting of open steps
         self._mode: GatherOnUse | None = None
+
+    def _describe(self, number: int) -> str:
+        if not 0 <= number < len(self._all):
+            return f"buffer #{number}"
+        names = [self._params[id(p)][0] for p in self._all[number].params if id(p) in self._params]
+        return "the parameters " + ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+
+    def _start(self, b: FlatBuffer, label: str) -> None:
+        """Start ``b``'s gather (a no-op unless released), first checking that every rank gathers it."""
+        if self._order is not None and b.state is ParamState.RELEASED:
+            self._order.agree(self._number[id(b)], label)
+        b.gather_start(self.group, label)
 
     # -- reads of released parameters ------------------------------------------------------------
 
@@ -260,7 +275,7 @@ class GatherCoordinator:
     def acquire(self, buffers: list[FlatBuffer], label: str = "") -> None:
         """Gather ``buffers`` (waiting for any in flight) and hold them. Call on all ranks."""
         for b in buffers:
-            b.gather_start(self.group, label)
+            self._start(b, label)
         for b in buffers:
             b.gather_wait()
             self._refs[id(b)] = self._refs.get(id(b), 0) + 1
@@ -307,7 +322,7 @@ class GatherCoordinator:
                     return
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
                     return
-                b.gather_start(self.group, f"{self.names[index]} (prefetch)")
+                self._start(b, f"{self.names[index]} (prefetch)")
                 budget -= b.numel
                 live += b.numel
 
@@ -317,7 +332,7 @@ class GatherCoordinator:
         def hook(module: nn.Module, args: Any) -> None:
             if _RECOMPUTING.get():  # activation checkpointing, in backward: gather only
                 for b in self.needs[index]:  # no reference taken: no post-forward drop follows
-                    b.gather_start(self.group, f"{self.names[index]} (recompute)")
+                    self._start(b, f"{self.names[index]} (recompute)")
                 for b in self.needs[index]:
                     b.gather_wait()
                 return
@@ -373,7 +388,7 @@ class GatherCoordinator:
     def pre_backward(self, index: int) -> None:
         """Gather a module's parameters before its backward; prefetch the modules that ran before it."""
         for b in self.needs[index]:
-            b.gather_start(self.group, f"{self.names[index]} (backward)")
+            self._start(b, f"{self.names[index]} (backward)")
         for b in self.needs[index]:
             b.gather_wait()
         cursor = self._bwd_cursor if self._bwd_cursor >= 0 else len(self.trace)
