@@ -47,7 +47,12 @@ class CrossReads(pl.LightningModule):
         self.pos = nn.Parameter(torch.randn(SEQ, width) * 0.02)
         self.side = nn.Linear(width, width)
         self.mixer = Mixer(width, self.side)
-        self.encoder = nn.TransformerEncoderLayer(width, nhead=1, dim_feedforward=width, dropout=0.0, batch_first=True)
+        # bias=False: the key projection's bias gets no gradient in exact arithmetic (softmax ignores a
+        # shift), only rounding noise, which Adam scales up to steps of ~lr that differ between any two
+        # summation orders (DDP's and ZeRO's), so weights could not be compared.
+        self.encoder = nn.TransformerEncoderLayer(
+            width, nhead=1, dim_feedforward=width, dropout=0.0, batch_first=True, bias=False
+        )
         self.proj = nn.Parameter(torch.randn(width, width) / width**0.5)  # held by the LightningModule
         self.temperature = nn.Parameter(torch.tensor(1.5))
         self.penalty = penalty
