@@ -31,7 +31,22 @@ def read_error(name: str) -> RuntimeError:
     )
 
 
-_META = {
+_META_PROPERTIES = (
+    "shape",
+    "dtype",
+    "device",
+    "requires_grad",
+    "ndim",
+    "is_leaf",
+    "layout",
+    "is_cuda",
+    "is_meta",
+    "is_sparse",
+    "is_quantized",
+    "grad",
+)
+#: what a :class:`ReleasedParameter` answers: metadata, never values
+_META: set[Any] = {
     torch.Tensor.size,
     torch.Tensor.dim,
     torch.Tensor.numel,
@@ -39,20 +54,8 @@ _META = {
     torch.Tensor.is_floating_point,
     torch.Tensor.is_complex,
     torch.Tensor.element_size,
-    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_meta.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_sparse.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_quantized.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__get__,  # type: ignore[attr-defined]
     torch.Tensor.__hash__,
-}
+} | {getattr(torch.Tensor, name).__get__ for name in _META_PROPERTIES}
 
 
 class ReleasedParameter(torch.Tensor):
@@ -63,13 +66,13 @@ class ReleasedParameter(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: nn.Parameter, shape: torch.Size, name: str) -> ReleasedParameter:
-        made = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        made = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad
         )
         made._param_name = name
         return made
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"ReleasedParameter({self._param_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
     @classmethod
@@ -80,7 +83,7 @@ class ReleasedParameter(torch.Tensor):
         raise read_error(next((a._param_name for a in args if isinstance(a, ReleasedParameter)), "?"))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise read_error(next((a._param_name for a in args if isinstance(a, ReleasedParameter)), "?"))
 
 
