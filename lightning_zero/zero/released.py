@@ -110,9 +110,10 @@ class GatherOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        # Attribute reads and writes (``p.shape``, ``p.grad = None``, the gather's own ``p.data = ...``)
-        # need no data; gathering there would re-enter the gather that is binding the parameter.
-        if getattr(func, "__name__", "") not in _ACCESSORS and not torch.compiler.is_compiling():
+        # Metadata, attribute reads and writes (``p.numel()``, ``p.grad = None``, the gather's own
+        # ``p.data = ...``) need no data; gathering there would re-enter the gather that is binding
+        # the parameter, or turn the engine's own bookkeeping of released parameters into gathers.
+        if func not in _META and getattr(func, "__name__", "") not in _ACCESSORS and not torch.compiler.is_compiling():
             for value in args:
                 self._visit(value)
             for value in kwargs.values():

@@ -175,3 +175,37 @@ def test_metadata_anywhere_values_in_steps_and_branch_error():
         assert res["inside"] == (width, width)
         # rank 0 gathers 'extra', rank 1 'up': an error naming both on every rank, not a gloo abort
         assert res["branch"] is not None and "'extra.weight'" in res["branch"] and "'up.weight'" in res["branch"]
+
+
+def _fabric_worker(rank: int) -> dict:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    from lightning_zero.fabric import ZeroStrategy
+
+    out = {}
+    for key, strategy in (("ddp", DDPStrategy()), ("zero3", ZeroStrategy(**SPECS["zero3"])), ("t0", "t0")):
+        if strategy == "t0":
+            strategy = ZeroStrategy(**SPECS["zero3_t0"])
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="32-true")  # type: ignore[arg-type]
+        fabric.launch()
+        fabric.seed_everything(7)
+        raw = um.CrossReadsLoss()
+        model, optimizer = fabric.setup(raw, torch.optim.AdamW(raw.parameters(), lr=1e-3))
+        for index, (tokens,) in enumerate(fabric.setup_dataloaders(um.loader())):
+            fabric.backward(model(tokens))
+            optimizer.step()
+            optimizer.zero_grad()
+            if index == 2:
+                break
+        out[key] = raw.losses
+    return out
+
+
+def test_fabric_root_forward_is_the_step():
+    """Under Fabric the root module's forward is the step: it may read any parameter (a functional
+    tied head, the module's own parameters, an L2 penalty over parameters())."""
+    for res in run_ranks(_fabric_worker, timeout=600):
+        for key in ("zero3", "t0"):
+            # fp32, the bound and reason of test_cross_module_reads_match_ddp
+            torch.testing.assert_close(torch.tensor(res[key]), torch.tensor(res["ddp"]), rtol=1e-5, atol=0)
