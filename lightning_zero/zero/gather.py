@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -169,23 +170,22 @@ class GatherCoordinator:
         #: per module: the buffers its hooks gather (its own parameters'; a unit's: its subtree's)
         self.needs: list[list[FlatBuffer]] = []
         self._handles = []
+        self._index_of: dict[int, int] = {}
+        #: every module with sharded parameters below it: a forward that may read them (learned needs)
+        self._qualnames: dict[int, tuple[str, nn.Module]] = {}
         for qualname, sub in module.named_modules():
-            own = sharded(sub._parameters.values())
             if not sharded(sub.parameters()):
-                continue  # nothing sharded below: no forward to track
-            index = len(self.modules)
-            self.modules.append(sub)
-            self.names.append(repr(qualname) if qualname else "the root module")
+                continue
+            self._qualnames[id(sub)] = (qualname, sub)
+            own = sharded(sub._parameters.values())
             if own:
                 self._guarded.append((sub, type(sub)))
                 sub.__class__ = _guarded_class(type(sub))
                 sub._lightning_zero_coordinator = self
-            self.needs.append(sharded(sub.parameters()) if id(sub) in units else own)
-            # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
-            # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
-            pre, post = self._make_pre_forward(index), self._make_post_forward(index)
-            self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
-            self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
+            if id(sub) in units:
+                self._track(sub, sharded(sub.parameters()))
+            elif own:
+                self._track(sub, own)
         #: the root unit: what the root module itself holds, gathered around each step
         self.root_needs = sharded(module._parameters.values())
         # The root's forward is a step too (Fabric's, or a plain call): first pre-hook, last post-hook.
@@ -198,7 +198,8 @@ class GatherCoordinator:
         self._on_plan = True
         self._bwd_cursor = -1
         self._running: list[int] = []  # modules whose forward is running, innermost last
-        self._learned: dict[int, list[FlatBuffer]] = {}  # read in a module's forward: joins its needs
+        #: id(module) -> buffers its forward read (gathered on use): they join its needs at the pass's end
+        self._learned: dict[int, list[FlatBuffer]] = {}
         self._depth = 0  # nesting of open steps
         self._mode: GatherOnUse | None = None
 
@@ -213,6 +214,33 @@ class GatherCoordinator:
         if self._order is not None and b.state is ParamState.RELEASED:
             self._order.agree(self._number[id(b)], label)
         b.gather_start(self.group, label)
+
+    def _track(self, sub: nn.Module, needs: list[FlatBuffer]) -> None:
+        """Give ``sub`` the hooks that gather ``needs`` around its forward and before its backward."""
+        index = len(self.modules)
+        self._index_of[id(sub)] = index
+        self.modules.append(sub)
+        qualname = self._qualnames[id(sub)][0]
+        self.names.append(repr(qualname) if qualname else "the root module")
+        self.needs.append(needs)
+        # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
+        # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
+        pre, post = self._make_pre_forward(index), self._make_post_forward(index)
+        self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
+        self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
+
+    def _reader(self) -> nn.Module | None:
+        """The innermost module of the model whose ``forward`` is on the Python stack (the one reading
+        a parameter now). Walks the frames: only on a gather on use, never on the hot path, and it
+        spares every container module a pair of hooks (and torch.compile a graph break each)."""
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "forward":
+                candidate = frame.f_locals.get("self")
+                if candidate is not None and id(candidate) in self._qualnames:
+                    return candidate
+            frame = frame.f_back
+        return None
 
     # -- reads of released parameters ------------------------------------------------------------
 
@@ -236,11 +264,12 @@ class GatherCoordinator:
         """Gather ``param``'s buffer now and keep it until the end of the pass (the backward may need
         it); a module whose forward read it gathers it with its own from the next pass on. Call on all ranks."""
         b = self._owner[id(param)]
-        where = self.names[self._running[-1]] if self._running else "the step"
+        reader = self._reader()
+        where = "the step" if reader is None else repr(self._qualnames[id(reader)][0] or "the root module")
         self.acquire([b], f"{self._params[id(param)][0]!r} read in {where}")
         self.pin([b])
-        if self._running and not _RECOMPUTING.get():
-            learned = self._learned.setdefault(self._running[-1], [])
+        if reader is not None and not _RECOMPUTING.get():
+            learned = self._learned.setdefault(id(reader), [])
             if all(b is not o for o in learned):
                 learned.append(b)
 
@@ -337,8 +366,6 @@ class GatherCoordinator:
                     b.gather_wait()
                 return
             self._running.append(index)
-            if not self.needs[index]:
-                return  # a container: tracked only to learn what its forward reads
             position = len(self.trace)
             self.trace.append(index)
             if self._on_plan and (position >= len(self.previous) or self.previous[position] != index):
@@ -370,8 +397,6 @@ class GatherCoordinator:
                 return output
             if self._running and self._running[-1] == index:
                 self._running.pop()
-            if not self.needs[index]:
-                return output
             self.drop(self.needs[index], keep=self._reused_soon(index))
             if not torch.is_grad_enabled():
                 return output
@@ -411,7 +436,10 @@ class GatherCoordinator:
         trace the next pass's plan."""
         for b in self._all:
             b.release()
-        for index, learned in self._learned.items():
+        for module_id, learned in self._learned.items():
+            if module_id not in self._index_of:
+                self._track(self._qualnames[module_id][1], [])
+            index = self._index_of[module_id]
             self.needs[index] += [b for b in learned if all(b is not o for o in self.needs[index])]
         self._learned.clear()
         self._running.clear()

@@ -113,7 +113,9 @@ class GatherOnUse(TorchFunctionMode):
         # Metadata, attribute reads and writes (``p.numel()``, ``p.grad = None``, the gather's own
         # ``p.data = ...``) need no data; gathering there would re-enter the gather that is binding
         # the parameter, or turn the engine's own bookkeeping of released parameters into gathers.
-        if func not in _META and getattr(func, "__name__", "") not in _ACCESSORS and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # traced code: the module hooks (graph breaks) gather
+            return func(*args, **kwargs)
+        if func not in _META and getattr(func, "__name__", "") not in _ACCESSORS:
             for value in args:
                 self._visit(value)
             for value in kwargs.values():
