@@ -45,6 +45,7 @@ from lightning_zero.zero.gather import GatherCoordinator, scatter_back
 from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
+from lightning_zero.zero.released import real_parameter
 from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
@@ -348,6 +349,8 @@ class ZeroEngine(CheckpointSurface):
                 continue
             new: list[FlatBuffer] = []
             for g_index in range(len(sharded.master_params), len(groups)):
+                # a module attribute read outside forward gave the metadata stand-in of a released parameter
+                groups[g_index]["params"] = [real_parameter(p) for p in groups[g_index]["params"]]
                 params = [p for p in reversed(groups[g_index]["params"]) if p.requires_grad]
                 for p in params:
                     if id(p) in known:

@@ -58,11 +58,20 @@ _META: set[Any] = {
 } | {getattr(torch.Tensor, name).__get__ for name in _META_PROPERTIES}
 
 
+_FREEZE: set[Any] = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}  # type: ignore[attr-defined]
+
+
+def real_parameter(value: Any) -> Any:
+    """The parameter behind a :class:`ReleasedParameter`; anything else as it is."""
+    return value._param if isinstance(value, ReleasedParameter) else value
+
+
 class ReleasedParameter(torch.Tensor):
     """Metadata of a released stage-3 parameter, without data (a tensor of the full shape, dtype,
     device and ``requires_grad``); every other use raises :func:`read_error`."""
 
     _param_name: str
+    _param: nn.Parameter
 
     @staticmethod
     def __new__(cls, param: nn.Parameter, shape: torch.Size, name: str) -> ReleasedParameter:
@@ -70,6 +79,7 @@ class ReleasedParameter(torch.Tensor):
             cls, shape, dtype=param.dtype, device=param.device, requires_grad=param.requires_grad
         )
         made._param_name = name
+        made._param = param  # requires_grad_ reaches it; optimizer.add_param_group takes it (engine)
         return made
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -80,6 +90,12 @@ class ReleasedParameter(torch.Tensor):
         if func in _META:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if func in _FREEZE and isinstance(args[0], ReleasedParameter):
+            # freezing or unfreezing (a fine-tuning callback) changes the parameter itself
+            with torch._C.DisableTorchFunctionSubclass():
+                func(args[0]._param, *args[1:], **(kwargs or {}))
+                func(*args, **(kwargs or {}))
+            return args[0] if func is torch.Tensor.requires_grad_ else None
         raise read_error(next((a._param_name for a in args if isinstance(a, ReleasedParameter)), "?"))
 
     @classmethod
