@@ -98,6 +98,12 @@ def _is_gloo(group: ProcessGroup) -> bool:
     return dist.get_backend(_plain(group)) == "gloo"
 
 
+def is_plain_gloo(group: ProcessGroup) -> bool:
+    """``group`` is an initialized gloo group of more than one rank without a collective checker
+    (host tensors travel on it without a device synchronization). Not a collective."""
+    return initialized() and not isinstance(group, CheckedGroup) and world_size(group) > 1 and _is_gloo(group)
+
+
 def reduce_scatter(
     shard_out: torch.Tensor,
     full_in: torch.Tensor,

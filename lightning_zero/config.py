@@ -159,6 +159,14 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000
     """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
 
+    gather_units: tuple[type | str, ...] = ()
+    """Stage 3: modules gathered whole (their subtree's parameters) before their forward, besides the
+    default ones (a Hugging Face model's ``_no_split_modules`` blocks, ``nn.MultiheadAttention``, RNN
+    modules, PEFT's LoRA layers): module classes, class names, or qualified module names as
+    ``named_modules()`` prints them (``fnmatch`` patterns, e.g. ``"model.layers.*"``). FSDP's
+    ``auto_wrap_policy``, DeepSpeed's ``set_z3_leaf_modules``. A unit's whole subtree is gathered at
+    once: the gather window is the largest unit plus ``prefetch_bucket_size`` elements ahead."""
+
     host_mmap_threshold: int | None = 1 << 20
     """CPU training (and host memory under offload), glibc only: host allocations of at least this
     many bytes are served from ``mmap`` and returned to the OS when freed, set at setup and put back
@@ -248,6 +256,15 @@ class ZeroConfig:
                 f"on_nonfinite={self.on_nonfinite!r} must be 'error' (stop before the weights are touched), "
                 "'skip' (skip the step with a warning) or 'ignore' (no check)."
             )
+        units = self.gather_units
+        if not isinstance(units, (tuple, list)) or not all(
+            (isinstance(u, type) and issubclass(u, torch.nn.Module)) or (isinstance(u, str) and u) for u in units
+        ):
+            raise ValueError(
+                f"gather_units={units!r} must be a list of nn.Module subclasses, class names or module names "
+                "(e.g. [LlamaDecoderLayer] or ['model.layers.*'])."
+            )
+        object.__setattr__(self, "gather_units", tuple(units))
         threshold = self.param_persistence_threshold
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError(

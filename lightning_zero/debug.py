@@ -16,7 +16,11 @@ so the branch is found at its first collective instead of as a hang::
       rank 0: all_gather for 'head' (backward) [(166,) float32 <- (83,) float32]
       rank 1: all_gather for 'extra' (forward) [(226,) float32 <- (113,) float32]
 
-Costs one small object exchange per collective: for debugging, not for training runs. A rank that
+Costs one small object exchange per collective: for debugging, not for training runs.
+
+Without it, stage 3 on CPU (a gloo group) still checks its own gathers cheaply
+(:class:`GatherOrderCheck`): a rank-dependent branch is an error naming the module within a collective,
+not gloo's "Connection reset by peer" after the other rank aborted on a size mismatch. A rank that
 waits in a collective outside lightning_zero (Lightning's own ``all_reduce`` of a logged metric,
 say) while another waits in the checker still hangs until the collective timeout.
 """
@@ -24,6 +28,7 @@ say) while another waits in the checker still hangs until the collective timeout
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -95,3 +100,38 @@ def checked_group(group: comm.ProcessGroup, timeout: timedelta | None) -> comm.C
     if isinstance(group, comm.CheckedGroup):
         return group  # already checked: one checker per group
     return comm.CheckedGroup(group, CollectiveChecker(comm.new_gloo_group(group, timeout)))
+
+
+class GatherOrderCheck:
+    """Stage 3's default check that every rank is about to gather the same flat buffer: one all-gather
+    of one integer (the buffer's number, the same on every rank) before each parameter all-gather,
+    on the data group itself. Only where that group is gloo (CPU training): there the exchange costs
+    a few microseconds next to the gather, and a mismatched gather aborts the process from gloo's
+    thread, beyond any Python error. On NCCL groups ``debug_collectives`` does it (a check there
+    would synchronize the host with the device at every gather).
+
+    Args:
+        group: the data-parallel group (a plain gloo group: :func:`lightning_zero.comm.is_plain_gloo`).
+        describe: buffer number -> what it holds, for the error message.
+    """
+
+    def __init__(self, group: comm.ProcessGroup, describe: Callable[[int], str]) -> None:
+        self.group = group
+        self.describe = describe
+        self._mine = torch.zeros(1, dtype=torch.int64)
+        self._all = torch.zeros(comm.world_size(group), dtype=torch.int64)
+
+    def agree(self, code: int, label: str) -> None:
+        """Raise on every rank unless all ranks pass the same ``code``. Call on all ranks."""
+        self._mine[0] = code
+        comm.all_gather(self._all, self._mine, self.group, label="stage 3 gather order")
+        codes = self._all.tolist()
+        if any(c != code for c in codes):
+            listing = "\n".join(f"  rank {r}: {self.describe(c)}" for r, c in enumerate(codes))
+            raise RuntimeError(
+                f"the ranks are about to gather different parameters under ZeRO stage 3 (this rank: {label}):\n"
+                f"{listing}\nEvery rank must run the same modules in the same order: a branch that depends on "
+                "a rank's data (an `if` on a batch value or on the rank, an early exit, a module skipped on some "
+                "ranks) must be taken by all ranks, e.g. decide it from values all-reduced across ranks, or run "
+                "the module anyway and discard its output."
+            )

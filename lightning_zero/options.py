@@ -11,7 +11,7 @@ precision plugin Lightning or Fabric assigns a strategy chosen by name into an
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +44,7 @@ def strategy_config(
     prefetch_bucket_size: int | float | str = 5_000_000,
     param_persistence_threshold: int | float = 100_000,
     max_live_parameters: int | float = 1_000_000_000,
+    gather_units: Sequence[type | str] = (),
     allow_untested_optimizer: bool = False,
     on_nonfinite: str = "error",
     absorb_param_edits: bool = True,
@@ -103,6 +104,7 @@ def strategy_config(
         zero=ZeroConfig(
             stage=stage,
             overlap_comm=overlap_comm,
+            gather_units=tuple(gather_units),
             allow_untested_optimizer=allow_untested_optimizer,
             on_nonfinite=on_nonfinite,
             absorb_param_edits=absorb_param_edits,

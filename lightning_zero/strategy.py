@@ -25,11 +25,12 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -87,6 +88,9 @@ class ZeroStrategy(DDPStrategy):
             ("auto": as reduce_bucket_size, less memory and less overlap on small models).
         param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
         max_live_parameters: stage 3: no prefetching while this many elements are gathered.
+        gather_units: stage 3: modules gathered whole before their forward (classes, class names or
+            module-name patterns), besides the default units (Hugging Face ``_no_split_modules``
+            blocks, ``nn.MultiheadAttention``, RNNs, PEFT LoRA layers).
         allow_untested_optimizer: accept an optimizer not known to be elementwise (see
             :func:`lightning_zero.zero.step.check_optimizer`).
         on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
@@ -170,6 +174,7 @@ class ZeroStrategy(DDPStrategy):
         prefetch_bucket_size: int | float | str = 5_000_000,
         param_persistence_threshold: int | float = 100_000,
         max_live_parameters: int | float = 1_000_000_000,
+        gather_units: Sequence[type | str] = (),
         allow_untested_optimizer: bool = False,
         on_nonfinite: str = "error",
         absorb_param_edits: bool = True,
@@ -491,6 +496,10 @@ class ZeroStrategy(DDPStrategy):
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
+    def _step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Stage 3: the step may read any parameter (gathered on use, the root unit around it)."""
+        return self._engine.step_scope() if self._engine is not None else contextlib.nullcontext()
+
     def _end_pass(self) -> None:
         if self._engine is not None:
             self._engine.end_pass()
@@ -531,7 +540,7 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("val", *args, **kwargs)
         try:
-            with self._ddp_forward():
+            with self._ddp_forward(), self._step_scope():
                 return super().validation_step(*args, **kwargs)
         finally:
             self._end_pass()
@@ -540,13 +549,15 @@ class ZeroStrategy(DDPStrategy):
         if self._parallel.pipelined:
             return self._pipeline_eval("test", *args, **kwargs)
         try:
-            return super().test_step(*args, **kwargs)
+            with self._step_scope():
+                return super().test_step(*args, **kwargs)
         finally:
             self._end_pass()
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().predict_step(*args, **kwargs)
+            with self._step_scope():
+                return super().predict_step(*args, **kwargs)
         finally:
             self._end_pass()
 
@@ -558,7 +569,8 @@ class ZeroStrategy(DDPStrategy):
         loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
         with self._ddp_forward():
             if not self._parallel.pipelined:
-                return super().training_step(*args, **kwargs)
+                with self._step_scope():
+                    return super().training_step(*args, **kwargs)
             return self._pipeline_train(*args, **kwargs)
 
     def _pipeline_train(self, *args: Any, **kwargs: Any) -> Any:

@@ -46,6 +46,7 @@ from lightning_zero.zero.gather import GatherCoordinator, scatter_back
 from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
+from lightning_zero.zero.released import real_parameter
 from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
@@ -274,6 +275,13 @@ class ZeroEngine(CheckpointSurface):
             return None
         return f"{names[trace[-1]]} (gather {len(trace)} of its pass)"
 
+    def step_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Stage 3, around a training/validation/test/predict step: the root unit (parameters the
+        root module holds itself) is gathered, and any released parameter the step reads (as a
+        module attribute or through an op) is gathered on use and kept until the end of the pass.
+        A no-op at stages 1 and 2. Call on all ranks."""
+        return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
+
     @contextmanager
     def gathered_parameters(
         self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
@@ -412,6 +420,8 @@ class ZeroEngine(CheckpointSurface):
                 continue
             new: list[FlatBuffer] = []
             for g_index in range(len(sharded.master_params), len(groups)):
+                # a module attribute read outside forward gave the metadata stand-in of a released parameter
+                groups[g_index]["params"] = [real_parameter(p) for p in groups[g_index]["params"]]
                 params = [p for p in reversed(groups[g_index]["params"]) if p.requires_grad]
                 for p in params:
                     if id(p) in known:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,10 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
+from lightning_zero.debug import GatherOrderCheck
 from lightning_zero.zero.flat import FlatBuffer, ParamState
+from lightning_zero.zero.released import GatherOnUse, ReleasedParameter
+from lightning_zero.zero.units import gather_units
 
 if TYPE_CHECKING:
     from lightning_zero.zero.swap import ParamTier
@@ -71,12 +75,6 @@ def placeholders_ok() -> bool:
     return _PLACEHOLDERS_OK.get()
 
 
-def _released(param: nn.Parameter, names: dict[int, tuple[str, torch.Size]]) -> bool:
-    """A sharded parameter that holds only this rank's piece (or nothing) right now."""
-    entry = names.get(id(param))
-    return entry is not None and param.shape != entry[1]
-
-
 @contextlib.contextmanager
 def recomputing() -> Iterator[None]:
     """Marks the recompute of a checkpointed forward (inside backward): the gather hooks gather what it
@@ -95,29 +93,25 @@ def recompute_contexts() -> tuple[contextlib.AbstractContextManager[None], conte
 
 
 def _guarded_class(cls: type) -> type:
-    """``cls`` with a ``__getattr__`` that refuses released parameters (cached per class)."""
+    """``cls`` whose attribute reads of released parameters go through the coordinator (gathered on
+    use inside a forward or step, a metadata-only :class:`ReleasedParameter` elsewhere); cached per class."""
     if cls not in _GUARDED:
 
         def __getattr__(self: nn.Module, name: str) -> Any:
             # mypy cannot see that ``guarded`` (made below with type()) is a class
             value = super(guarded, self).__getattr__(name)  # type: ignore[arg-type]
-            names = getattr(self, "_lightning_zero_sharded", None)
-            if names is not None and isinstance(value, nn.Parameter) and _released(value, names):
-                raise RuntimeError(
-                    f"parameter {names[id(value)][0]!r} is sharded by ZeRO stage 3 and was read outside the forward of "
-                    "the module that owns it, where it holds no data. Read it inside "
-                    "`with trainer.strategy.gathered_parameters(module):` (Fabric: "
-                    "`with fabric.strategy.gathered_parameters(module):`), or use it through its module's forward."
-                )
+            coordinator = self.__dict__.get("_lightning_zero_coordinator")
+            if coordinator is not None and isinstance(value, nn.Parameter) and coordinator.is_released(value):
+                return coordinator.released_read(value)
             return value
 
         def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
             super(guarded, self)._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[arg-type]  # as above
-            names = getattr(self, "_lightning_zero_sharded", None)
-            if names is None or keep_vars or _PLACEHOLDERS_OK.get():
+            coordinator = self.__dict__.get("_lightning_zero_coordinator")
+            if coordinator is None or keep_vars or _PLACEHOLDERS_OK.get():
                 return  # keep_vars: the Parameter objects themselves are asked for, not their values
             for name, param in self._parameters.items():
-                if param is not None and _released(param, names):
+                if param is not None and coordinator.is_released(param):
                     raise RuntimeError(
                         f"state_dict() of {type(self).__name__} under ZeRO stage 3 outside a forward: its parameter "
                         f"{prefix + name!r} is sharded and holds no data here. Call it inside "
@@ -150,53 +144,174 @@ class GatherCoordinator:
         #: the parameter disk tier: its reads are started along the plan ahead of the gathers
         self.shard_tier = shard_tier
         owner = {id(p): b for b in buffers if not b.persistent for p in b.params}
+        self._owner = owner
         shapes = {
             id(p): slot.shape
             for b in buffers
             if not b.persistent
             for p, slot in zip(b.params, b.layout.slots, strict=True)
         }
-        names = {  # id -> (name, full shape): the guard below tells a released parameter by its shape
+        #: id -> (qualified name, full shape) of every sharded parameter
+        self._params = {
             id(p): (n, shapes[id(p)]) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in owner
         }
+        self._all: list[FlatBuffer] = []
+        for b in buffers:
+            if not b.persistent and all(b is not o for o in self._all):
+                self._all.append(b)
+        self._number = {id(b): i for i, b in enumerate(self._all)}
+        self._order = GatherOrderCheck(group, self._describe) if comm.is_plain_gloo(group) else None
+
+        def sharded(params: Any) -> list[FlatBuffer]:
+            found: list[FlatBuffer] = []
+            for param in params:
+                b = owner.get(id(param)) if param is not None else None
+                if b is not None and all(b is not other for other in found):
+                    found.append(b)
+            return found
+
+        units = gather_units(module, config.gather_units)
         self._guarded: list[tuple[nn.Module, type]] = []
         self.modules: list[nn.Module] = []
         self.names: list[str] = []  # qualified module names, for the collective checker's messages
+        #: per module: the buffers its hooks gather (its own parameters'; a unit's: its subtree's)
         self.needs: list[list[FlatBuffer]] = []
         self._handles = []
+        self._index_of: dict[int, int] = {}
+        #: every module with sharded parameters below it: a forward that may read them (learned needs)
+        self._qualnames: dict[int, tuple[str, nn.Module]] = {}
         for qualname, sub in module.named_modules():
-            needed: list[FlatBuffer] = []
-            for param in sub._parameters.values():
-                b = owner.get(id(param)) if param is not None else None
-                if b is not None and all(b is not other for other in needed):
-                    needed.append(b)
-            if not needed:
+            if not sharded(sub.parameters()):
                 continue
-            index = len(self.modules)
-            self.modules.append(sub)
-            self.names.append(repr(qualname) if qualname else "the root module")
-            self._guarded.append((sub, type(sub)))
-            sub.__class__ = _guarded_class(type(sub))
-            sub._lightning_zero_sharded = names
-            self.needs.append(needed)
-            # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
-            # issue collectives, which a traced graph would bake in (see docs/activation-checkpointing.md, "torch.compile").
-            pre, post = self._make_pre_forward(index), self._make_post_forward(index)
-            self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
-            self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
+            self._qualnames[id(sub)] = (qualname, sub)
+            own = sharded(sub._parameters.values())
+            if own:
+                self._guarded.append((sub, type(sub)))
+                sub.__class__ = _guarded_class(type(sub))
+                sub._lightning_zero_coordinator = self
+            if id(sub) in units:
+                self._track(sub, sharded(sub.parameters()))
+            elif own:
+                self._track(sub, own)
+        #: the root unit: what the root module itself holds, gathered around each step
+        self.root_needs = sharded(module._parameters.values())
+        # The root's forward is a step too (Fabric's, or a plain call): first pre-hook, last post-hook.
+        self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._open), prepend=True))
+        self._handles.append(module.register_forward_hook(torch.compiler.disable(self._close), always_call=True))
         self._refs: dict[int, int] = {}
         self._pinned: set[int] = set()
         self.trace: list[int] = []  # module indices in the order they ran this step
         self.previous: list[int] = []  # last step's trace: the prefetch plan
         self._on_plan = True
         self._bwd_cursor = -1
+        self._running: list[int] = []  # modules whose forward is running, innermost last
+        #: id(module) -> buffers its forward read (gathered on use): they join its needs at the pass's end
+        self._learned: dict[int, list[FlatBuffer]] = {}
+        self._depth = 0  # nesting of open steps
+        self._mode: GatherOnUse | None = None
+
+    def _describe(self, number: int) -> str:
+        if not 0 <= number < len(self._all):
+            return f"buffer #{number}"
+        names = [self._params[id(p)][0] for p in self._all[number].params if id(p) in self._params]
+        return "the parameters " + ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+
+    def _start(self, b: FlatBuffer, label: str) -> None:
+        """Start ``b``'s gather (a no-op unless released), first checking that every rank gathers it."""
+        if self._order is not None and b.state is ParamState.RELEASED:
+            self._order.agree(self._number[id(b)], label)
+        b.gather_start(self.group, label)
+
+    def _track(self, sub: nn.Module, needs: list[FlatBuffer]) -> None:
+        """Give ``sub`` the hooks that gather ``needs`` around its forward and before its backward."""
+        index = len(self.modules)
+        self._index_of[id(sub)] = index
+        self.modules.append(sub)
+        qualname = self._qualnames[id(sub)][0]
+        self.names.append(repr(qualname) if qualname else "the root module")
+        self.needs.append(needs)
+        # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
+        # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
+        pre, post = self._make_pre_forward(index), self._make_post_forward(index)
+        self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
+        self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
+
+    def _reader(self) -> nn.Module | None:
+        """The innermost module of the model whose ``forward`` is on the Python stack (the one reading
+        a parameter now). Walks the frames: only on a gather on use, never on the hot path, and it
+        spares every container module a pair of hooks (and torch.compile a graph break each)."""
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "forward":
+                candidate = frame.f_locals.get("self")
+                if candidate is not None and id(candidate) in self._qualnames:
+                    return candidate
+            frame = frame.f_back
+        return None
+
+    # -- reads of released parameters ------------------------------------------------------------
+
+    def is_released(self, value: Any) -> bool:
+        """``value`` is a sharded parameter whose full data is not here right now (its buffer is
+        released or still gathering; the same answer on every rank)."""
+        b = self._owner.get(id(value))
+        return b is not None and b.state is not ParamState.GATHERED
+
+    def released_read(self, param: nn.Parameter) -> torch.Tensor:
+        """A module attribute read of a released parameter: gathered on use inside a forward or a step
+        (a collective: every rank reads it at the same point of the same code), a metadata-only
+        :class:`ReleasedParameter` elsewhere."""
+        if self._depth or self._running or _RECOMPUTING.get():
+            self.gather_on_use(param)
+            return param
+        name, shape = self._params[id(param)]
+        return ReleasedParameter(param, shape, name)
+
+    def gather_on_use(self, param: nn.Parameter) -> None:
+        """Gather ``param``'s buffer now and keep it until the end of the pass (the backward may need
+        it); a module whose forward read it gathers it with its own from the next pass on. Call on all ranks."""
+        b = self._owner[id(param)]
+        reader = self._reader()
+        where = "the step" if reader is None else repr(self._qualnames[id(reader)][0] or "the root module")
+        self.acquire([b], f"{self._params[id(param)][0]!r} read in {where}")
+        self.pin([b])
+        if reader is not None and not _RECOMPUTING.get():
+            learned = self._learned.setdefault(id(reader), [])
+            if all(b is not o for o in learned):
+                learned.append(b)
+
+    def _open(self, *args: Any) -> None:
+        """A step begins (or the root's forward): the root unit is gathered, and ops gather released
+        parameters they are given (:class:`GatherOnUse`). Call on all ranks."""
+        if self._depth == 0:
+            self._running.clear()  # left over by a forward that raised
+            self.acquire(self.root_needs, "the root module (step)")
+            self.pin(self.root_needs)
+            self._mode = GatherOnUse(self.is_released, self.gather_on_use)
+            self._mode.__enter__()
+        self._depth += 1
+
+    def _close(self, *args: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0 and self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around a training/validation/test/predict step: every parameter may be read (see :meth:`_open`)."""
+        self._open()
+        try:
+            yield
+        finally:
+            self._close()
 
     # -- reference-counted gather/release ----------------------------------------------------
 
     def acquire(self, buffers: list[FlatBuffer], label: str = "") -> None:
         """Gather ``buffers`` (waiting for any in flight) and hold them. Call on all ranks."""
         for b in buffers:
-            b.gather_start(self.group, label)
+            self._start(b, label)
         for b in buffers:
             b.gather_wait()
             self._refs[id(b)] = self._refs.get(id(b), 0) + 1
@@ -217,7 +332,7 @@ class GatherCoordinator:
         self._pinned.update(id(b) for b in buffers)
 
     def _live_numel(self) -> int:
-        return sum(b.numel for needed in self.needs for b in needed if b.state is not ParamState.RELEASED)
+        return sum(b.numel for b in self._all if b.state is not ParamState.RELEASED)
 
     def _prefetch(self, upcoming: list[int]) -> None:
         budget = self.config.prefetch_bucket_numel
@@ -243,7 +358,7 @@ class GatherCoordinator:
                     return
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
                     return
-                b.gather_start(self.group, f"{self.names[index]} (prefetch)")
+                self._start(b, f"{self.names[index]} (prefetch)")
                 budget -= b.numel
                 live += b.numel
 
@@ -253,10 +368,11 @@ class GatherCoordinator:
         def hook(module: nn.Module, args: Any) -> None:
             if _RECOMPUTING.get():  # activation checkpointing, in backward: gather only
                 for b in self.needs[index]:  # no reference taken: no post-forward drop follows
-                    b.gather_start(self.group, f"{self.names[index]} (recompute)")
+                    self._start(b, f"{self.names[index]} (recompute)")
                 for b in self.needs[index]:
                     b.gather_wait()
                 return
+            self._running.append(index)
             position = len(self.trace)
             self.trace.append(index)
             if self._on_plan and (position >= len(self.previous) or self.previous[position] != index):
@@ -286,6 +402,8 @@ class GatherCoordinator:
                 # The backward consuming these activations runs next and needs the parameters; the
                 # reduction's gradient hooks release them once their gradients arrived (or end_pass).
                 return output
+            if self._running and self._running[-1] == index:
+                self._running.pop()
             self.drop(self.needs[index], keep=self._reused_soon(index))
             if not torch.is_grad_enabled():
                 return output
@@ -302,7 +420,7 @@ class GatherCoordinator:
     def pre_backward(self, index: int) -> None:
         """Gather a module's parameters before its backward; prefetch the modules that ran before it."""
         for b in self.needs[index]:
-            b.gather_start(self.group, f"{self.names[index]} (backward)")
+            self._start(b, f"{self.names[index]} (backward)")
         for b in self.needs[index]:
             b.gather_wait()
         cursor = self._bwd_cursor if self._bwd_cursor >= 0 else len(self.trace)
@@ -323,9 +441,15 @@ class GatherCoordinator:
     def end_pass(self) -> None:
         """End of one forward/backward pass: release everything still gathered and make this pass's
         trace the next pass's plan."""
-        for needed in self.needs:
-            for b in needed:
-                b.release()
+        for b in self._all:
+            b.release()
+        for module_id, learned in self._learned.items():
+            if module_id not in self._index_of:
+                self._track(self._qualnames[module_id][1], [])
+            index = self._index_of[module_id]
+            self.needs[index] += [b for b in learned if all(b is not o for o in self.needs[index])]
+        self._learned.clear()
+        self._running.clear()
         self._refs.clear()
         self._pinned.clear()
         if self.shard_tier is not None:
@@ -339,20 +463,17 @@ class GatherCoordinator:
     def gathered_buffers(self, module: nn.Module) -> list[FlatBuffer]:
         """The sharded buffers holding parameters of ``module`` (recursively)."""
         ids = {id(p) for p in module.parameters()}
-        out: list[FlatBuffer] = []
-        for needed in self.needs:
-            for b in needed:
-                if any(id(p) in ids for p in b.params) and all(b is not o for o in out):
-                    out.append(b)
-        return out
+        return [b for b in self._all if any(id(p) in ids for p in b.params)]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._depth = 1
+        self._close()
         for sub, cls in self._guarded:
             sub.__class__ = cls
-            del sub._lightning_zero_sharded
+            del sub._lightning_zero_coordinator
         self._guarded.clear()
 
 

@@ -199,8 +199,8 @@ class HazardModel(ParityModel):
 
     ``branching``: odd micro-batches skip the second pass through up/down and truncate the sequence,
     so the module order (and the set of modules run) changes between steps.
-    ``outside``: "raw" reads ``up.weight`` in training_step without gathering (must fail under
-    stage 3, naming the parameter); "gathered" reads it inside ``gathered_parameters`` and adds a
+    ``outside``: "raw" reads ``up.weight`` in training_step without gathering (gathered on use
+    under stage 3, which must match DDP); "gathered" reads it inside ``gathered_parameters`` and adds a
     small regularizer, which must match DDP.
     """
 

@@ -21,11 +21,9 @@ def _hazard_worker(rank: int) -> dict:
     for name, spec in (("ddp", "ddp"), ("zero3", ZERO3)):
         _, model = fit(spec, model_cls=HazardModel, model_kwargs={"branching": True, "outside": "gathered"})
         out[name] = {"losses": model.losses, "state": state(model)}
-    try:
-        fit(ZERO3, model_cls=HazardModel, model_kwargs={"outside": "raw"}, max_steps=1)
-        out["raw_error"] = None
-    except RuntimeError as error:
-        out["raw_error"] = str(error)
+    for name, spec in (("ddp_raw", "ddp"), ("zero3_raw", ZERO3)):
+        _, model = fit(spec, model_cls=HazardModel, model_kwargs={"outside": "raw"}, max_steps=2)
+        out[name] = model.losses
     return out
 
 
@@ -38,8 +36,9 @@ def test_order_changes_and_gathered_reads_match_ddp():
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
         for key, value in ref["state"].items():
             torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6)
-        assert res["raw_error"] is not None and "'up.weight'" in res["raw_error"]
-        assert "gathered_parameters" in res["raw_error"]
+        # A parameter read in training_step without gathered_parameters is gathered on use (the
+        # step may read any parameter, as under FSDP); fp32, the bound above.
+        torch.testing.assert_close(torch.tensor(res["zero3_raw"]), torch.tensor(res["ddp_raw"]), rtol=1e-5, atol=0)
 
 
 class _EditAtStart(pl.Callback):
