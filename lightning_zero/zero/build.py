@@ -182,8 +182,7 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
     unset = []
     # An RNN holds weak references to its parameters (``_flat_weight_refs``), which swap_tensors
     # refuses; dropped here as RNNBase._apply drops them, and rebuilt below from the parameters.
-    rnn = isinstance(module, nn.RNNBase)
-    if rnn:
+    if isinstance(module, nn.RNNBase):
         module._flat_weight_refs = []
     _drop_meta_graphs(module)
     for param_name, param in metas:
@@ -192,7 +191,7 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
             unset.append(param_name)
             value = torch.empty(param.shape, dtype=param.dtype, device=device)
         torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
-    if rnn:
+    if isinstance(module, nn.RNNBase):
         module._init_flat_weights()
     for buffer_name in meta_buffers:
         meta = module._buffers[buffer_name]
