@@ -353,7 +353,7 @@ class ZeroStrategy(DDPStrategy):
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
         host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host)
+        apply_activation_checkpointing(module, self.config.activations, host, stage3)
         precision = self.precision_plugin
         mmap = self.config.zero.host_mmap_threshold
         if mmap is not None and (self.root_device.type == "cpu" or precision.offload.offload_optimizer):
