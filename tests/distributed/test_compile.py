@@ -161,9 +161,20 @@ class CheckpointedBlocks(CompiledModel):
             self.model = torch.compile(self.model)
 
 
-def _checkpointed_worker(rank: int) -> dict:
-    from lightning_zero.activations import _ORIGINAL
+class _WrappedProbe(pl.Callback):
+    """Whether every Block's forward was wrapped for checkpointing, at each training batch."""
 
+    def __init__(self) -> None:
+        self.wrapped: list[bool] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        from lightning_zero.activations import _ORIGINAL
+
+        blocks = [b for b in pl_module.modules() if isinstance(b, Block)]
+        self.wrapped.append(bool(blocks) and all(hasattr(b, _ORIGINAL) for b in blocks))
+
+
+def _checkpointed_worker(rank: int) -> dict:
     out = {}
     for name, spec in {"ddp": "ddp", **STAGES}.items():
         checkpointed = spec if name == "ddp" else {**spec, "activation_checkpointing": {Block}}
@@ -182,15 +193,10 @@ def _checkpointed_worker(rank: int) -> dict:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        wrapped: list[bool] = []
-
-        class Probe(pl.Callback):
-            def on_train_batch_start(self, *args: object) -> None:
-                wrapped.append(all(hasattr(b, _ORIGINAL) for b in model.modules() if isinstance(b, Block)))
-
-        trainer.callbacks.append(Probe())
+        probe = _WrappedProbe()
+        trainer.callbacks.append(probe)
         trainer.fit(model, DataLoader(data, batch_size=3))
-        out[name] = {"losses": model.losses, "wrapped": wrapped}
+        out[name] = {"losses": model.losses, "wrapped": probe.wrapped}
     return out
 
 
