@@ -60,6 +60,7 @@ from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
+from lightning_zero.zero.averaging import current_model_source, current_state_as_pieces, shard_averaged_copies
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -406,6 +407,8 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._engine is not None:
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.precision][0])
+            if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
+                shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -520,6 +523,10 @@ class ZeroStrategy(DDPStrategy):
             # epoch-end save both runs create an iterator first: nothing to undo then.)
             ckpt_rng.restore(self._resume_rng)
         self._resume_rng = None
+        module = self.lightning_module
+        if module is not None and self._engine is not None and self.zero_config.stage == 3:
+            # an AveragedModel a callback made from the sharded model (on_fit_start, on_train_start)
+            shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
         super().on_train_start()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -769,9 +776,14 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        ckpt_load.load_model(
-            checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
-        )
+        module, source = self.lightning_module, None
+        if self._engine is not None and self.zero_config.stage == 3 and module._trainer is not None:
+            # WeightAveraging's checkpoint: the model's own weights are in current_model_state (the
+            # callback loads them into the model after this, which must then find them in place)
+            source = current_model_source(checkpoint, getattr(module.trainer, "callbacks", []))
+        ckpt_load.load_model(source or checkpoint, module, self._engine, self.optimizers, strict, self._parallel.layout)
+        if source is not None and self._engine is not None and isinstance(checkpoint, dict):
+            current_state_as_pieces(checkpoint, module, self._engine)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
