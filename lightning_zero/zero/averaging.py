@@ -40,15 +40,32 @@ _DONE = "_lightning_zero_averaged"  # on a prepared copy
 
 
 def _copies(callbacks: list[Any]) -> Iterator[nn.Module]:
-    """The averaged copies of the model that ``callbacks`` hold (the module with the model's names)."""
+    """The averaged copies that ``callbacks`` hold: the ``module`` of every ``AveragedModel``
+    attribute, and ``StochasticWeightAveraging``'s ``_average_model`` (a deepcopy of the model)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
     from torch.optim.swa_utils import AveragedModel
 
     for callback in callbacks:
         for value in list(vars(callback).values()):
             if isinstance(value, AveragedModel):
                 yield value.module
-            elif isinstance(value, nn.Module) and type(callback).__name__ == "StochasticWeightAveraging":
-                yield value  # its ``_average_model``: a deepcopy of the LightningModule
+            elif isinstance(value, nn.Module) and isinstance(callback, StochasticWeightAveraging):
+                yield value
+
+
+def _prefix(copy: nn.Module, module: nn.Module) -> str | None:
+    """The name (with its dot) of the submodule of ``module`` that ``copy`` is a copy of (the same
+    parameter names and shapes; ``""``: the whole model), or ``None`` when it is no copy of one, or
+    holds the model's own parameters (a reference, not a copy: nothing to prepare)."""
+    own = {id(p) for p in module.parameters()}
+    mine = [(n, p) for n, p in copy.named_parameters(remove_duplicate=False)]
+    if not mine or any(id(p) in own for _, p in mine):
+        return None
+    names = [n for n, _ in mine]
+    for prefix, sub in module.named_modules():
+        if [n for n, _ in sub.named_parameters(remove_duplicate=False)] == names:
+            return f"{prefix}." if prefix else ""
+    return None
 
 
 def shard_averaged_copies(callbacks: list[Any], module: nn.Module, engine: ZeroEngine) -> list[nn.Module]:
@@ -67,12 +84,13 @@ def shard_averaged_copies(callbacks: list[Any], module: nn.Module, engine: ZeroE
     model_params = dict(module.named_parameters(remove_duplicate=False))  # tied weights under every name
     done = []
     for copy in _copies(callbacks):
-        if getattr(copy, _DONE, False):
+        prefix = _prefix(copy, module)
+        if getattr(copy, _DONE, False) or prefix is None:
             continue
         for sub_name, sub in copy.named_modules():
             pieces: dict[str, tuple[torch.Size, int]] = {}
             for name, param in sub._parameters.items():
-                original = model_params.get(f"{sub_name}.{name}" if sub_name else name)
+                original = model_params.get(prefix + (f"{sub_name}.{name}" if sub_name else name))
                 if param is None or original is None or id(original) not in sharded:
                     continue
                 shape, offset, numel = sharded[id(original)]

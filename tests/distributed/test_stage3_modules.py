@@ -90,6 +90,12 @@ class Zoo(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
         assert self.net is not None
+        core = self.net.core
+        if isinstance(core, nn.RNNBase) and batch_idx == 1:
+            # module.to() rebuilds the RNN's _flat_weights (RNNBase._apply), here between forwards,
+            # where stage 3 has released the weights; the list must still hold the live parameters
+            core.to(self.device)
+            assert [id(w) for w in core._flat_weights] == [id(core._parameters[n]) for n in core._flat_weights_names]
         logits = self.net(tokens)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.losses.append(loss.item())
