@@ -441,8 +441,12 @@ def replay_callback_restores(module: Any) -> None:
     the run it resumes in ``on_fit_start``, from its restored state. Under DDP its state is
     restored before ``on_fit_start``; under ZeRO (``restore_checkpoint_after_setup``) after it, so the
     callback would never add them and the optimizer states of the resumed run would meet fewer
-    groups. The strategy runs its restore before the optimizer states load, as DDP runs it before."""
-    from lightning.pytorch.callbacks import BaseFinetuning
+    groups. The strategy runs its restore before the optimizer states load, as DDP runs it before.
+
+    ``StochasticWeightAveraging`` likewise, in ``on_fit_start``, drops the LR scheduler of a run
+    whose SWA scheduler state it restored (it recreates its SWALR from that state when its epochs
+    start); after ``on_fit_start`` Lightning would load the SWALR state into the user's scheduler."""
+    from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
     from lightning.pytorch.trainer.states import TrainerFn
 
     trainer = getattr(module, "_trainer", None)
@@ -451,3 +455,5 @@ def replay_callback_restores(module: Any) -> None:
     for callback in trainer.callbacks:
         if isinstance(callback, BaseFinetuning) and callback._restarting:
             BaseFinetuning.on_fit_start(callback, trainer, module)
+        if isinstance(callback, StochasticWeightAveraging) and callback._scheduler_state is not None:
+            StochasticWeightAveraging._clear_schedulers(trainer)

@@ -105,25 +105,31 @@ def test_ema_callback_save_and_resume_match_ddp(tmp_path):
 SWA_SPECS = {**SPECS, "zero3_all_sharded": EMA_SPECS["zero3_all_sharded"], "zero3_offload": EMA_SPECS["zero3_offload"]}
 
 
-def _swa_worker(rank: int) -> dict:
+def _swa_worker(rank: int, tmp: str) -> dict:
     from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    def swa() -> StochasticWeightAveraging:
+        return StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1)
 
     out = {}
     for name, spec in SWA_SPECS.items():
-        swa = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1)
-        kwargs = {"callbacks": [swa], "max_epochs": 3}
-        trainer, model = fit(
-            spec, max_steps=-1, accumulate=1, clip=None, trainer_kwargs=kwargs, loader=make_loader(n=24)
-        )
+        path = f"{tmp}/swa-{name}.ckpt"
+        run = {"accumulate": 1, "clip": None, "loader": make_loader(n=24), "max_steps": -1}
+        trainer, first = fit(spec, trainer_kwargs={"callbacks": [swa()], "max_epochs": 2}, **run)
+        trainer.save_checkpoint(path)  # inside the SWA epochs: the average and SWALR's state are saved
+        callback = swa()
+        _, model = fit(spec, trainer_kwargs={"callbacks": [callback], "max_epochs": 3}, ckpt_path=path, **run)
         # the callback's state (what a checkpoint stores): the averaged model, whole
-        average = {k: v.detach().clone() for k, v in swa.state_dict()["average_model_state"].items()}
-        out[name] = {"losses": model.losses, "weights": state(model), "average": average}
+        average = {k: v.detach().clone() for k, v in callback.state_dict()["average_model_state"].items()}
+        out[name] = {"losses": first.losses + model.losses, "weights": state(model), "average": average}
     return out
 
 
-def test_stochastic_weight_averaging_matches_ddp():
-    for res in run_ranks(_swa_worker):
+def test_stochastic_weight_averaging_matches_ddp(tmp_path):
+    """Trained two epochs, saved, resumed for the third (SWA from the second epoch on)."""
+    for res in run_ranks(_swa_worker, str(tmp_path)):
         ref = res["ddp"]
+        assert len(ref["losses"]) == 12, ref["losses"]  # 3 epochs of 4 batches per rank
         for name in SWA_SPECS:
             # fp32; SWA swaps the LR schedule (SWALR on the optimizer's groups) and copies the
             # average into the parameters at the end of training: the same numbers up to the
