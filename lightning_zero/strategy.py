@@ -60,7 +60,12 @@ from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
-from lightning_zero.zero.averaging import current_model_source, current_state_as_pieces, shard_averaged_copies
+from lightning_zero.zero.averaging import (
+    current_model_source,
+    current_state_as_pieces,
+    keep_edits_in_masters,
+    shard_averaged_copies,
+)
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -492,6 +497,12 @@ class ZeroStrategy(DDPStrategy):
     def _end_pass(self) -> None:
         if self._engine is not None:
             self._engine.end_pass()
+
+    def on_train_end(self) -> None:
+        # after the callbacks' on_train_end (Lightning calls the strategy's last)
+        if self._engine is not None:
+            keep_edits_in_masters(self._engine)
+        super().on_train_end()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._end_pass()

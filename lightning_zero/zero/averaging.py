@@ -176,3 +176,24 @@ def current_state_as_pieces(checkpoint: dict[str, Any], module: nn.Module, engin
             if torch.is_tensor(value) and tuple(value.shape) == tuple(held.shape):
                 out[name] = value.reshape(-1)[offset : offset + numel]
     checkpoint["current_model_state"] = out
+
+
+def keep_edits_in_masters(engine: ZeroEngine) -> int:
+    """At the end of training: weights a callback wrote into the model after the last step (the
+    average that ``WeightAveraging`` / ``StochasticWeightAveraging`` copy in ``on_train_end``) reach
+    the compute-dtype parameters only; where the fp32 master is a separate tensor (mixed precision,
+    offload) it would keep the last trained values, and a checkpoint saved after fit would store
+    those. Each slice whose compute copy no longer equals its master's rounding takes the edited
+    values (at compute precision, as the model now holds them). Returns how many buffers changed.
+    Not under the disk tiers (their masters or shards are not resident). Local."""
+    if engine.swap is not None or engine.param_tier is not None:
+        return 0
+    changed = 0
+    with torch.no_grad():
+        for b in engine._all_buffers():
+            if not b.separate_master or b.shard_tier is not None or b.param_shard.numel() == 0:
+                continue
+            if not torch.equal(b.param_shard, b.master.to(b.param_shard.dtype)):
+                b.master.copy_(b.param_shard)
+                changed += 1
+    return changed
