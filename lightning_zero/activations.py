@@ -48,9 +48,14 @@ from lightning_zero.zero.gather import recompute_contexts
 _ORIGINAL = "_lightning_zero_checkpointed_forward"  # the instance attribute holding the wrapped forward
 
 
-def _checkpointed(forward: Any, host: torch.device | None, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed(forward: Any, host: torch.device | None, gathers: bool, *args: Any, **kwargs: Any) -> Any:
+    # Stage 3 marks the recompute for its gather hooks. Stages 1/2 pass no context_fn: under
+    # torch.compile the checkpoint is traced as one graph, and a context_fn there must produce
+    # TorchDispatchModes, which the marker is not (it need not be: no gather hook runs at those stages).
+    if gathers:
+        kwargs = {**kwargs, "context_fn": recompute_contexts}
     if host is None:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     # The positional tensor inputs are all a checkpoint keeps: hand it host copies (the device ones are
     # freed once nothing else holds them) and copy them back inside the checkpointed function, so the
     # copy back is recomputed in backward too. Autograd carries the gradients across both copies.
@@ -61,17 +66,18 @@ def _checkpointed(forward: Any, host: torch.device | None, *args: Any, **kwargs:
         restored = [a.to(d) if d is not None else a for a, d in zip(held_args, devices, strict=True)]
         return forward(*restored, **inner)
 
-    return checkpoint(run, *held, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+    return checkpoint(run, *held, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(
-    root: nn.Module, config: ActivationCheckpointConfig, host: torch.device | None = None
+    root: nn.Module, config: ActivationCheckpointConfig, host: torch.device | None = None, stage3: bool = False
 ) -> list[str]:
     """Wrap the forward of every submodule of ``root`` that ``config`` selects (outermost only).
 
     ``host``: where the checkpointed modules' inputs wait for backward when ``config.offload`` is set
     (the strategy passes the CPU when the model is on an accelerator, ``None`` when it is already on
-    the CPU). Returns the qualified names of the wrapped modules. Wrapping twice is a no-op.
+    the CPU). ``stage3``: the recompute runs under :func:`~lightning_zero.zero.gather.recomputing`, for
+    the gather hooks (stages 1/2 need nothing around it). Returns the qualified names of the wrapped modules. Wrapping twice is a no-op.
     """
     host = host if config.offload else None
     if config.policy is None:
@@ -89,7 +95,7 @@ def apply_activation_checkpointing(
         # (the forward to restore if the instance had its own, else None: the class's shows through)
         setattr(module, _ORIGINAL, module.__dict__.get("forward"))
         # An instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks.
-        module.forward = functools.partial(_checkpointed, original, host)
+        module.forward = functools.partial(_checkpointed, original, host, stage3)
         wrapped.append(name)
     return wrapped
 

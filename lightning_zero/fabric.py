@@ -395,7 +395,7 @@ class ZeroStrategy(DDPStrategy):
                 optimizers=list(optimizers),
             )
         host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host)
+        apply_activation_checkpointing(module, self.config.activations, host, self.config.zero.stage == 3)
         mmap = self.config.zero.host_mmap_threshold
         on_host = self.root_device.type == "cpu" or precision.offload.offload_optimizer
         if mmap is not None and not self._mmap_fixed and on_host:

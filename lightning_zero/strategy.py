@@ -67,6 +67,12 @@ from lightning_zero.options import as_offload_precision, new_precision, register
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
+from lightning_zero.zero.averaging import (
+    current_model_source,
+    current_state_as_pieces,
+    keep_edits_in_masters,
+    shard_averaged_copies,
+)
 from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -355,7 +361,7 @@ class ZeroStrategy(DDPStrategy):
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
         host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host)
+        apply_activation_checkpointing(module, self.config.activations, host, stage3)
         precision = self.precision_plugin
         mmap = self.config.zero.host_mmap_threshold
         if mmap is not None and (self.root_device.type == "cpu" or precision.offload.offload_optimizer):
@@ -412,6 +418,8 @@ class ZeroStrategy(DDPStrategy):
             summary.install(trainer, self._engine.held_params(), PRECISIONS[precision.engine_precision][0])
             # Pretrained weights loaded in on_fit_start (after this setup) go into the masters and shards.
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
+            if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
+                shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -504,6 +512,12 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.end_pass()
 
+    def on_train_end(self) -> None:
+        # after the callbacks' on_train_end (Lightning calls the strategy's last)
+        if self._engine is not None:
+            keep_edits_in_masters(self._engine)
+        super().on_train_end()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._end_pass()
         if self._engine is not None:
@@ -534,6 +548,10 @@ class ZeroStrategy(DDPStrategy):
             # epoch-end save both runs create an iterator first: nothing to undo then.)
             ckpt_rng.restore(self._resume_rng)
         self._resume_rng = None
+        module = self.lightning_module
+        if module is not None and self._engine is not None and self.zero_config.stage == 3:
+            # an AveragedModel a callback made from the sharded model (on_fit_start, on_train_start)
+            shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
         super().on_train_start()
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -808,9 +826,14 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        ckpt_load.load_model(
-            checkpoint, self.lightning_module, self._engine, self.optimizers, strict, self._parallel.layout
-        )
+        module, source = self.lightning_module, None
+        if self._engine is not None and self.zero_config.stage == 3 and module._trainer is not None:
+            # WeightAveraging's checkpoint: the model's own weights are in current_model_state (the
+            # callback loads them into the model after this, which must then find them in place)
+            source = current_model_source(checkpoint, getattr(module.trainer, "callbacks", []))
+        ckpt_load.load_model(source or checkpoint, module, self._engine, self.optimizers, strict, self._parallel.layout)
+        if source is not None and self._engine is not None and isinstance(checkpoint, dict):
+            current_state_as_pieces(checkpoint, module, self._engine)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None

@@ -169,6 +169,16 @@ def build_bucketed(optimizers: list[torch.optim.Optimizer], owners: dict[int, Ho
     return built
 
 
+def _drop_meta_graphs(module: nn.Module) -> None:
+    """Detach the meta tensors a module keeps as plain attributes with an autograd graph: the old
+    hook-based ``torch.nn.utils.weight_norm`` stores ``weight = g * v / |v|`` so, and the graph holds
+    references to the parameters, which torch.utils.swap_tensors refuses. Such a tensor has no
+    values (meta) and the hook computes it again from the parameters before every forward."""
+    for key, value in vars(module).items():
+        if isinstance(value, torch.Tensor) and value.is_meta and value.grad_fn is not None:
+            vars(module)[key] = value.detach()
+
+
 def materialize(name: str, module: nn.Module, device: torch.device, recordings: tuple[Recording, ...] = ()) -> None:
     """Give a module's own meta tensors real values on ``device``: the values the unsharded build
     gives, replayed from the recording of ``configure_model`` (:mod:`lightning_zero.zero.deferred`).
@@ -187,12 +197,19 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
         return recording.materialize(t).to(device)
 
     unset = []
+    # An RNN holds weak references to its parameters (``_flat_weight_refs``), which swap_tensors
+    # refuses; dropped here as RNNBase._apply drops them, and rebuilt below from the parameters.
+    if isinstance(module, nn.RNNBase):
+        module._flat_weight_refs = []
+    _drop_meta_graphs(module)
     for param_name, param in metas:
         value = replayed(param)
         if value is None:
             unset.append(param_name)
             value = torch.empty(param.shape, dtype=param.dtype, device=device)
         torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    if isinstance(module, nn.RNNBase):
+        module._init_flat_weights()
     for buffer_name in meta_buffers:
         meta = module._buffers[buffer_name]
         assert meta is not None

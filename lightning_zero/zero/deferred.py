@@ -77,7 +77,11 @@ class Recording:
 
     device: torch.device
     ops: list[_Op] = field(default_factory=list)
-    _keep: list[torch.Tensor] = field(default_factory=list)  # keeps storages (and so their keys) alive
+    # Keeps storages (and so their keys) alive. The storage, not the tensor: a tensor would keep its
+    # autograd graph alive too, and with it references to the parameters it was computed from
+    # (register_parametrization evaluates the parametrization once), which torch.utils.swap_tensors
+    # refuses when the build materializes them.
+    _keep: list[torch.UntypedStorage] = field(default_factory=list)
     _nbytes: dict[int, int] = field(default_factory=dict)  # key -> storage bytes
     _written: set[int] = field(default_factory=set)  # storages some op put values into
     _scratch: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -88,7 +92,7 @@ class Recording:
         key = storage._cdata
         if key not in self._nbytes:
             self._nbytes[key] = storage.nbytes()
-            self._keep.append(t)
+            self._keep.append(storage)
         return key
 
     def _ref(self, t: torch.Tensor) -> _Ref:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -122,10 +123,32 @@ def _guarded_class(cls: type) -> type:
                     )
 
         members = {"__getattr__": __getattr__, "_save_to_state_dict": _save_to_state_dict, "__module__": cls.__module__}
+        if issubclass(cls, nn.RNNBase):
+            members.update(_rnn_members())
         guarded = type(cls.__name__, (cls,), members)
         guarded.__qualname__ = cls.__qualname__
         _GUARDED[cls] = guarded
     return _GUARDED[cls]
+
+
+def _rnn_members() -> dict[str, Any]:
+    """What a guarded ``nn.RNNBase`` (GRU, LSTM, RNN) changes: the RNN's forward passes its
+    ``_flat_weights`` list (the Parameter objects themselves, so they see each gather and release) to
+    the kernel. That list is rebuilt by ``_init_flat_weights`` (on ``module.to()``, ``float()``,
+    unpickling), which reads the weights through ``__getattr__``: here it takes the Parameter objects
+    from ``_parameters`` without the guard, since keeping references is not reading values.
+    ``flatten_parameters`` (cuDNN's single weight buffer, which re-points every weight into it) is a
+    no-op while ZeRO owns the parameters' storage; cuDNN then runs on the separate weights."""
+
+    def _init_flat_weights(self: nn.RNNBase) -> None:
+        own = self._parameters
+        self._flat_weights = [own[n] if n in own else getattr(self, n, None) for n in self._flat_weights_names]
+        self._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in self._flat_weights]
+
+    def flatten_parameters(self: nn.RNNBase) -> None:
+        return None
+
+    return {"_init_flat_weights": _init_flat_weights, "flatten_parameters": flatten_parameters}
 
 
 class GatherCoordinator:
@@ -231,9 +254,11 @@ class GatherCoordinator:
         self.names.append(repr(qualname) if qualname else "the root module")
         self.needs.append(needs)
         # Under torch.compile the hooks run eagerly, as graph breaks: they swap ``param.data`` and
-        # issue collectives, which a traced graph would bake in (see the README, "torch.compile").
+        # issue collectives, which a traced graph would bake in (docs/activation-checkpointing.md, "torch.compile").
         pre, post = self._make_pre_forward(index), self._make_post_forward(index)
-        self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre)))
+        # prepend: before the module's own pre-hooks, which may read its parameters (the old
+        # hook-based torch.nn.utils.spectral_norm / weight_norm compute the weight from them there)
+        self._handles.append(sub.register_forward_pre_hook(torch.compiler.disable(pre), prepend=True))
         self._handles.append(sub.register_forward_hook(torch.compiler.disable(post)))
 
     def _reader(self) -> nn.Module | None:

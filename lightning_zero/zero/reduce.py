@@ -166,7 +166,9 @@ class GradReducer:
                 "backward call (reentrant checkpointing: use torch.utils.checkpoint with use_reentrant=False)."
             )
         if grad.is_sparse:
-            raise ValueError(f"sparse gradients are not supported under ZeRO (parameter shape {tuple(param.shape)}).")
+            # nn.Embedding(sparse=True): reduced as the dense gradient it stands for (DDP's sparse
+            # all-reduce sums to the same values); the flat buckets hold every element anyway.
+            grad = grad.to_dense()
         self.got_gradient.add(id(param))
         tied = self._tied.get(id(param))
         with self.side.enter():

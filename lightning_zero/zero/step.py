@@ -47,12 +47,25 @@ ELEMENTWISE_OPTIMIZERS = (
 _WHOLE_TENSOR_HINTS = ("lamb", "lars", "adafactor", "lbfgs", "shampoo", "muon", "sparse", "soap", "lion8bit")
 
 
+def _refuse_lazy(cls: type) -> None:
+    """SparseAdam's update of a row depends on whether that row got a gradient (lazy moments), which
+    the dense flat gradient buffers of ZeRO cannot tell apart from a zero gradient."""
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise ValueError(
+            f"{cls.__name__} updates only the rows of a sparse gradient (lazy Adam), but ZeRO reduces every "
+            "gradient into dense flat buffers (a sparse embedding gradient becomes its dense equivalent), where "
+            "a row without gradient cannot be told from a zero one. Use SGD or Adagrad (the same updates as with "
+            "the sparse gradient), or Adam/AdamW (the moments of every row decay each step), or DDP."
+        )
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
     """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise)
     or by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`)."""
     from lightning_zero import ops
 
     cls = type(optimizer)
+    _refuse_lazy(cls)
     name = cls.__name__
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
