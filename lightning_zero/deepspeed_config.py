@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_zero.config import LossScaleConfig, StrategyConfig
 from lightning_zero.deepspeed_optim import OPTIMIZER_KEYS, SCHEDULER_KEYS, Key, check_optimizer_sections
 
@@ -564,7 +566,7 @@ def apply_to_trainer(config: DeepSpeedConfig | None, trainer: Any) -> None:
     different one is a ``ValueError``); ``gradient_accumulation_steps`` must be the Trainer's."""
     if config is None:
         return
-    from lightning.pytorch.utilities.types import GradClipAlgorithmType
+    from lightning.pytorch.utilities import GradClipAlgorithmType
 
     if config.gradient_clipping is not None:
         if trainer.gradient_clip_val is None:
@@ -628,39 +630,46 @@ def check_batch(config: DeepSpeedConfig | None, trainer: Any, data_parallel_size
             )
 
 
-def optimizers_for(config: DeepSpeedConfig | None, module: Any, trainer: Any) -> tuple[list[Any], list[Any]] | None:
-    """The optimizers and LR scheduler configs the config builds for ``module`` (see
-    :mod:`lightning_zero.deepspeed_optim`), or None when the module's ``configure_optimizers`` decides."""
+def install_optimizers(config: DeepSpeedConfig | None, module: Any) -> None:
+    """When the config has ``optimizer`` / ``scheduler`` sections, give ``module`` a
+    ``configure_optimizers`` (an instance attribute) that builds them (see
+    :mod:`lightning_zero.deepspeed_optim`); ``ValueError`` when the module returns its own too."""
     if config is None or (config.optimizer is None and config.scheduler is None):
-        return None
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+        return
     from lightning.pytorch.utilities.model_helpers import is_overridden
-    from lightning.pytorch.utilities.types import LRSchedulerConfig
 
     from lightning_zero.deepspeed_optim import build_optimizer, build_scheduler
 
-    own = is_overridden("configure_optimizers", module)
-    if config.optimizer is not None:
+    if getattr(module.configure_optimizers, "_from_deepspeed_config", False):
+        return  # installed by an earlier fit with this config
+    name = type(module).__name__
+    own = is_overridden("configure_optimizers", module) and module.configure_optimizers
+    if config.optimizer is not None and own:
+        raise ValueError(
+            f"{name} overrides configure_optimizers and the DeepSpeed config has an optimizer section: one of "
+            "them would be ignored. Remove the section (and the scheduler's), or configure_optimizers"
+        )
+    if config.optimizer is None and not own:
+        raise ValueError(f"the DeepSpeed config has a scheduler but no optimizer section, and {name} has no optimizer")
+
+    def configure_optimizers() -> Any:
         if own:
-            raise ValueError(
-                f"{type(module).__name__} overrides configure_optimizers and the DeepSpeed config has an optimizer "
-                "section: one of them would be ignored. Remove the section (and the scheduler's), or configure_optimizers"
-            )
-        optimizers = [build_optimizer(config.optimizer, [p for p in module.parameters() if p.requires_grad])]
-        schedulers: list[Any] = []
-    else:
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
-        if schedulers:
-            raise ValueError(
-                f"{type(module).__name__}.configure_optimizers returns an LR scheduler and the DeepSpeed config has a "
-                "scheduler section: remove one of them"
-            )
-        if len(optimizers) != 1:
-            raise ValueError(f"the DeepSpeed config's scheduler needs exactly one optimizer; got {len(optimizers)}")
-    if config.scheduler is not None:
-        scheduler = build_scheduler(config.scheduler, optimizers[0], lambda: trainer.estimated_stepping_batches)
-        schedulers = [LRSchedulerConfig(scheduler, interval="step")]
-    return optimizers, schedulers
+            returned = own()
+            if not isinstance(returned, torch.optim.Optimizer):
+                raise ValueError(
+                    f"{name}.configure_optimizers must return one optimizer (and no scheduler) for the DeepSpeed "
+                    f"config's scheduler section; it returned {type(returned).__name__}: remove one of the two"
+                )
+            optimizer = returned
+        else:
+            optimizer = build_optimizer(config.optimizer or {}, [p for p in module.parameters() if p.requires_grad])
+        if config.scheduler is None:
+            return optimizer
+        scheduler = build_scheduler(config.scheduler, optimizer, lambda: module.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    configure_optimizers._from_deepspeed_config = True  # type: ignore[attr-defined]
+    module.configure_optimizers = configure_optimizers
 
 
 def check_fabric(config: DeepSpeedConfig | None) -> None:

@@ -168,7 +168,7 @@ class DeepSpeedSchedule(LRScheduler):
 
     def get_lr(self) -> list[float]:  # type: ignore[override]  # torch's stub returns list[float | Tensor]
         it = self.last_epoch - 1  # DeepSpeed's last_batch_iteration for this step (see the module docstring)
-        lrs = [self._lr(it, base) for base in self.base_lrs]
+        lrs = [self._lr(it, float(base)) for base in self.base_lrs]
         if self.kind == "onecycle" and self.params["cycle_momentum"]:
             for group in self.optimizer.param_groups:
                 if "betas" in group:

@@ -522,14 +522,10 @@ class ZeroStrategy(DDPStrategy):
                 self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """The module's ``configure_optimizers``, or what the DeepSpeed config's sections build."""
-        assert self.lightning_module is not None
-        built = deepspeed_config.optimizers_for(self.deepspeed, self.lightning_module, trainer)
-        if built is None:
-            super().setup_optimizers(trainer)
-        else:
-            self.optimizers, self.lr_scheduler_configs = built
+    def connect(self, model: pl.LightningModule) -> None:
+        """Before Lightning checks the module: a DeepSpeed config's optimizer becomes its configure_optimizers."""
+        deepspeed_config.install_optimizers(self.deepspeed, model)
+        super().connect(model)
 
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
