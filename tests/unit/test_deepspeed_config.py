@@ -13,7 +13,7 @@ import torch
 
 from lightning_zero import ZeroStrategy, ops
 from lightning_zero import fabric as zero_fabric
-from lightning_zero.deepspeed_config import KEYS
+from lightning_zero.deepspeed_keys import KEYS
 from lightning_zero.deepspeed_optim import DeepSpeedSchedule, build_optimizer
 
 DATA = Path(__file__).parent.parent / "data" / "deepspeed_configs"
