@@ -64,6 +64,7 @@ steps them and publishes. What differs from the Trainer:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -83,7 +84,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_zero import comm, debug, failures, memory, threads
+from lightning_zero import comm, debug, deepspeed_config, failures, memory, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import fabric_state
 from lightning_zero.checkpoint import io as ckpt_io
@@ -149,6 +150,9 @@ class ZeroStrategy(DDPStrategy):
         **options: the other options of :class:`lightning_zero.ZeroStrategy` (``reduce_bucket_size``,
             ``offload_optimizer``, ``offload_parameters``, ``activation_checkpointing``, ``timeout``, ...),
             with the same meaning and defaults (:func:`lightning_zero.options.strategy_config`).
+        config: a DeepSpeed config (a path to its JSON file, or a dict), as for the Trainer strategy; its
+            optimizer, scheduler and gradient_clipping are refused (your loop owns them; see
+            :func:`lightning_zero.deepspeed_config.check_fabric`).
 
     Raises:
         ValueError: for an invalid option, for ``tensor_parallel_size`` or ``pipeline_parallel_size``
@@ -170,10 +174,19 @@ class ZeroStrategy(DDPStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        config: str | dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
+        # names that are not options go to DataParallelConfig: torch DDP's arguments (an unknown name is
+        # a TypeError there, as DDP's)
+        ours = inspect.signature(strategy_config).parameters
+        extra = {name: value for name, value in options.items() if name not in ours}
+        given = {"stage": stage, "loss_scale": loss_scale, **options, "ddp_kwargs": extra}
+        #: The DeepSpeed config (``config=``) read into these options; None without one.
+        self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, given, strategy_config)
+        deepspeed_config.check_fabric(self.deepspeed)
         #: Every option, validated once, as for the Trainer strategy.
-        self.config = strategy_config(stage=stage, **options)
+        self.config = from_deepspeed or strategy_config(stage=stage, **options)
         if self.config.tensor.size > 1 or self.config.pipeline.stages > 1:
             raise ValueError(
                 f"tensor_parallel_size={self.config.tensor.size}, pipeline_parallel_size={self.config.pipeline.stages}:"
@@ -232,6 +245,8 @@ class ZeroStrategy(DDPStrategy):
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         self._precision = as_offload_precision(precision, self.config, self._loss_scale, FabricOffloadPrecision)
+        if self._precision is not None:
+            deepspeed_config.check_precision(self.deepspeed, self._precision.precision)
 
     # -- processes ----------------------------------------------------------------------------------
 

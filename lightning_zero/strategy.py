@@ -44,7 +44,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, exposure, failures, memory, options, summary, threads
+from lightning_zero import comm, debug, deepspeed_config, exposure, failures, memory, options, summary, threads
 from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -162,6 +162,10 @@ class ZeroStrategy(DDPStrategy):
             loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
         node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
             resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
+        config: a DeepSpeed config (a path to its JSON file, or a dict), as Lightning's
+            ``DeepSpeedStrategy(config=...)``: each key becomes the option, precision, Trainer check,
+            optimizer or scheduler it maps to (:mod:`lightning_zero.deepspeed_config`); an option given
+            here with a value other than its default overrides the config's.
         broadcast_buffers, find_unused_parameters, ..., **ddp_kwargs: DDPStrategy's and torch DDP's arguments,
             each with its ZeRO meaning or a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
 
@@ -216,6 +220,7 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing_offload: bool = False,
         async_save: bool = False,
         node_local_storage: bool = False,
+        config: str | dict[str, Any] | None = None,
         # DDPStrategy's arguments, each with its ZeRO meaning (lightning_zero.ddp_args)
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
@@ -230,8 +235,10 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         arguments = locals()  # strategy_config's parameters are ours, by name and default (a test checks it)
         named = {name: arguments[name] for name in options.STRATEGY_OPTIONS}
+        #: The DeepSpeed config (``config=``) read into these options; None without one.
+        self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, arguments, strategy_config)
         #: Every option, validated once (sections and the checks across them; shared with Fabric's strategy).
-        self.config = strategy_config(**named, **ddp_kwargs)
+        self.config = from_deepspeed or strategy_config(**named, **ddp_kwargs)
         self._pending_save: ckpt_save.PendingSave | None = None  # an async save not yet published
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
@@ -288,7 +295,10 @@ class ZeroStrategy(DDPStrategy):
 
     def _as_offload_precision(self, plugin: Precision | None) -> OffloadPrecision | None:
         """Lightning assigns a generic plugin to a strategy chosen by name: keep its precision string."""
-        return as_offload_precision(plugin, self.config, self._loss_scale)
+        converted = as_offload_precision(plugin, self.config, self._loss_scale)
+        if converted is not None:
+            deepspeed_config.check_precision(self.deepspeed, converted.precision)
+        return converted
 
     def _new_precision(self, precision: str) -> OffloadPrecision:
         return new_precision(precision, self.config, self._loss_scale, OffloadPrecision)
@@ -382,6 +392,7 @@ class ZeroStrategy(DDPStrategy):
             )
         self._engine = None
         if fitting:
+            deepspeed_config.apply_to_trainer(self.deepspeed, trainer)
             self.setup_optimizers(trainer)  # creating an optimizer allocates no state yet
             self._check_nvme_space(config)  # the optimizers say how many bytes their moments take
         if fitting or stage3:
@@ -539,8 +550,16 @@ class ZeroStrategy(DDPStrategy):
                 self._pending_save = pending
         super().on_train_batch_start(batch, batch_idx)
 
+    def connect(self, model: pl.LightningModule) -> None:
+        """Before Lightning checks the module: a DeepSpeed config's optimizer becomes its configure_optimizers."""
+        deepspeed_config.install_optimizers(self.deepspeed, model)
+        super().connect(model)
+
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            dp = trainer.world_size // (self.config.tensor.size * self.config.pipeline.stages)
+            deepspeed_config.check_batch(self.deepspeed, trainer, dp)
         if self._resume_rng is not None and trainer is not None and trainer.fit_loop.restarted_mid_epoch:
             # A mid-epoch resume has just created its train loader's iterator (drawing a base seed from the
             # random states the checkpoint restored), which the uninterrupted run did not do at that point:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from lightning_zero.ops._load import compiled
-
 
 def _none(*args, **kwargs) -> None:
     return None
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the fake kernels; called once, when the ops have been loaded (:func:`lightning_zero.ops.compiled`)."""
     for name in (
         "cpu_adam_step",
         "cpu_lamb_apply",
@@ -37,7 +36,3 @@ def _register() -> None:
     @torch.library.register_fake("lightning_zero::fused_lamb_moments")
     def _(params, grads, exp_avgs, exp_avg_sqs, *args):
         return params[0].new_empty((len(params), 2), dtype=torch.float32)
-
-
-if compiled():
-    _register()

@@ -1,8 +1,15 @@
-"""Finding the compiled ops, choosing a CPU path, and falling back to the reference loudly, once."""
+"""Finding the compiled ops, choosing a CPU path, and falling back to the reference loudly, once.
+
+The ops come from ``lightning_zero._C`` when it was built at install (``pip install
+--no-build-isolation -e .``, or ``LIGHTNING_ZERO_BUILD_OPS=1``), else they are compiled on first
+use into a per-torch-version cache (:mod:`lightning_zero.ops._build`). Nothing is loaded at import:
+the first :func:`compiled` call decides.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import torch
@@ -10,19 +17,39 @@ import torch
 ISA_ENV = "LIGHTNING_ZERO_CPU_ISA"
 _CPU_CHOICES = ("auto", "avx512", "avx2", "scalar", "reference")
 
-try:
-    from lightning_zero import _C  # type: ignore[attr-defined]  # noqa: F401  (the built extension; loading it registers the ops)
-
-    _LOAD_ERROR: str | None = None
-except ImportError as exc:  # not built: no compiler at install time, or a source checkout
-    _LOAD_ERROR = str(exc)
+_NOT_TRIED = "the compiled ops were not loaded yet"
+_LOAD_ERROR: str | None = _NOT_TRIED  # None once loaded; else why not (tests set it to simulate a missing build)
+_loading = threading.Lock()
 
 _warned = False  # the "not compiled" warning was given
 _warned_no_cuda = False  # the "compiled without CUDA kernels" warning was given (a different one)
 
 
+def _try_load() -> str | None:
+    try:
+        from lightning_zero import _C  # type: ignore[attr-defined]  # noqa: F401  (the built extension; loading it registers the ops)
+
+        return None
+    except ImportError as exc:  # not built at install: compile on first use
+        prebuilt = str(exc)
+    from lightning_zero.ops import _build
+
+    reason = _build.load()
+    return None if reason is None else f"{reason}; no prebuilt library either ({prebuilt})"
+
+
 def compiled() -> bool:
-    """True when ``lightning_zero._C`` loaded and ``torch.ops.lightning_zero`` holds the kernels."""
+    """True when the ops are loaded into ``torch.ops.lightning_zero`` (prebuilt, cached, or compiled now)."""
+    global _LOAD_ERROR
+    if _LOAD_ERROR is _NOT_TRIED:
+        with _loading:
+            if _LOAD_ERROR is _NOT_TRIED:
+                error = _try_load()
+                if error is None:
+                    from lightning_zero.ops import _fake
+
+                    _fake.register()
+                _LOAD_ERROR = error
     return _LOAD_ERROR is None
 
 
@@ -33,8 +60,8 @@ def _warn_fallback() -> None:
         warnings.warn(
             f"lightning_zero.ops: the compiled extension is not available ({_LOAD_ERROR}); using the "
             "PyTorch reference implementations, which are correct but make several passes over "
-            "memory. Reinstall with `pip install --no-build-isolation -e .` on a machine with a C++ "
-            "compiler to build it.",
+            "memory. Install a C++ compiler (g++) and ninja and they are compiled on first use, or build them "
+            "at install with `LIGHTNING_ZERO_BUILD_OPS=1 pip install --no-build-isolation .`.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -59,8 +86,8 @@ def cpu_path() -> str:
     if not compiled():
         if choice != "auto":
             raise ValueError(
-                f"{ISA_ENV}={choice} asks for a compiled kernel but lightning_zero._C is "
-                f"not built ({_LOAD_ERROR}); rebuild it or set {ISA_ENV}=reference"
+                f"{ISA_ENV}={choice} asks for a compiled kernel but the ops are "
+                f"not built ({_LOAD_ERROR}); install a compiler and ninja, or set {ISA_ENV}=reference"
             )
         _warn_fallback()
         return "reference"

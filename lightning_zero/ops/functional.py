@@ -16,10 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.ops import (
-    _fake,  # noqa: F401  (registers the fake kernels)
-    reference,
-)
+from lightning_zero.ops import reference
 from lightning_zero.ops._load import cpu_path, fused_path
 from lightning_zero.ops.reference import lamb_trust_ratio
 

@@ -36,7 +36,7 @@ def test_options_are_the_trainer_strategys():
         assert name in trainer, name
         assert trainer[name].default == parameter.default, name
     lightnings_own = {"self", "loss_scale", "accelerator", "parallel_devices", "cluster_environment"}
-    lightnings_own |= {"checkpoint_io", "precision_plugin", "process_group_backend", "start_method"}
+    lightnings_own |= {"checkpoint_io", "precision_plugin", "process_group_backend", "start_method", "config"}
     assert set(trainer) - set(shared) == lightnings_own
 
 
