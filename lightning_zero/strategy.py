@@ -69,7 +69,6 @@ from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
 from lightning_zero.zero.averaging import (
     current_model_source,
-    current_state_as_pieces,
     keep_edits_in_masters,
     shard_averaged_copies,
 )
@@ -851,8 +850,8 @@ class ZeroStrategy(DDPStrategy):
             # callback loads them into the model after this, which must then find them in place)
             source = current_model_source(checkpoint, getattr(module.trainer, "callbacks", []))
         ckpt_load.load_model(source or checkpoint, module, self._engine, self.optimizers, strict, self._parallel.layout)
-        if source is not None and self._engine is not None and isinstance(checkpoint, dict):
-            current_state_as_pieces(checkpoint, module, self._engine)
+        # (the callback then loads current_model_state into the model once more: whole tensors, which
+        # the model's FullStateDictHooks write into each rank's shards)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None

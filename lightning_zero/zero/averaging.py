@@ -156,28 +156,6 @@ def current_model_source(checkpoint: Mapping[str, Any], callbacks: list[Any]) ->
     return source
 
 
-def current_state_as_pieces(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine) -> None:
-    """After the model was loaded from ``current_model_state`` (:func:`current_model_source`), the
-    callback loads that state into the model once more (``pl_module.load_state_dict``), where each
-    sharded parameter is this rank's piece: its entries become those pieces, so that load writes the
-    values the parameters already hold. Local."""
-    current = checkpoint["current_model_state"]
-    buffers = engine._all_buffers()
-    names: dict[int, list[str]] = {}  # every name of each parameter (tied weights have several)
-    for n, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    out = dict(current)
-    for held in engine.held_params():
-        if buffers[held.buffer].persistent:
-            continue
-        offset, _, numel = held.local if held.local is not None else (0, 0, 0)
-        for name in names.get(id(held.param), []):
-            value = out.get(name)
-            if torch.is_tensor(value) and tuple(value.shape) == tuple(held.shape):
-                out[name] = value.reshape(-1)[offset : offset + numel]
-    checkpoint["current_model_state"] = out
-
-
 def keep_edits_in_masters(engine: ZeroEngine) -> int:
     """At the end of training: weights a callback wrote into the model after the last step (the
     average that ``WeightAveraging`` / ``StochasticWeightAveraging`` copy in ``on_train_end``) reach

@@ -116,6 +116,8 @@ class UserStep:
         """The optimizer's groups hold the master slices until the update completes."""
         stack = contextlib.ExitStack()
         if sharded.whole is not None:
+            # parameters without a gradient this window are skipped, as under DDP
+            sharded.whole.got_gradient = set(self.engine._reducer.got_gradient)
             # whole-tensor groups: each owned parameter whole, with its whole gradient, for the class's
             # arithmetic; given back by the step (store) or, if the update never completes, at disarm
             sharded.whole.load()
