@@ -12,6 +12,10 @@ bf16-true     bf16                 bf16 (master = params)  floating inputs cast 
 64-true       fp64                 fp64 (master = params)  floating inputs cast to fp64, as Lightning's
 ============  ===================  ======================  =============================================
 
+``OffloadPrecision("bf16-mixed", param_dtype="fp32")`` is Lightning's DDP "bf16-mixed" instead: fp32
+parameters and gradients (the masters themselves), forward under ``torch.autocast(bfloat16)``.
+Under "32-true" each parameter keeps its own dtype (a float64 sub-module stays float64), as under DDP.
+
 "64-true" also builds ``configure_model`` in float64 (the default dtype while it runs), as Lightning's
 ``DoublePrecision`` does, so its random initialization is DDP's under "64-true".
 
