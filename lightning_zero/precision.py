@@ -293,9 +293,10 @@ class OffloadPrecision(HalfPrecision):
         update: bool = True,
         step_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        """One ZeRO optimizer step with this plugin's loss scale and non-finite policy (the Trainer's
-        :meth:`optimizer_step` and Fabric's strategy both step through here). ``step`` is the number
-        of optimizer steps so far, for the messages. Call on all ranks."""
+        """One ZeRO optimizer step with this plugin's loss scale and non-finite policy, the engine
+        calling the optimizer's step itself (Fabric's strategy; the Trainer's :meth:`optimizer_step`
+        goes through the user's own ``step`` instead). ``step`` is the number of optimizer steps so
+        far, for the messages. Call on all ranks."""
         assert self._engine is not None  # attached by the strategy's setup
         policy = self._engine.config.zero.on_nonfinite
         overflow = self._engine.step(

@@ -16,6 +16,9 @@ Per micro-step and optimizer step (the precision plugin, the pipeline runner and
                             on the slices, publish (pipelined with the kernels: each buffer's all-gather
                             starts as soon as it is stepped, ``OffloadConfig.pipeline``), and the
                             gradients are dropped
+    step_through(opt, closure, ...)
+                            the Trainer's form of step(): the same work inside the user's own
+                            ``optimizer.step(closure=...)`` (:mod:`lightning_zero.zero.user_step`)
 
 Checkpoints and reports: :meth:`held_params`, :meth:`publish`, :meth:`param_groups`,
 :meth:`memory_tensors`, and the checkpoint surface of :mod:`~lightning_zero.zero.engine_checkpoint`
