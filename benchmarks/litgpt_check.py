@@ -1,4 +1,4 @@
-"""LitGPT's own full-finetune script under Fabric's ZeroStrategy, against Fabric's DDP (2 CPU ranks, fp32).
+"""LitGPT's own finetune scripts under Fabric's ZeroStrategy, against Fabric's DDP (2 CPU ranks, fp32).
 
 LitGPT (``pip install --no-deps litgpt==0.5.13 psutil``) hard-codes ``FSDPStrategy`` for more than one
 device; this check swaps it at run time for ``lightning_zero.fabric.ZeroStrategy(stage=N,
@@ -9,12 +9,16 @@ The script exercises what LitGPT does: ``init_module(empty_init=True)``, ``fabri
 ``setup_optimizers`` of an optimizer over the set-up model's parameters, ``model.load_state_dict`` of
 the "pretrained" ``lit_model.pth`` (its ``load_checkpoint`` for non-FSDP strategies), ``fabric.save``
 of the state every ``save_interval`` steps, a final model-only save, and a resume from the step
-checkpoint. It prints each run's losses (LitGPT's CSV log), their largest relative difference from
-DDP's, and the largest difference of the final weights (``final/lit_model.pth``, one file
+checkpoint. ``--script lora`` runs ``litgpt/finetune/lora.py`` (its ``ModelParallelStrategy``
+swapped the same way; frozen base, ``setup_module`` then ``setup_optimizers`` of an optimizer over
+all parameters, a final LoRA save through ``model.state_dict()``, then LitGPT's ``merge_lora``). It
+prints each run's losses (LitGPT's CSV log), their largest relative difference from DDP's, and the
+largest difference of the final weights (``final/lit_model.pth`` or ``lit_model.pth.lora``, one file
 ``torch.load`` reads).
 
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py            # stages 1, 2, 3
-    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3 --offload   # offload_optimizer="cpu"
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script lora          # finetune/lora.py (no resume)
 
 Takes about a minute per stage on 2 CPU cores. Not part of the test suite (LitGPT is not a test
 dependency); ``tests/distributed/test_fabric_programs.py`` holds a LitGPT-like program that is.
@@ -101,7 +105,9 @@ def _make_checkpoint(root: Path) -> Path:
     return ckpt
 
 
-def _run(rank: int, root: str, name: str, stage: int | None, resume: bool, script: str = "full") -> None:
+def _run(
+    rank: int, root: str, name: str, stage: int | None, resume: bool, script: str = "full", offload: bool = False
+) -> None:
     import sys
 
     import litgpt.finetune.full as full
@@ -113,7 +119,9 @@ def _run(rank: int, root: str, name: str, stage: int | None, resume: bool, scrip
     from lightning_zero.fabric import ZeroStrategy
 
     def strategy(**_: Any) -> Any:  # instead of what LitGPT builds for devices > 1
-        return "ddp" if stage is None else ZeroStrategy(stage=stage, state_dict_type="full")
+        if stage is None:
+            return "ddp"
+        return ZeroStrategy(stage=stage, state_dict_type="full", **({"offload_optimizer": "cpu"} if offload else {}))
 
     full.FSDPStrategy = strategy
     lora.ModelParallelStrategy = strategy
@@ -172,6 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--script", choices=["full", "lora"], default="full")
+    parser.add_argument("--offload", action="store_true", help='ZeroStrategy(offload_optimizer="cpu")')
     args = parser.parse_args()
     final = "lit_model.pth" if args.script == "full" else "lit_model.pth.lora"
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,9 +188,9 @@ def main() -> None:
         _make_checkpoint(root)
         runs: list[tuple[str, int | None]] = [("ddp", None)] + [(f"zero{s}", s) for s in args.stages]
         for name, stage in runs:
-            run_ranks(_run, str(root), name, stage, False, args.script, timeout=900)
-            if args.script == "full":
-                run_ranks(_run, str(root), name, stage, True, args.script, timeout=900)  # resume from step-000002
+            run_ranks(_run, str(root), name, stage, False, args.script, args.offload, timeout=900)
+            if args.script == "full":  # resume from step-000002
+                run_ranks(_run, str(root), name, stage, True, args.script, args.offload, timeout=900)
         ref_losses = _losses(root / "ddp")
         ref = torch.load(root / "ddp" / "final" / final, weights_only=True)["model"]
         print(f"ddp losses: {[round(x, 6) for x in ref_losses]}")
