@@ -440,6 +440,8 @@ class ZeroStrategy(DDPStrategy):
         precision.attach(self._engine if optimizers else None, self.root_device)
         _optimizers_to_device(optimizers, self.root_device)
         if stage3:
+            # The model's forward is Fabric's step: it may read any parameter (gathered on use).
+            self._engine.step_on_root_forward()
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
         if not self._buffers_hooks:

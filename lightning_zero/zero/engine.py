@@ -285,6 +285,12 @@ class ZeroEngine(CheckpointSurface):
         A no-op at stages 1 and 2. Call on all ranks."""
         return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
 
+    def step_on_root_forward(self) -> None:
+        """Stage 3: the root module's forward is a step (see :meth:`step_scope`): Fabric's, where the
+        loop calls the model and no step hook exists. A no-op at stages 1 and 2."""
+        if self._coordinator is not None:
+            self._coordinator.step_on_root_forward()
+
     @contextmanager
     def gathered_parameters(
         self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
