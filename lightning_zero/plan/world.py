@@ -103,7 +103,12 @@ def _nbytes(op: str, args: dict[str, Any]) -> int:
 def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[None]:
     """Append every collective of :mod:`lightning_zero.comm` issued in the block to ``calls``
     (those on one-rank groups return early and move nothing: not recorded). ``groups`` names the
-    groups by ``id``; the default group (``None``) is named as the world group."""
+    groups by ``id``; the default group (``None``) is named as the world group.
+
+    The fake group completes every collective at once; a real network is slower than the compute
+    that overlaps it. The asynchronous handles recorded here report themselves complete only once
+    waited for: the engine then keeps as many reductions (and their buckets) in flight as its own
+    limits allow, as behind a slow network."""
     originals = {name: getattr(comm, name) for name in COLLECTIVES}
 
     def wrap(name: str) -> Any:
@@ -118,7 +123,11 @@ def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[No
                 if plain is None:
                     plain = dist.group.WORLD
                 calls.append(Call(name, groups.get(id(plain), "other"), _nbytes(name, bound)))
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            if isinstance(result, comm.Handle) and result is not comm._DONE:
+                handle = result
+                handle.is_completed = lambda: not handle._works  # type: ignore[method-assign]
+            return result
 
         return recorded
 

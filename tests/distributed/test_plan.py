@@ -16,8 +16,19 @@ from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-# (stage, offload_optimizer): every stage, and the host-offloaded optimizer
-CASES = [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
+# (stage, offload_optimizer, overlap_comm): every stage, with and without the host-offloaded
+# optimizer; without overlap the reductions wait in a fixed order, so even the buckets alive at once
+# do not depend on gloo's speed
+CASES = [
+    (1, False, True),
+    (2, False, False),
+    (2, False, True),
+    (3, False, False),
+    (3, False, True),
+    (1, True, True),
+    (2, True, False),
+    (3, True, True),
+]
 # Small buckets and threshold: several flat buffers; under stage 3 small parameters stay whole.
 ZERO = {"reduce_bucket_size": 700, "param_persistence_threshold": 40}
 
@@ -72,12 +83,13 @@ def _real_worker(rank: int) -> list[tuple[dict, Counter]]:
     cpu = torch.device("cpu")
     out = []
     try:
-        for stage, offload in CASES:
+        for stage, offload, overlap in CASES:
             torch.manual_seed(0)
             model = OddModel()
             optimizer = torch.optim.AdamW(model.parameters())
             config = StrategyConfig(
-                zero=ZeroConfig(stage=stage, **ZERO), offload=OffloadConfig(offload_optimizer=offload)
+                zero=ZeroConfig(stage=stage, overlap_comm=overlap, **ZERO),
+                offload=OffloadConfig(offload_optimizer=offload),
             )
             engine = ZeroEngine(model, [optimizer], config=config, precision="bf16-mixed", device=cpu)
             calls: list[tuple[str, int]] = []
@@ -99,22 +111,24 @@ def test_plan_equals_the_real_engine(world_size):
     from lightning_zero.plan import plan
 
     measured = run_ranks(_real_worker, world_size=world_size)[0]  # rank 0, as the plan
-    for (stage, offload), (breakdown, calls) in zip(CASES, measured, strict=True):
+    for (stage, offload, overlap), (breakdown, calls) in zip(CASES, measured, strict=True):
         planned = plan(
             f"{__name__}:OddModel",
             world_size,
-            zero=ZeroConfig(stage=stage, **ZERO),
+            zero=ZeroConfig(stage=stage, overlap_comm=overlap, **ZERO),
             offload=OffloadConfig(offload_optimizer=offload),
             device="cpu",
             inputs=[((5, 7), torch.float32)],
         )
-        case = f"stage {stage}, offload {offload}, {world_size} ranks"
+        case = f"stage {stage}, offload {offload}, overlap {overlap}, {world_size} ranks: {planned.memory} {breakdown}"
         for where in ("device", "host"):
             for category, nbytes in breakdown[where].items():
-                if offload and world_size > 1 and category == "communication_buckets":
-                    # Known gap, named in the plan's not_modeled: the CPU kernel step of host masters
-                    # pipelines publish through pool blocks that the meta run does not take.
-                    assert planned.memory[where][category] <= nbytes, case
+                if world_size > 1 and overlap and category == "communication_buckets" and stage > 1:
+                    # Which blocks the pool keeps depends on when gloo completes each reduction (the
+                    # plan's not_modeled says so); measured here between 1x and 1.5x the plan. The
+                    # overlap_comm=False cases check the same quantity exactly.
+                    assert (planned.memory[where][category] > 0) == (nbytes > 0) == (where == "device"), case
+                    assert nbytes <= 2 * planned.memory[where][category], case
                     continue
                 # within 2% (the feature's promise); on these sizes the counts agree exactly
                 assert planned.memory[where][category] == pytest.approx(nbytes, rel=0.02, abs=0), (case, category)
