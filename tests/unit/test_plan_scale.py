@@ -63,3 +63,16 @@ def test_plan_refuses_what_it_does_not_model():
         plan("torch.nn:Linear", 2, precision="16-mixed", model_kwargs={"in_features": 3, "out_features": 5})
     with pytest.raises(ValueError, match="example_input_array"):
         plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5})
+
+
+def test_the_plan_command(capsys):
+    from lightning_zero.cli import main
+
+    args = ["plan", "torch.nn:Linear", "--kwargs", '{"in_features": 7, "out_features": 5}', "--world-size", "4"]
+    assert main([*args, "--stage", "3", "--param-persistence-threshold", "0", "--input", "3,7"]) == 0
+    out = capsys.readouterr().out
+    # a 7x5 Linear and its bias: 40 parameters, sharded into one flat buffer reduced once per step
+    assert "40 parameters, 4 data-parallel ranks, stage 3" in out and "reduce_scatter" in out
+    assert "not modeled:" in out
+    assert main([*args[:3], "{not json", *args[4:], "--input", "3,7"]) == 2
+    assert "lightning-zero plan: error" in capsys.readouterr().err
