@@ -1,4 +1,4 @@
-"""LitGPT's own full-finetune script under Fabric's ZeroStrategy, against Fabric's DDP (2 CPU ranks, fp32).
+"""LitGPT's own finetune scripts under Fabric's ZeroStrategy, against Fabric's DDP (2 CPU ranks, fp32).
 
 LitGPT (``pip install --no-deps litgpt==0.5.13 psutil``) hard-codes ``FSDPStrategy`` for more than one
 device; this check swaps it at run time for ``lightning_zero.fabric.ZeroStrategy(stage=N,
@@ -9,12 +9,16 @@ The script exercises what LitGPT does: ``init_module(empty_init=True)``, ``fabri
 ``setup_optimizers`` of an optimizer over the set-up model's parameters, ``model.load_state_dict`` of
 the "pretrained" ``lit_model.pth`` (its ``load_checkpoint`` for non-FSDP strategies), ``fabric.save``
 of the state every ``save_interval`` steps, a final model-only save, and a resume from the step
-checkpoint. It prints each run's losses (LitGPT's CSV log), their largest relative difference from
-DDP's, and the largest difference of the final weights (``final/lit_model.pth``, one file
+checkpoint. ``--script lora`` runs ``litgpt/finetune/lora.py`` (its ``ModelParallelStrategy``
+swapped the same way; frozen base, ``setup_module`` then ``setup_optimizers`` of an optimizer over
+all parameters, a final LoRA save through ``model.state_dict()``, then LitGPT's ``merge_lora``). It
+prints each run's losses (LitGPT's CSV log), their largest relative difference from DDP's, and the
+largest difference of the final weights (``final/lit_model.pth`` or ``lit_model.pth.lora``, one file
 ``torch.load`` reads).
 
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py            # stages 1, 2, 3
-    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3 --offload   # offload_optimizer="cpu"
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script lora          # finetune/lora.py (no resume)
 
 Takes about a minute per stage on 2 CPU cores. Not part of the test suite (LitGPT is not a test
 dependency); ``tests/distributed/test_fabric_programs.py`` holds a LitGPT-like program that is.
@@ -101,28 +105,51 @@ def _make_checkpoint(root: Path) -> Path:
     return ckpt
 
 
-def _run(rank: int, root: str, name: str, stage: int | None, resume: bool) -> None:
+def _run(
+    rank: int, root: str, name: str, stage: int | None, resume: bool, script: str = "full", offload: bool = False
+) -> None:
     import sys
 
     import litgpt.finetune.full as full
+    import litgpt.finetune.lora as lora
     from litgpt.args import EvalArgs, TrainArgs
     from litgpt.data import JSON
 
     import lightning_zero  # noqa: F401 - registers the names
     from lightning_zero.fabric import ZeroStrategy
 
-    full.FSDPStrategy = (  # what LitGPT builds for devices > 1
-        (lambda **_: "ddp") if stage is None else (lambda **_: ZeroStrategy(stage=stage, state_dict_type="full"))
-    )
+    def strategy(**_: Any) -> Any:  # instead of what LitGPT builds for devices > 1
+        if stage is None:
+            return "ddp"
+        return ZeroStrategy(stage=stage, state_dict_type="full", **({"offload_optimizer": "cpu"} if offload else {}))
+
+    full.FSDPStrategy = strategy
+    lora.ModelParallelStrategy = strategy
+    if script == "lora":
+        # LitGPT's LoRA builds the model under init_module(empty_init=True) and relies on its
+        # ModelParallelStrategy to initialize what the base checkpoint lacks (the LoRA matrices); under
+        # any other strategy (DDP too) they would keep uninitialized memory. Build them initialized.
+        from lightning.fabric import Fabric
+
+        init_module = Fabric.init_module
+        Fabric.init_module = lambda self, empty_init=None: init_module(self, empty_init=False)  # type: ignore[method-assign]
     out = Path(root) / name
     # LitGPT saves its "hyperparameters" by parsing the command line as its own CLI's: give it one
+    # (merge_lora reads the LoRA shape back from it)
     sys.argv = [sys.argv[0], str(Path(root) / "checkpoint")]
-    full.setup(
+    if script == "lora":
+        sys.argv += ["--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
+    extra: dict[str, Any] = (
+        {"resume": resume} if script == "full" else {"lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+    )
+    # LoRA: LitGPT generates a sample on rank 0 alone at its initial and interval validations (a
+    # stage-3 forward the other rank does not run: ZeroStrategy refuses it), both off here.
+    (full if script == "full" else lora).setup(
         Path(root) / "checkpoint",
         out_dir=out,
         precision="32-true",
         devices=2,
-        resume=resume,
+        **extra,
         data=JSON(json_path=Path(root) / "data.json", val_split_fraction=0.25, num_workers=0),
         train=TrainArgs(
             save_interval=2,
@@ -131,8 +158,8 @@ def _run(rank: int, root: str, name: str, stage: int | None, resume: bool) -> No
             micro_batch_size=2,
             lr_warmup_steps=1,
             epochs=1,
-            max_steps=4 if resume else 2,
-            max_seq_length=32,
+            max_steps=4 if resume or script == "lora" else 2,
+            max_seq_length=64,
         ),
         eval=EvalArgs(interval=1000, max_new_tokens=4, max_iters=1, initial_validation=False, final_validation=False),
         logger_name="csv",
@@ -152,22 +179,26 @@ def _losses(out: Path) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--script", choices=["full", "lora"], default="full")
+    parser.add_argument("--offload", action="store_true", help='ZeroStrategy(offload_optimizer="cpu")')
     args = parser.parse_args()
+    final = "lit_model.pth" if args.script == "full" else "lit_model.pth.lora"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _make_checkpoint(root)
         runs: list[tuple[str, int | None]] = [("ddp", None)] + [(f"zero{s}", s) for s in args.stages]
         for name, stage in runs:
-            run_ranks(_run, str(root), name, stage, False, timeout=900)
-            run_ranks(_run, str(root), name, stage, True, timeout=900)  # resume from step-000002
+            run_ranks(_run, str(root), name, stage, False, args.script, args.offload, timeout=900)
+            if args.script == "full":  # resume from step-000002
+                run_ranks(_run, str(root), name, stage, True, args.script, args.offload, timeout=900)
         ref_losses = _losses(root / "ddp")
-        ref = torch.load(root / "ddp" / "final" / "lit_model.pth", weights_only=True)["model"]
+        ref = torch.load(root / "ddp" / "final" / final, weights_only=True)["model"]
         print(f"ddp losses: {[round(x, 6) for x in ref_losses]}")
         for name, _ in runs[1:]:
             losses = _losses(root / name)
-            final = torch.load(root / name / "final" / "lit_model.pth", weights_only=True)["model"]
+            weights_of = torch.load(root / name / "final" / final, weights_only=True)["model"]
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-            weights = max((final[k].float() - v.float()).abs().max().item() for k, v in ref.items())
+            weights = max((weights_of[k].float() - v.float()).abs().max().item() for k, v in ref.items())
             print(
                 f"{name}: {len(losses)} losses, max relative loss diff {rel:.2e}, max final weight diff {weights:.2e}"
             )

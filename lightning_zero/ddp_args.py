@@ -160,7 +160,7 @@ class BufferSync:
     when the previous one synchronized gradients (grad enabled, outside ``no_sync``: Lightning's
     ``block_backward_sync``, Fabric's ``no_backward_sync``), or is the first; in manual optimization
     when a ``manual_backward`` came since (DDP's ``require_forward_param_sync``). With accumulation
-    that is the first micro-batch of each window; after validation, the second training forward."""
+    that is the first micro-batch of each window; after a validation run, not the first training forward."""
 
     def __init__(self) -> None:
         self.blocked = False
@@ -187,10 +187,12 @@ class BufferSync:
             self.after(manual)
 
     def before(self, config: DataParallelConfig, module: nn.Module | None, group: comm.ProcessGroup) -> None:
+        """At the start of a forward DDP runs: the broadcast, when due. Call on all ranks."""
         if config.broadcast_buffers and self.due and module is not None:
             comm.broadcast_buffers(list(module.buffers()), group)
 
     def after(self, manual: bool = False) -> None:
+        """At its end: whether the next forward broadcasts (this one synchronizes gradients)."""
         self.due = torch.is_grad_enabled() and not self.blocked and not manual
 
     def manual_backward(self) -> None:

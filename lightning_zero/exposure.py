@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from lightning_zero.precision import OffloadPrecision
@@ -53,8 +53,16 @@ def install(
     every backward runs inside ``training_step``: no window is exposed there.)"""
     if engine is None:
         return
-    if engine.config.zero.expose_param_grads is False:
+    exposed = engine.config.zero.expose_param_grads
+    if exposed is False:
         warn_unexposed(model)
+    elif exposed is None and model.automatic_optimization and reads_step_grads(model):
+        rank_zero_info(
+            "ZeRO: on_before_optimizer_step / configure_gradient_clipping are overridden, so param.grad holds "
+            "the full reduced gradients there, as under DDP: one all-gather of the gradients per optimizer step "
+            "and their full size in memory while the hooks run. ZeroStrategy(expose_param_grads=False) avoids "
+            "that when those hooks do not read param.grad."
+        )
     elif not pipelined:
         callbacks: list[pl.Callback] = getattr(trainer, "callbacks")  # noqa: B009 - a property mypy cannot see
         callbacks.insert(0, ValidationWindow(engine, precision))

@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import zipfile
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -439,6 +440,8 @@ class ZeroStrategy(DDPStrategy):
         precision.attach(self._engine if optimizers else None, self.root_device)
         _optimizers_to_device(optimizers, self.root_device)
         if stage3:
+            # The model's forward is Fabric's step: it may read any parameter (gathered on use).
+            self._engine.step_on_root_forward()
             # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
             self._eval_hook = module.register_forward_hook(self._end_eval_pass)
         if not self._buffers_hooks:
@@ -615,7 +618,7 @@ class ZeroStrategy(DDPStrategy):
         """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
         (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
         checkpoint = ckpt_load.load_checkpoint(
-            path, weights_only, self.global_rank, lambda p: pl_load(Path(p), weights_only=weights_only)
+            path, weights_only, self.global_rank, lambda p: _load_file(p, weights_only)
         )
         if not state:
             return checkpoint
@@ -705,6 +708,16 @@ class _BuildOnFirstForward(nn.Module):
 @torch.compiler.disable
 def _build_now(build: Callable[[], None]) -> None:
     build()
+
+
+def _load_file(path: Any, weights_only: bool | None) -> Any:
+    """A plain checkpoint file. A local one in torch's zip format is memory-mapped: each rank then
+    reads only the bytes of its own pieces (``load_raw`` of a whole model streams it), and ranks on
+    one host share the page cache. Anything else (a remote path, the legacy format) as Fabric reads it."""
+    local = Path(str(path))
+    if local.is_file() and zipfile.is_zipfile(local):
+        return torch.load(local, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+    return pl_load(Path(path), weights_only=weights_only)
 
 
 _RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank

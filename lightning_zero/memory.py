@@ -46,33 +46,50 @@ CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "
 
 
 class _Counter:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, place: Callable[[torch.Tensor], str] | None = None) -> None:
         self.device = device
+        self.place = place
         self.seen: set[tuple[str, int]] = set()
         self.bytes = {where: dict.fromkeys(CATEGORIES, 0) for where in ("device", "host")}
 
     def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for tensor in tensors:
-            if tensor is None or not torch.is_tensor(tensor) or tensor.device.type == "meta":
+            if tensor is None or not torch.is_tensor(tensor):
+                continue
+            meta = tensor.device.type == "meta"
+            if meta and self.place is None:
                 continue
             storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
+            # Meta storages all have data_ptr 0: told apart by the storage object itself.
+            key = (str(tensor.device), storage._cdata if meta else storage.data_ptr())
             if key in self.seen or storage.nbytes() == 0:
                 continue
             self.seen.add(key)
-            where = "device" if tensor.device.type == self.device.type else "host"
+            if self.place is not None:
+                where = self.place(tensor)
+            else:
+                where = "device" if tensor.device.type == self.device.type else "host"
             self.bytes[where][category] += storage.nbytes()
 
 
-def memory_breakdown(module: nn.Module, engine: ZeroEngine | None, device: torch.device) -> dict[str, dict[str, int]]:
+def memory_breakdown(
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    device: torch.device,
+    place: Callable[[torch.Tensor], str] | None = None,
+) -> dict[str, dict[str, int]]:
     """``{"device": {category: bytes}, "host": {category: bytes}}`` for this rank.
+
+    ``place`` (a tensor -> ``"device"`` or ``"host"``) counts meta tensors as well, by their
+    storages' sizes, where it says: the planner (:mod:`lightning_zero.plan`) runs the engine on the
+    meta device and counts its tensors with this very function.
 
     Categories: parameters, gradients, master_weights, optimizer_states, buffers, communication_buckets
     (gradient buckets of stages 2/3 in use, and the free blocks of the engine's pool: buckets and
     stage 3's gathered parameters, as many as one step used at once; stage 1's persistent buckets
     are its gradients).
     """
-    counter = _Counter(device)
+    counter = _Counter(device, place)
     if engine is not None:
         for category, tensors in engine.memory_tensors().items():
             counter.add(category, tensors)

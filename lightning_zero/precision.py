@@ -12,6 +12,10 @@ bf16-true     bf16                 bf16 (master = params)  floating inputs cast 
 64-true       fp64                 fp64 (master = params)  floating inputs cast to fp64, as Lightning's
 ============  ===================  ======================  =============================================
 
+``OffloadPrecision("bf16-mixed", param_dtype="fp32")`` is Lightning's DDP "bf16-mixed" instead: fp32
+parameters and gradients (the masters themselves), forward under ``torch.autocast(bfloat16)``.
+Under "32-true" each parameter keeps its own dtype (a float64 sub-module stays float64), as under DDP.
+
 "64-true" also builds ``configure_model`` in float64 (the default dtype while it runs), as Lightning's
 ``DoublePrecision`` does, so its random initialization is DDP's under "64-true".
 
@@ -100,7 +104,7 @@ class OffloadPrecision(HalfPrecision):
         loss_scale: dynamic loss scaling options for "16-mixed" (ignored otherwise).
         nvme: the disk tier's path and I/O knobs (:class:`~lightning_zero.config.NvmeConfig`).
         param_dtype: ``None`` (default: DeepSpeed's mixed precision, 16-bit parameters beside fp32
-            masters) or "fp32" (Lightning's DDP and FSDP semantics under "bf16-mixed" / "16-mixed":
+            masters) or "fp32" with "bf16-mixed" (Lightning's DDP and FSDP semantics:
             parameters and gradients stay fp32, the fp32 parameters are the masters, and only
             ``torch.autocast`` computes in 16 bits). Costs 4 bytes per parameter of parameters and
             of gradients instead of 2, and saves the separate 4-byte master.
@@ -141,10 +145,11 @@ class OffloadPrecision(HalfPrecision):
                 f"param_dtype={param_dtype!r}: use None (16-bit parameters and fp32 masters, as DeepSpeed) or 'fp32' "
                 "(fp32 parameters under torch.autocast, as Lightning's DDP under mixed precision)."
             )
-        if param_dtype is not None and self.precision in ("bf16-true", "64-true"):
+        if param_dtype is not None and self.precision != "bf16-mixed":
             raise ValueError(
-                f"param_dtype={param_dtype!r} with precision={self.precision!r}: a '-true' precision computes in its "
-                "own dtype; use precision='bf16-mixed' for fp32 parameters under bf16 autocast."
+                f"param_dtype={param_dtype!r} with precision={self.precision!r}: fp32 parameters under autocast are "
+                "available with precision='bf16-mixed' (the one checked against Lightning's DDP); a '-true' "
+                "precision computes in its own dtype, and '32-true' keeps fp32 parameters already."
             )
         #: fp32 parameters under autocast (``param_dtype="fp32"``): the engine runs as under "32-true"
         self.fp32_params = param_dtype is not None
@@ -288,9 +293,10 @@ class OffloadPrecision(HalfPrecision):
         update: bool = True,
         step_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        """One ZeRO optimizer step with this plugin's loss scale and non-finite policy (the Trainer's
-        :meth:`optimizer_step` and Fabric's strategy both step through here). ``step`` is the number
-        of optimizer steps so far, for the messages. Call on all ranks."""
+        """One ZeRO optimizer step with this plugin's loss scale and non-finite policy, the engine
+        calling the optimizer's step itself (Fabric's strategy; the Trainer's :meth:`optimizer_step`
+        goes through the user's own ``step`` instead). ``step`` is the number of optimizer steps so
+        far, for the messages. Call on all ranks."""
         assert self._engine is not None  # attached by the strategy's setup
         policy = self._engine.config.zero.on_nonfinite
         overflow = self._engine.step(

@@ -16,6 +16,9 @@ Per micro-step and optimizer step (the precision plugin, the pipeline runner and
                             on the slices, publish (pipelined with the kernels: each buffer's all-gather
                             starts as soon as it is stepped, ``OffloadConfig.pipeline``), and the
                             gradients are dropped
+    step_through(opt, closure, ...)
+                            the Trainer's form of step(): the same work inside the user's own
+                            ``optimizer.step(closure=...)`` (:mod:`lightning_zero.zero.user_step`)
 
 Checkpoints and reports: :meth:`held_params`, :meth:`publish`, :meth:`param_groups`,
 :meth:`memory_tensors`, and the checkpoint surface of :mod:`~lightning_zero.zero.engine_checkpoint`
@@ -281,6 +284,12 @@ class ZeroEngine(CheckpointSurface):
         module attribute or through an op) is gathered on use and kept until the end of the pass.
         A no-op at stages 1 and 2. Call on all ranks."""
         return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
+
+    def step_on_root_forward(self) -> None:
+        """Stage 3: the root module's forward is a step (see :meth:`step_scope`): Fabric's, where the
+        loop calls the model and no step hook exists. A no-op at stages 1 and 2."""
+        if self._coordinator is not None:
+            self._coordinator.step_on_root_forward()
 
     @contextmanager
     def gathered_parameters(

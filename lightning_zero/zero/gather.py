@@ -218,9 +218,7 @@ class GatherCoordinator:
                 self._track(sub, own)
         #: the root unit: what the root module itself holds, gathered around each step
         self.root_needs = sharded(module._parameters.values())
-        # The root's forward is a step too (Fabric's, or a plain call): first pre-hook, last post-hook.
-        self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._open), prepend=True))
-        self._handles.append(module.register_forward_hook(torch.compiler.disable(self._close), always_call=True))
+        self._root = module
         self._refs: dict[int, int] = {}
         self._pinned: set[int] = set()
         self.trace: list[int] = []  # module indices in the order they ran this step
@@ -321,6 +319,15 @@ class GatherCoordinator:
         if self._depth == 0 and self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+
+    def step_on_root_forward(self) -> None:
+        """Make the root module's forward a step (Fabric, where no step hook exists): its first
+        pre-hook opens it and its last hook closes it, also when the forward raises. (The Trainer
+        strategy opens its steps itself; root hooks there would only add two graph breaks per step
+        under a compiled LightningModule.)"""
+        root = self._root
+        self._handles.append(root.register_forward_pre_hook(torch.compiler.disable(self._open), prepend=True))
+        self._handles.append(root.register_forward_hook(torch.compiler.disable(self._close), always_call=True))
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

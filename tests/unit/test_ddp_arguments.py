@@ -159,5 +159,6 @@ def test_param_dtype_fp32_runs_the_engine_as_32_true():
     assert fabric is not None and fabric.engine_precision == "32-true"  # kept through Fabric's conversion
     with pytest.raises(ValueError, match="param_dtype='fp16'"):
         OffloadPrecision("bf16-mixed", param_dtype="fp16")
-    with pytest.raises(ValueError, match="precision='bf16-true'"):
-        OffloadPrecision("bf16-true", param_dtype="fp32")
+    for precision in ("bf16-true", "16-mixed", "32-true"):
+        with pytest.raises(ValueError, match=f"precision='{precision}'"):
+            OffloadPrecision(precision, param_dtype="fp32")

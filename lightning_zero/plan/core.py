@@ -1,0 +1,186 @@
+"""``plan()``: one rank's model-state memory and collectives of a layout, from the real engine run on
+the meta device inside a fake process group of the requested size (:mod:`.world`).
+
+Nothing here repeats the engine's arithmetic: :class:`~lightning_zero.zero.engine.ZeroEngine` is
+built (partition, buckets, stage-3 units) and runs two training steps (forward, backward with its
+reduction hooks, the sharded step, publish); its tensors are counted by
+:func:`lightning_zero.memory.memory_breakdown` and its collectives recorded as
+:mod:`lightning_zero.comm` issues them. The second step is the one reported: stage 3 plans its
+prefetch from the first one's module order, as a real run does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, ZeroConfig
+from lightning_zero.memory import CATEGORIES, memory_breakdown
+from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
+from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
+
+NOT_MODELED = (
+    "activations and autograd temporaries (the forward runs on meta tensors, nothing is measured)",
+    "the process group's own buffers, the allocator's slack, the batch",
+    "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
+    "completes each reduction: communication_buckets assumes none completes before it is waited for "
+    "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
+    "step time",
+    "tensor and pipeline parallelism (the data-parallel group only)",
+    "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
+    "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
+)
+
+
+@dataclass(frozen=True)
+class CollectiveTotal:
+    """All calls of one :mod:`lightning_zero.comm` function on one group in one phase."""
+
+    group: str
+    op: str
+    count: int
+    nbytes: int
+    """Sum over the calls of the whole buffer each moves (the full tensor of a reduce-scatter or
+    all-gather: each rank sends and receives about (N-1)/N of it)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank of ``world_size`` data-parallel ranks under a layout; bytes are per rank."""
+
+    world_size: int
+    precision: str
+    device: str
+    zero: ZeroConfig
+    """The layout with ``"auto"`` bucket sizes resolved as the engine resolves them."""
+    offload: OffloadConfig
+    numel: int
+    """Parameters of the model (each counted once)."""
+    memory: dict[str, dict[str, int]]
+    """``{"device"|"host": {category: bytes}}``, the categories of ``memory_breakdown()``."""
+    pinned_host_bytes: int
+    flat_buffers: int
+    largest_gather_bytes: int
+    """Stage 3: the largest all-gather of one step (one gathered unit, or one publish bucket)."""
+    step: tuple[CollectiveTotal, ...]
+    setup: tuple[CollectiveTotal, ...]
+    not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
+
+    def total(self, where: str) -> int:
+        """Bytes of every category on ``where`` ("device" or "host")."""
+        return sum(self.memory[where].values())
+
+
+def _totals(calls: list[Call]) -> tuple[CollectiveTotal, ...]:
+    counts: Counter[tuple[str, str]] = Counter()
+    sizes: Counter[tuple[str, str]] = Counter()
+    for call in calls:
+        counts[(call.group, call.op)] += 1
+        sizes[(call.group, call.op)] += call.nbytes
+    order = {"data": 0}  # data-parallel first
+    keys = sorted(counts, key=lambda k: (order.get(k[0], 1), k[0], k[1]))
+    return tuple(CollectiveTotal(g, op, counts[(g, op)], sizes[(g, op)]) for g, op in keys)
+
+
+def plan(
+    model: str,
+    world_size: int,
+    *,
+    zero: ZeroConfig | None = None,
+    offload: OffloadConfig | None = None,
+    precision: str = "bf16-mixed",
+    device: str = "cuda",
+    model_kwargs: dict[str, Any] | None = None,
+    inputs: list[InputSpec] | None = None,
+    micro_batch: int = 1,
+    seq_len: int = 128,
+) -> Plan:
+    """Plan one rank of ``world_size`` data-parallel ranks training ``model`` (``"pkg.mod:Class"``
+    with ``model_kwargs``, or a Hugging Face ``config.json``: see :func:`~.model.meta_model`) with
+    AdamW under the ``zero``/``offload`` layout, without allocating the model.
+
+    ``device``: the accelerator of the ranks, ``"cuda"`` (offloaded tensors are then host memory,
+    pinned when ``pin_memory``) or ``"cpu"`` (everything is host memory, counted as "device" as
+    ``memory_breakdown()`` does on a CPU rank). ``inputs``: the forward's positional inputs; by
+    default token ids ``(micro_batch, seq_len)`` for a Hugging Face model or a LightningModule's
+    ``example_input_array``.
+    """
+    zero = zero or ZeroConfig()
+    offload = offload or OffloadConfig()
+    if precision not in PRECISIONS or precision == "16-mixed":
+        usable = sorted(p for p in PRECISIONS if p != "16-mixed")
+        raise ValueError(f"precision={precision!r}: the plan models {usable} (16-mixed's loss scaling is not modeled).")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'.")
+    if offload.nvme is not None:
+        raise ValueError("the NVMe tiers are not modeled by the plan; plan offload to 'cpu' instead.")
+    config = StrategyConfig(zero=zero, offload=offload)
+    host: list[tuple[torch.Tensor, bool]] = []
+    setup_calls: list[Call] = []
+    step_calls: list[Call] = []
+    with fake_world(world_size) as group, host_on_meta(host):
+        from lightning_zero.zero.engine import ZeroEngine
+
+        groups = {id(group): "data"}
+        module = meta_model(model, model_kwargs)
+        numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+        specs = inputs if inputs is not None else default_inputs(module, micro_batch, seq_len)
+        params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params)
+        with record_collectives(setup_calls, groups):
+            engine = ZeroEngine(module, [optimizer], config=config, precision=precision, device=torch.device("meta"))
+        forward = loss_fn(module, specs, PRECISIONS[precision][0])
+        for step in range(2):
+            with record_collectives(step_calls if step else [], groups):
+                forward().backward()
+                engine.backward_done()
+                engine.step(optimizer)
+        memory = _count(module, engine, host, offload, device)
+        resolved = engine.config.zero
+        flat = len(engine.memory_tensors()["parameters"])
+        engine.close(unshard=False)
+    gathers = [c.nbytes for c in step_calls if c.op == "all_gather"]
+    return Plan(
+        world_size=world_size,
+        precision=precision,
+        device=device,
+        zero=resolved,
+        offload=offload,
+        numel=numel,
+        memory=memory,
+        pinned_host_bytes=_pinned(host, offload, device),
+        flat_buffers=flat,
+        largest_gather_bytes=max(gathers) if resolved.stage == 3 and gathers else 0,
+        step=_totals(step_calls),
+        setup=_totals(setup_calls),
+    )
+
+
+def _count(
+    module: torch.nn.Module, engine: Any, host: list[tuple[torch.Tensor, bool]], offload: OffloadConfig, device: str
+) -> dict[str, dict[str, int]]:
+    on_host = {t.untyped_storage()._cdata for t, _ in host}
+    states = {id(t) for t in engine.memory_tensors()["optimizer_states"]}
+
+    def place(tensor: torch.Tensor) -> str:
+        if device == "cpu":
+            return "device"
+        if tensor.device.type == "cpu":  # optimizer step counters
+            return "host"
+        if tensor.untyped_storage()._cdata in on_host:
+            return "host"
+        # optimizer states are created beside their fp32 master slice
+        return "host" if offload.optimizer_tier is not None and id(tensor) in states else "device"
+
+    breakdown = memory_breakdown(module, engine, torch.device(device), place=place)
+    return {where: {c: breakdown[where][c] for c in CATEGORIES} for where in ("device", "host")}
+
+
+def _pinned(host: list[tuple[torch.Tensor, bool]], offload: OffloadConfig, device: str) -> int:
+    if device != "cuda" or not offload.pin_memory:
+        return 0  # lightning_zero.offload.host pins only when a GPU is there
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t, pin in host if pin}
+    return sum(storages.values())

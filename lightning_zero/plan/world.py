@@ -1,0 +1,149 @@
+"""The pretend world the planner runs the real engine in: a fake process group of any size, host
+memory on the meta device, and a recorder of the collectives :mod:`lightning_zero.comm` issues.
+
+torch ships the fake process group for its own tests (``torch.testing._internal.distributed.fake_pg``:
+backend ``"fake"``): every collective completes at once without touching data, so one process can
+be rank 0 of 1,024 ranks. Tensors are on the meta device (shapes and dtypes, no storage), so nothing
+the engine builds is allocated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero import comm
+
+#: the functions of :mod:`lightning_zero.comm` that are collectives (the others call these)
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "send", "recv", "barrier")
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
+    """Make this process rank 0 of a fake process group of ``world_size`` ranks for the block."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1.")
+    if dist.is_initialized():
+        raise ValueError(
+            "a process group already exists in this process; the planner makes its own fake one. "
+            "Run the plan in a process that has not started distributed training."
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        yield group
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def host_on_meta(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
+    """Host allocations of the engine (:mod:`lightning_zero.offload.host`) become meta tensors,
+    moving a meta tensor to the host keeps it meta, and stage 3 does not materialize meta modules;
+    appended to ``host`` with whether they would be pinned; ``copy_`` out of a meta tensor is
+    refused by torch, so the copy is left out (values do not matter here)."""
+
+    def host_empty(numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype, device="meta")
+        host.append((tensor, pin))
+        return tensor
+
+    def host_copy(tensor: torch.Tensor, pin: bool = True) -> torch.Tensor:
+        return host_empty(tensor.numel(), tensor.dtype, pin).view(tensor.shape)
+
+    original_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The offloaded step moves meta slices "to the host": they stay meta.
+        if self.is_meta:
+            target = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+            if target is not None and torch.device(target).type == "cpu":
+                kwargs["device"] = "meta"
+                args = tuple(a for a in args if not isinstance(a, (str, torch.device)))
+        return original_to(self, *args, **kwargs)
+
+    with (
+        mock.patch.object(torch.Tensor, "to", to),
+        # stage 3 gives meta parameters their values module by module; the plan's stay meta
+        mock.patch("lightning_zero.zero.build.materialize", lambda *args, **kwargs: None),
+        mock.patch("lightning_zero.zero.flat.host_empty", host_empty),
+        mock.patch("lightning_zero.zero.flat.host_copy", host_copy),
+        mock.patch("lightning_zero.zero.step_kernels.host_empty", host_empty),
+    ):
+        yield
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as issued: its :mod:`~lightning_zero.comm` function, the group's name and
+    the bytes of the whole buffer it moves (the full tensor of a reduce-scatter or all-gather)."""
+
+    op: str
+    group: str
+    nbytes: int
+
+
+def _nbytes(op: str, args: dict[str, Any]) -> int:
+    tensor = {"reduce_scatter": "full_in", "all_gather": "full_out"}.get(op, "tensor")
+    value = args.get(tensor)
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
+@contextmanager
+def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[None]:
+    """Append every collective of :mod:`lightning_zero.comm` issued in the block to ``calls``
+    (those on one-rank groups return early and move nothing: not recorded). ``groups`` names the
+    groups by ``id``; the default group (``None``) is named as the world group.
+
+    The fake group completes every collective at once; a real network is slower than the compute
+    that overlaps it. The asynchronous handles recorded here report themselves complete only once
+    waited for: the engine then keeps as many reductions (and their buckets) in flight as its own
+    limits allow, as behind a slow network."""
+    originals = {name: getattr(comm, name) for name in COLLECTIVES}
+
+    def wrap(name: str) -> Any:
+        original = originals[name]
+        signature = inspect.signature(original)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            group = bound.get("group")
+            if comm.world_size(group) > 1:
+                plain = group.group if isinstance(group, comm.CheckedGroup) else group
+                if plain is None:
+                    plain = dist.group.WORLD
+                calls.append(Call(name, groups.get(id(plain), "other"), _nbytes(name, bound)))
+            result = original(*args, **kwargs)
+            if isinstance(result, comm.Handle) and result is not comm._DONE:
+                handle = result
+                handle.is_completed = lambda: not handle._works  # type: ignore[method-assign]
+            return result
+
+        return recorded
+
+    with contextlib_patches({name: wrap(name) for name in COLLECTIVES}):
+        yield
+
+
+@contextmanager
+def contextlib_patches(replacements: dict[str, Any]) -> Iterator[None]:
+    """Replace functions of :mod:`lightning_zero.comm` for the block (its own functions call one
+    another through the module, so a wrapped ``broadcast`` also sees ``broadcast_tensors``'s)."""
+    saved = {name: getattr(comm, name) for name in replacements}
+    try:
+        for name, function in replacements.items():
+            setattr(comm, name, function)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(comm, name, function)

@@ -1,0 +1,78 @@
+"""The plan at 1,024 ranks of a GPT-2-sized model (124M parameters, built on the meta device): one
+rank's bytes follow the ZeRO formulas' 1/N terms (bf16-mixed Adam: stage 1 4Ψ + 12Ψ/N, stage 2
+2Ψ + 14Ψ/N, stage 3 16Ψ/N) plus the terms the plan names separately (communication buckets, module
+buffers). Padding is the only slack: each of the plan's flat buffers is
+padded to a multiple of N, at most N - 1 elements, so at most one element per buffer in a slice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.plan import plan
+from lightning_zero.plan.model import parse_input
+
+N = 1024
+GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
+
+
+def _within(value: int, low: float, high: float) -> bool:
+    return low <= value <= high
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_gpt2_plan_at_1024_ranks_follows_the_zero_formulas(tmp_path, stage):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT2))
+    # threshold 0: every parameter sharded under stage 3, so the formula has no persistent term
+    p = plan(str(config), N, zero=ZeroConfig(stage=stage, param_persistence_threshold=0), seq_len=16)
+    psi, buffers, dev = p.numel, p.flat_buffers, p.memory["device"]
+    assert 120e6 < psi < 130e6
+    shard_low, shard_high = psi / N, psi / N + buffers  # elements in one rank's slices
+    full_low, full_high = psi, psi + N * buffers
+    assert _within(dev["master_weights"], 4 * shard_low, 4 * shard_high)
+    assert _within(dev["optimizer_states"], 8 * shard_low, 8 * shard_high)  # Adam's two fp32 moments
+    if stage == 1:  # the full bucket, kept across micro-steps; the reduced slice is a view of it
+        assert _within(dev["gradients"], 2 * full_low, 2 * full_high)
+    else:
+        assert _within(dev["gradients"], 2 * shard_low, 2 * shard_high)
+    if stage < 3:
+        assert _within(dev["parameters"], 2 * full_low, 2 * full_high)
+    else:
+        assert _within(dev["parameters"], 2 * shard_low, 2 * shard_high)
+    formula = {1: 4 * psi + 12 * psi / N, 2: 2 * psi + 14 * psi / N, 3: 16 * psi / N}[stage]
+    # the terms named apart from the formula: communication buckets (pool blocks) and module buffers
+    states = sum(dev.values()) - dev["communication_buckets"] - dev["buffers"]
+    assert states == pytest.approx(formula, rel=0.01)
+    assert p.memory["host"]["master_weights"] == 0 and p.pinned_host_bytes == 0
+    ops = {t.op: t for t in p.step}
+    assert ops["reduce_scatter"].count == buffers  # one reduction per flat buffer
+
+
+def test_parse_input_refuses_a_shape_without_numbers():
+    assert parse_input("8,128:int64")[0] == (8, 128)
+    with pytest.raises(ValueError, match="give a shape"):
+        parse_input("eight:int64")
+
+
+def test_plan_refuses_what_it_does_not_model():
+    with pytest.raises(ValueError, match="16-mixed"):
+        plan("torch.nn:Linear", 2, precision="16-mixed", model_kwargs={"in_features": 3, "out_features": 5})
+    with pytest.raises(ValueError, match="example_input_array"):
+        plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5})
+
+
+def test_the_plan_command(capsys):
+    from lightning_zero.cli import main
+
+    args = ["plan", "torch.nn:Linear", "--kwargs", '{"in_features": 7, "out_features": 5}', "--world-size", "4"]
+    assert main([*args, "--stage", "3", "--param-persistence-threshold", "0", "--input", "3,7"]) == 0
+    out = capsys.readouterr().out
+    # a 7x5 Linear and its bias: 40 parameters, sharded into one flat buffer reduced once per step
+    assert "40 parameters, 4 data-parallel ranks, stage 3" in out and "reduce_scatter" in out
+    assert "not modeled:" in out
+    assert main([*args[:3], "{not json", *args[4:], "--input", "3,7"]) == 2
+    assert "lightning-zero plan: error" in capsys.readouterr().err
