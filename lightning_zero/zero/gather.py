@@ -169,7 +169,7 @@ class GatherCoordinator:
         self.names: list[str] = []  # qualified module names, for the collective checker's messages
         #: per module: the buffers its hooks gather (its own parameters'; a unit's: its subtree's)
         self.needs: list[list[FlatBuffer]] = []
-        self._handles = []
+        self._handles: list[Any] = []
         self._index_of: dict[int, int] = {}
         #: every module with sharded parameters below it: a forward that may read them (learned needs)
         self._qualnames: dict[int, tuple[str, nn.Module]] = {}
