@@ -141,8 +141,15 @@ def plan(
         for step in range(2):
             with record_collectives(step_calls if step else [], groups):
                 meter.start()
-                loss = forward()
-                meter.stop(module)
+                try:
+                    loss = forward()
+                except (RuntimeError, TypeError, IndexError) as error:
+                    raise ValueError(
+                        f"{type(module).__name__}'s forward failed on meta inputs {[(s, str(d)) for s, d in specs]}: "
+                        f"{error}. Give the forward's inputs with their shapes and dtypes (--input 8,128:int64)."
+                    ) from error
+                finally:
+                    meter.stop(module)
                 loss.backward()
                 engine.backward_done()
                 engine.step(optimizer)

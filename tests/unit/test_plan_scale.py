@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.plan import plan
@@ -63,6 +64,10 @@ def test_plan_refuses_what_it_does_not_model():
         plan("torch.nn:Linear", 2, precision="16-mixed", model_kwargs={"in_features": 3, "out_features": 5})
     with pytest.raises(ValueError, match="example_input_array"):
         plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5})
+    with pytest.raises(ValueError, match=r"forward failed on meta inputs \[\(\(2, 4\), 'torch.float32'\)\]"):
+        plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5}, inputs=[((2, 4), torch.float32)])
+    with pytest.raises(ValueError, match="cannot import"):
+        plan("torch.nn:NoSuchModule", 2)
 
 
 def test_the_plan_command(capsys):
