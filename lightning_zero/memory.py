@@ -99,6 +99,11 @@ def memory_breakdown(
     return counter.bytes
 
 
+def _storage_key(storage: torch.UntypedStorage, meta: bool) -> int:
+    # Meta storages all have data_ptr 0: told apart by the storage object itself.
+    return int(storage._cdata) if meta else int(storage.data_ptr())
+
+
 class ActivationMeter:
     """Bytes of the tensors autograd saves for backward between :meth:`start` and :meth:`stop` (one
     forward): distinct storages, parameters and their flat buffers excluded (they are model states).
@@ -108,16 +113,18 @@ class ActivationMeter:
     one Python call per saved tensor; the storages are referenced only until :meth:`stop`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, include_meta: bool = False) -> None:
+        #: count meta tensors too, by their storages' sizes (the planner's forward on the meta device)
+        self.include_meta = include_meta
         self.last = 0  # bytes at the end of the last metered forward
         self.peak = 0  # the most over all metered forwards
         self._saved: dict[int, torch.UntypedStorage] = {}
         self._hooks: Any = None
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, nn.Parameter) and tensor.device.type != "meta":
+        if not isinstance(tensor, nn.Parameter) and (self.include_meta or tensor.device.type != "meta"):
             storage = tensor.untyped_storage()
-            self._saved.setdefault(storage.data_ptr(), storage)
+            self._saved.setdefault(_storage_key(storage, tensor.device.type == "meta"), storage)
         return tensor
 
     def start(self) -> None:
@@ -135,7 +142,8 @@ class ActivationMeter:
         self._hooks = None
         if module is not None:
             for param in module.parameters():
-                self._saved.pop(param.untyped_storage().data_ptr(), None)
+                storage = param.untyped_storage()
+                self._saved.pop(_storage_key(storage, param.device.type == "meta"), None)
         self.last = sum(storage.nbytes() for storage in self._saved.values())
         self.peak = max(self.peak, self.last)
         self._saved = {}

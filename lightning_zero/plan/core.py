@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, ZeroConfig
-from lightning_zero.memory import CATEGORIES, memory_breakdown
+from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
 from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
-    "activations and autograd temporaries (the forward runs on meta tensors, nothing is measured)",
+    "the backward's peak and autograd temporaries beyond the saved activations",
     "the process group's own buffers, the allocator's slack, the batch",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
@@ -65,6 +65,10 @@ class Plan:
     flat_buffers: int
     largest_gather_bytes: int
     """Stage 3: the largest all-gather of one step (one gathered unit, or one publish bucket)."""
+    activations: int
+    """Bytes autograd saves for backward in one forward of the given inputs (the
+    :class:`~lightning_zero.memory.ActivationMeter` count, on meta tensors): not the peak of the
+    backward, nor temporaries freed during the forward."""
     step: tuple[CollectiveTotal, ...]
     setup: tuple[CollectiveTotal, ...]
     not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
@@ -133,9 +137,20 @@ def plan(
         with record_collectives(setup_calls, groups):
             engine = ZeroEngine(module, [optimizer], config=config, precision=precision, device=torch.device("meta"))
         forward = loss_fn(module, specs, PRECISIONS[precision][0])
+        meter = ActivationMeter(include_meta=True)
         for step in range(2):
             with record_collectives(step_calls if step else [], groups):
-                forward().backward()
+                meter.start()
+                try:
+                    loss = forward()
+                except (RuntimeError, TypeError, IndexError) as error:
+                    raise ValueError(
+                        f"{type(module).__name__}'s forward failed on meta inputs {[(s, str(d)) for s, d in specs]}: "
+                        f"{error}. Give the forward's inputs with their shapes and dtypes (--input 8,128:int64)."
+                    ) from error
+                finally:
+                    meter.stop(module)
+                loss.backward()
                 engine.backward_done()
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
@@ -154,6 +169,7 @@ def plan(
         pinned_host_bytes=_pinned(host, offload, device),
         flat_buffers=flat,
         largest_gather_bytes=max(gathers) if resolved.stage == 3 and gathers else 0,
+        activations=meter.last,
         step=_totals(step_calls),
         setup=_totals(setup_calls),
     )

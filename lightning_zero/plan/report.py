@@ -31,6 +31,7 @@ def format_plan(p: Plan) -> str:
     for category in CATEGORIES:
         lines.append(f"  {category:22} {_mib(p.memory['device'][category])} {_mib(p.memory['host'][category])}")
     lines.append(f"  {'total':22} {_mib(p.total('device'))} {_mib(p.total('host'))}")
+    lines.append(f"activations saved by one forward: {p.activations / 2**20:.2f} MiB")
     lines.append(f"pinned host memory: {p.pinned_host_bytes / 2**20:.2f} MiB")
     lines.append(
         f"buckets: reduce_bucket_size {z.reduce_bucket_size:,} elements, allgather_bucket_size "

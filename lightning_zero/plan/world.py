@@ -35,7 +35,10 @@ def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
             "a process group already exists in this process; the planner makes its own fake one. "
             "Run the plan in a process that has not started distributed training."
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:  # private to torch's tests, present from torch 2.1 on
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as error:
+        raise RuntimeError(f"this torch ({torch.__version__}) has no fake process group to plan in: {error}") from error
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:

@@ -2,10 +2,12 @@
 just before they are used and let them go right after.
 
 * Before a module's forward, the sharded flat buffers of its own parameters (tied ones included:
-  ``head.weight is embed.weight`` makes the LM head gather the embedding's buffer) are all-gathered;
-  after its forward they are released, unless another module still holds them (reference counts,
-  for nesting and for modules called several times) or the recorded order shows they are needed
-  again within the prefetch window ("reused soon").
+  ``head.weight is embed.weight`` makes the LM head gather the embedding's buffer) are all-gathered,
+  and for a *gather unit* (:mod:`~lightning_zero.zero.units`: HF blocks, ``nn.MultiheadAttention``,
+  RNNs, LoRA layers, ``gather_units``) those of its whole subtree; after its forward they are
+  released, unless another module still holds them (reference counts, for nesting and for modules
+  called several times) or the recorded order shows they are needed again within the prefetch
+  window ("reused soon").
 * A gradient hook on the module's outputs (``register_multi_grad_hook``, fired by the first of their
   gradients) gathers the buffers again before the gradients reach the module's own operations. (An
   identity autograd Function would do the same but would forbid in-place ops on the outputs.)
@@ -16,17 +18,23 @@ just before they are used and let them go right after.
   in all; when a step deviates (a different branch, a shorter sequence), prefetching stops for the
   rest of that step and the new trace replaces the old one. Nothing crashes on an order change.
 
-* Reading a released parameter as an attribute outside its module's forward (say
-  ``self.head.weight.norm()`` in ``training_step``) raises an error that names it: modules holding
-  sharded parameters get a subclass of their own class whose ``__getattr__`` checks, instead of
-  silently computing on this rank's piece (a released parameter is a view of its piece in the
-  shard, so that elementwise in-place edits over ``module.parameters()`` land in the shards).
-  ``ZeroStrategy.gathered_parameters`` makes such reads legal.
+* Reading a released parameter elsewhere: modules holding sharded parameters get a subclass of their
+  own class whose ``__getattr__`` asks the coordinator. Inside a running forward or a step (the
+  Trainer's steps, Fabric's root forward) the parameter is gathered on use and kept until the end of
+  the pass, and the module whose ``forward`` read it gathers it with its own from the next pass on;
+  in a step, a :class:`~lightning_zero.zero.released.GatherOnUse` mode also gathers parameters that
+  reach an op without an attribute read (``self.parameters()``). Elsewhere the read gives a
+  :class:`~lightning_zero.zero.released.ReleasedParameter`: the full metadata, no data, and the
+  error naming the parameter on any use of its values, instead of silently computing on this rank's
+  piece (a released parameter is a view of its piece in the shard, so that elementwise in-place
+  edits over ``module.parameters()`` land in the shards). ``ZeroStrategy.gathered_parameters``
+  makes such reads legal.
 
-All ranks must run the same modules in the same order (the all-gathers are collectives); a
-data-dependent branch that differs between ranks hangs, as it does in every ZeRO-3 implementation;
-``ZeroStrategy(debug_collectives=True)`` turns that hang into an error naming each rank's module
-(the gathers are labelled with the module's qualified name for it).
+All ranks must run the same modules in the same order (the all-gathers are collectives). On a gloo
+group each gather is preceded by an exchange of the buffer's number
+(:class:`~lightning_zero.debug.GatherOrderCheck`), so a branch taken by one rank only is an error
+naming what each rank was about to gather; elsewhere ``ZeroStrategy(debug_collectives=True)`` does
+the same for every collective (the gathers are labelled with the module's qualified name for it).
 """
 
 from __future__ import annotations
@@ -199,7 +207,7 @@ class GatherCoordinator:
         self.names: list[str] = []  # qualified module names, for the collective checker's messages
         #: per module: the buffers its hooks gather (its own parameters'; a unit's: its subtree's)
         self.needs: list[list[FlatBuffer]] = []
-        self._handles = []
+        self._handles: list[Any] = []
         self._index_of: dict[int, int] = {}
         #: every module with sharded parameters below it: a forward that may read them (learned needs)
         self._qualnames: dict[int, tuple[str, nn.Module]] = {}

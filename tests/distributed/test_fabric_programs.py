@@ -293,3 +293,108 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path) -> None:
         assert "disk full (injected)" in out["error"], out["error"]
         for key, value in out["saved"].items():
             torch.testing.assert_close(out["loaded"][key], value, rtol=0, atol=0, msg=key)
+
+
+# -- a LitGPT-like program: a small GPT, LitGPT's call order, load and save pattern --------------------
+
+
+def _gpt_program(spec: Any, tmp: str, name: str, part: str) -> dict[str, Any]:
+    """``part`` "first": init_module(empty_init=True), setup (model alone), an AdamW over the set-up
+    model's parameters, setup_optimizers, the pretrained weights through fabric.load_raw, 2 steps of 2
+    micro-batches (clipped), fabric.save of the state. "resume": a fresh program loads that state
+    (LitGPT's resume), 2 more steps, then the final model-only save. "eval": a third program loads the
+    final weights with model.load_state_dict(lazy_load(...)["model"]) (LitGPT's load_checkpoint, full
+    format) or fabric.load (sharded) and evaluates."""
+    from gpt_reference import VOCAB, tiny_gpt, tokens
+    from lightning.fabric.utilities.load import _lazy_load
+
+    fabric = make_fabric(spec)
+    fabric.seed_everything(1337)
+    with fabric.init_module(empty_init=True):
+        model = tiny_gpt(n_layer=2)
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.02))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iter_num": 0}
+    full = spec == "ddp" or spec.get("state_dict_type") == "full"
+    data = tokens(32)[fabric.global_rank :: 2]
+    out: dict[str, Any] = {"losses": []}
+    if part == "eval":
+        final = f"{tmp}/{name}/final.pth"
+        if full:
+            model.load_state_dict(_lazy_load(final)["model"])
+        else:
+            fabric.load(final, {"model": model})
+        with torch.no_grad():
+            logits = model(data[:4, :-1])
+        out["eval"] = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), data[:4, 1:].reshape(-1)).item()
+        fabric.strategy.teardown()
+        return out
+    if part == "first":
+        fabric.load_raw(f"{tmp}/gpt_pretrained.pt", model)
+    else:
+        fabric.load(f"{tmp}/{name}/step", state)
+    start = state["iter_num"]
+    for iter_num in range(start, start + 4):
+        batch = data[2 * iter_num : 2 * iter_num + 2]
+        accumulating = iter_num % 2 == 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            fabric.backward(loss / 2)
+        out["losses"].append(loss.item())
+        state["iter_num"] = iter_num + 1
+        if not accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    if part == "first":
+        fabric.save(f"{tmp}/{name}/step", state)
+    else:
+        fabric.save(f"{tmp}/{name}/final.pth", {"model": model})
+    fabric.strategy.teardown()
+    return out
+
+
+GPT_CASES = [
+    ("gpt_zero1", {"stage": 1}),
+    ("gpt_zero2_full", {"stage": 2, "state_dict_type": "full"}),
+    ("gpt_zero3_full", {**ZERO3, "state_dict_type": "full"}),
+    ("gpt_zero3_offload", {**ZERO3, "offload_optimizer": "cpu"}),
+]
+
+
+def _gpt_worker(rank: int, tmp: str) -> dict[str, Any]:
+    from gpt_reference import tiny_gpt
+
+    import lightning_zero  # noqa: F401
+
+    if rank == 0:  # "pretrained": the init moved by noise, so that a missed load shows
+        generator = torch.Generator().manual_seed(21)
+        pretrained = tiny_gpt(2)
+        with torch.no_grad():  # on the parameters: the tied embedding / head stays one value under its two keys
+            for param in pretrained.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+        torch.save(pretrained.state_dict(), f"{tmp}/gpt_pretrained.pt")
+    out = {}
+    for name, spec in [("gpt_ddp", "ddp"), *GPT_CASES]:
+        first = _gpt_program(spec, tmp, name, "first")
+        resumed = _gpt_program(spec, tmp, name, "resume")
+        out[name] = {"losses": first["losses"] + resumed["losses"], **_gpt_program(spec, tmp, name, "eval")}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_litgpt_like_program_matches_ddp(tmp_path) -> None:
+    for rank_out in run_ranks(_gpt_worker, str(tmp_path), timeout=600):
+        ddp = rank_out["gpt_ddp"]
+        for name, _ in GPT_CASES:
+            # every micro-batch loss of the first program and of the resumed one
+            torch.testing.assert_close(rank_out[name]["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=name)
+            # the final weights, saved and loaded back (sharded or full format), evaluate as DDP's
+            assert abs(rank_out[name]["eval"] - ddp["eval"]) <= LOSS_RTOL * abs(ddp["eval"]), name
+    ddp_final = torch.load(tmp_path / "gpt_ddp" / "final.pth", weights_only=True)["model"]
+    for name, spec in GPT_CASES:
+        if spec.get("state_dict_type") == "full":  # one file, as Fabric's DDP writes it
+            _close(name, torch.load(tmp_path / name / "final.pth", weights_only=True)["model"], ddp_final)

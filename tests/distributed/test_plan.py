@@ -76,7 +76,7 @@ def _counting(calls: list[tuple[str, int]]):  # noqa: ANN202 - a context manager
 
 def _real_worker(rank: int) -> list[tuple[dict, Counter]]:
     from lightning_zero.config import OffloadConfig, StrategyConfig, ZeroConfig
-    from lightning_zero.memory import memory_breakdown
+    from lightning_zero.memory import ActivationMeter, memory_breakdown
     from lightning_zero.zero.engine import ZeroEngine
 
     dist.init_process_group("gloo")
@@ -93,12 +93,16 @@ def _real_worker(rank: int) -> list[tuple[dict, Counter]]:
             )
             engine = ZeroEngine(model, [optimizer], config=config, precision="bf16-mixed", device=cpu)
             calls: list[tuple[str, int]] = []
+            meter = ActivationMeter()
             for step in range(2):  # the second step is the one compared (stage 3 prefetches from the first)
                 with _counting(calls if step else []):
-                    model(torch.randn(5, 7).to(torch.bfloat16)).float().mean().backward()
+                    meter.start()
+                    loss = model(torch.randn(5, 7).to(torch.bfloat16)).float().mean()
+                    meter.stop(model)
+                    loss.backward()
                     engine.backward_done()
                     engine.step(optimizer)
-            out.append((memory_breakdown(model, engine, cpu), Counter(calls)))
+            out.append((memory_breakdown(model, engine, cpu), Counter(calls), meter.last))
             engine.close()
     finally:
         dist.destroy_process_group()
@@ -111,7 +115,7 @@ def test_plan_equals_the_real_engine(world_size):
     from lightning_zero.plan import plan
 
     measured = run_ranks(_real_worker, world_size=world_size)[0]  # rank 0, as the plan
-    for (stage, offload, overlap), (breakdown, calls) in zip(CASES, measured, strict=True):
+    for (stage, offload, overlap), (breakdown, calls, activations) in zip(CASES, measured, strict=True):
         planned = plan(
             f"{__name__}:OddModel",
             world_size,
@@ -133,6 +137,10 @@ def test_plan_equals_the_real_engine(world_size):
                 # within 2% (the feature's promise); on these sizes the counts agree exactly
                 assert planned.memory[where][category] == pytest.approx(nbytes, rel=0.02, abs=0), (case, category)
         assert sum(planned.memory["device"].values()) > 0
+        # the same ops on meta tensors save tensors of the same shapes, but a meta function and its
+        # CPU kernel may differ in a small saved tensor: measured 1,492 planned against 1,472 bytes
+        # here (1.4%, not traced to one op); 2% is the plan's promise
+        assert activations > 0 and planned.activations == pytest.approx(activations, rel=0.02), case
         plan_calls = Counter()
         for total in planned.step:
             assert total.group == "data"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.plan import plan
@@ -63,6 +64,10 @@ def test_plan_refuses_what_it_does_not_model():
         plan("torch.nn:Linear", 2, precision="16-mixed", model_kwargs={"in_features": 3, "out_features": 5})
     with pytest.raises(ValueError, match="example_input_array"):
         plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5})
+    with pytest.raises(ValueError, match=r"forward failed on meta inputs \[\(\(2, 4\), 'torch.float32'\)\]"):
+        plan("torch.nn:Linear", 2, model_kwargs={"in_features": 3, "out_features": 5}, inputs=[((2, 4), torch.float32)])
+    with pytest.raises(ValueError, match="cannot import"):
+        plan("torch.nn:NoSuchModule", 2)
 
 
 def test_the_plan_command(capsys):
@@ -76,3 +81,28 @@ def test_the_plan_command(capsys):
     assert "not modeled:" in out
     assert main([*args[:3], "{not json", *args[4:], "--input", "3,7"]) == 2
     assert "lightning-zero plan: error" in capsys.readouterr().err
+
+
+def test_offloaded_states_are_host_memory_on_a_gpu_machine(tmp_path):
+    """No GPU is needed: the plan places what the engine allocates through lightning_zero.offload.host
+    (masters; the host copy of the reduced gradient slice) and the optimizer states beside the masters."""
+    pytest.importorskip("transformers")
+    from lightning_zero.config import OffloadConfig
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GPT2))
+    zero = ZeroConfig(stage=2, param_persistence_threshold=0)
+    p = plan(str(config), N, zero=zero, offload=OffloadConfig(offload_optimizer=True), seq_len=16)
+    psi, buffers = p.numel, p.flat_buffers
+    dev, host = p.memory["device"], p.memory["host"]
+    assert dev["master_weights"] == dev["optimizer_states"] == 0
+    assert _within(host["master_weights"], 4 * psi / N, 4 * (psi / N + buffers))
+    assert _within(host["optimizer_states"], 8 * psi / N, 8 * (psi / N + buffers) + 4 * buffers)  # + step counts
+    assert _within(dev["parameters"], 2 * psi, 2 * (psi + N * buffers))
+    # pinned: the fp32 masters and the bf16 host copies of the gradient slices (not a memory_breakdown
+    # category: the engine does not list them)
+    assert _within(p.pinned_host_bytes, 6 * psi / N, 6 * (psi / N + buffers))
+    unpinned = plan(
+        str(config), N, zero=zero, offload=OffloadConfig(offload_optimizer=True, pin_memory=False), seq_len=16
+    )
+    assert unpinned.pinned_host_bytes == 0 and unpinned.memory == p.memory
