@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -51,8 +49,8 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
+from lightning_zero.checkpoint.trainer_saves import CheckpointWriting
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
@@ -80,7 +78,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(CheckpointWriting, DDPStrategy):
     """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
     Args:
@@ -741,107 +739,6 @@ class ZeroStrategy(DDPStrategy):
             return super().optimizer_state(optimizer)
         assert self.lightning_module is not None
         return ckpt_save.optimizer_groups(self.lightning_module, self._engine, optimizer)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`),
-        or with ``state_dict_type="full"`` one Lightning checkpoint file from rank 0. Before ``fit``
-        (no process group yet: every rank holds the same whole model) only global rank 0 writes."""
-        if storage_options is not None:
-            raise TypeError(
-                "ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it does not use a CheckpointIO."
-            )
-        if not comm.initialized() and not self.is_global_zero:
-            return
-        if self._engine is not None:
-            self._engine.check_saveable()  # after fit under nvme restore_after_fit=False: nothing left to save
-        if self.config.checkpoint.state_dict_type == "full":
-            self._module_state_out = None  # rank 0's module state is whole already
-            where = ckpt_io.location(filepath)
-            if not where.local:
-                raise ValueError(
-                    f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
-                    "default, which writes to object stores too) or a local or shared path."
-                )
-            if not comm.initialized():
-                # Before fit nothing is partitioned: Lightning's dict is the whole checkpoint, written
-                # as DDP writes it (one torch.save; no staging through rank files).
-                write_file(where.as_path(), functools.partial(torch.save, checkpoint))
-                return
-            self._save_full(checkpoint, where.as_path())
-            return
-        self._complete_moved_module_state(checkpoint)
-        self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
-
-    def _finish_pending_save(self, abandon: bool = False) -> None:
-        """Publish the async save still being written (all ranks), or with ``abandon`` only wait for
-        this rank's writer (local). The next save waits for the previous one: one copy in host memory."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is None:
-            return
-        if abandon:
-            pending.wait()
-        else:
-            ckpt_save.commit_save(pending)
-
-    def _in_fit(self) -> bool:
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        return (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.status == TrainerStatus.RUNNING
-            and self._engine is not None
-        )
-
-    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any, background: bool = False) -> None:
-        assert self.lightning_module is not None
-        self._finish_pending_save()
-        self._pending_save = ckpt_save.save_sharded(
-            checkpoint,
-            filepath,
-            self.lightning_module,
-            self._engine,
-            self.optimizers,
-            self.precision_plugin.precision,
-            self._parallel.layout,
-            # Outside fit nothing would publish it later (no step boundary, no teardown): write now.
-            background=background and self._in_fit(),
-            node=self._node(),
-            host_buffer=self._save_buffer,
-            # during fit the replaced checkpoint is deleted by a thread (joined at teardown)
-            deletions=self._deletions if self._in_fit() else None,
-        )
-
-    def _node(self) -> ckpt_io.NodeRanks | None:
-        """This rank's node and local rank under node-local checkpoint storage (``None``: shared storage)."""
-        if not self.config.checkpoint.node_local_storage:
-            return None
-        return ckpt_io.NodeRanks(self.node_rank, self.local_rank)
-
-    def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
-        """A sharded save into a hidden staging directory beside ``path`` (every rank), turned by rank 0
-        into the plain file (one tensor gathered at a time from the shards) and then deleted; every
-        rank learns whether rank 0 succeeded, so a failure raises everywhere instead of hanging."""
-        staging = path.with_name(f".{path.name}.zero-full-staging")
-        self._save_sharded(checkpoint, staging)
-        error = None
-        if self.is_global_zero:
-            try:
-                to_lightning_checkpoint(staging, path, trust_pickles=True)  # our own file, just written
-            except Exception as exc:  # reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                ckpt_save.remove_sharded(staging)
-        errors = [e for e in comm.all_gather_object(error, None) if e] if comm.initialized() else [error]
-        if any(errors):
-            raise RuntimeError(f"writing the full checkpoint {path} failed on rank 0: {errors[0]}")
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        # ModelCheckpoint calls this on every rank after agreeing on it; the async save it may name
-        # is published first, so that the removal finds it.
-        self._finish_pending_save()
-        node = self._node()
-        if self.is_global_zero if node is None else node.writer:  # node-local: each node removes its own copy
-            ckpt_save.remove_sharded(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded directory, or a plain Lightning checkpoint file (DDP, single device)."""

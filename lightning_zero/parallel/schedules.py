@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_zero.config import PIPELINE_SCHEDULES as SCHEDULES
+from lightning_zero.parallel_config import PIPELINE_SCHEDULES as SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
+from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, ZeroConfig
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
@@ -125,7 +127,10 @@ def plan(
     host: list[tuple[torch.Tensor, bool]] = []
     setup_calls: list[Call] = []
     step_calls: list[Call] = []
-    with fake_world(world_size) as group, host_on_meta(host):
+    # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
+    # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
+    gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
+    with fake_world(world_size) as group, host_on_meta(host), gloo:
         from lightning_zero.zero.engine import ZeroEngine
 
         groups = {id(group): "data"}

@@ -19,6 +19,17 @@ N = 1024
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    """The planner refuses to run in a process that holds a process group (it makes its own fake
+    one). An earlier test of this pytest process may have left Lightning's: a one-device Trainer
+    under a DDP-derived strategy initializes a group of one rank and does not destroy it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _within(value: int, low: float, high: float) -> bool:
     return low <= value <= high
 
