@@ -163,19 +163,18 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             ``DeepSpeedStrategy(config=...)``: each key becomes the option, precision, Trainer check,
             optimizer or scheduler it maps to (:mod:`lightning_zero.deepspeed_config`); an option given
             here with a value other than its default overrides the config's.
-        broadcast_buffers: as DDP (default ``True``): rank 0's buffers are broadcast before each forward
-            DDP would broadcast them before (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
-        find_unused_parameters: DDPStrategy's argument, accepted: ZeRO reduces parameters without a
-            gradient anyway.
-        static_graph: DDPStrategy's argument, accepted: a scheduling hint that changes no result.
-        gradient_as_bucket_view: DDPStrategy's argument, accepted: gradients always go into ZeRO's buckets.
-        bucket_cap_mb: sets ``reduce_bucket_size`` in MiB of the gradient dtype (not with it).
-        ddp_comm_state: refused unless ``None`` (DDP communication hooks act on DDP's buckets).
-        ddp_comm_hook: refused unless ``None``; use ``reduce_dtype`` for compressed gradients.
-        ddp_comm_wrapper: refused unless ``None``.
-        model_averaging_period: refused unless ``None`` (post-local SGD averages whole replicas).
-        **ddp_kwargs: torch DDP's other arguments, each with its ZeRO meaning or a ValueError
-            (:class:`~lightning_zero.ddp_args.DataParallelConfig`); an unknown keyword is a TypeError.
+        broadcast_buffers: as DDP's default, rank 0's buffers (BatchNorm statistics) are broadcast
+            before the forward of each step that ends an accumulation window; False keeps each rank's own.
+        find_unused_parameters: accepted at any value (ZeRO reduces parameters without a gradient anyway).
+        static_graph: accepted at any value (a DDP scheduling hint).
+        gradient_as_bucket_view: accepted at any value (ZeRO's gradients always live in its buckets).
+        bucket_cap_mb: DDP's bucket size in MiB, turned into ``reduce_bucket_size`` elements.
+        ddp_comm_state: refused unless None (DDP communication hooks act on DDP's buckets).
+        ddp_comm_hook: refused unless None; for compressed gradients use ``reduce_dtype``.
+        ddp_comm_wrapper: refused unless None.
+        model_averaging_period: refused unless None (post-local SGD averages full replicas).
+        **ddp_kwargs: torch ``DistributedDataParallel``'s other arguments, each accepted with its ZeRO
+            meaning or refused with a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
 
     The remaining arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``, ...) are
     those of Lightning's ``DDPStrategy``.
