@@ -314,6 +314,18 @@ def new_gloo_group(like: ProcessGroup, timeout: timedelta | None) -> dist.Proces
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
+def side_gloo_group(group: ProcessGroup) -> ProcessGroup:
+    """A second gloo group over the ranks of the gloo group ``group``: small exchanges on it do not
+    queue behind large collectives in flight on ``group`` (gloo runs a group's work on a couple of
+    threads). ``group`` itself where it is not a gloo group of several ranks. Call on every rank of
+    ``group`` (only those: the ranks of other groups need not take part)."""
+    if not initialized() or world_size(group) == 1 or not _is_gloo(group):
+        return group
+    plain = _plain(group)
+    ranks = dist.get_process_group_ranks(plain if plain is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
 def default_store() -> dist.Store | None:
     """The rendezvous store of the default process group, ``None`` without one. Not a collective."""
     if not dist.is_available() or not dist.is_initialized():

@@ -19,7 +19,7 @@ so the branch is found at its first collective instead of as a hang::
 Costs one small object exchange per collective: for debugging, not for training runs.
 
 Without it, stage 3 on CPU (a gloo group) still checks its own gathers cheaply
-(:class:`GatherOrderCheck`): a rank-dependent branch is an error naming the module within a collective,
+(:class:`GatherOrderCheck`, once per hook that starts gathers): a rank-dependent branch is an error naming the module within a collective,
 not gloo's "Connection reset by peer" after the other rank aborted on a size mismatch. A rank that
 waits in a collective outside lightning_zero (Lightning's own ``all_reduce`` of a logged metric,
 say) while another waits in the checker still hangs until the collective timeout.
@@ -103,31 +103,53 @@ def checked_group(group: comm.ProcessGroup, timeout: timedelta | None) -> comm.C
 
 
 class GatherOrderCheck:
-    """Stage 3's default check that every rank is about to gather the same flat buffer: one all-gather
-    of one integer (the buffer's number, the same on every rank) before each parameter all-gather,
-    on the data group itself. Only where that group is gloo (CPU training): there the exchange costs
-    a few microseconds next to the gather, and a mismatched gather aborts the process from gloo's
-    thread, beyond any Python error. On NCCL groups ``debug_collectives`` does it (a check there
-    would synchronize the host with the device at every gather).
+    """Stage 3's default check that every rank is about to gather the same flat buffers: before the
+    parameter all-gathers that one hook starts (a module's own and those it prefetches), one
+    all-gather of a few integers naming them, on a side gloo group over the same ranks
+    (:func:`lightning_zero.comm.side_gloo_group`), so that it never waits behind the gathers in flight.
+    Only where the data group is gloo (CPU training): there the exchange costs microseconds next to
+    the gathers, and a mismatched gather aborts the process from gloo's thread, beyond any Python
+    error. On NCCL groups ``debug_collectives`` does it (a check there would synchronize the host
+    with the device at every gather).
 
     Args:
-        group: the data-parallel group (a plain gloo group: :func:`lightning_zero.comm.is_plain_gloo`).
+        group: the group the check runs on (the side group of a plain gloo data group).
         describe: buffer number -> what it holds, for the error message.
     """
+
+    #: buffer numbers listed by name in the error message (the rest are compared through a hash)
+    LISTED = 6
 
     def __init__(self, group: comm.ProcessGroup, describe: Callable[[int], str]) -> None:
         self.group = group
         self.describe = describe
-        self._mine = torch.zeros(1, dtype=torch.int64)
-        self._all = torch.zeros(comm.world_size(group), dtype=torch.int64)
+        width = self.LISTED + 2  # count, the first LISTED numbers, a hash of all of them
+        self._mine = torch.zeros(width, dtype=torch.int64)
+        self._all = torch.zeros(comm.world_size(group) * width, dtype=torch.int64)
 
-    def agree(self, code: int, label: str) -> None:
-        """Raise on every rank unless all ranks pass the same ``code``. Call on all ranks."""
-        self._mine[0] = code
+    def _encode(self, codes: list[int]) -> list[int]:
+        digest = len(codes)
+        for code in codes:  # a polynomial hash, the same on every rank (Python's hash() is per process)
+            digest = (digest * 1_000_003 + code + 1) % (1 << 61)
+        listed = codes[: self.LISTED]
+        return [len(codes), *listed, *([-1] * (self.LISTED - len(listed))), digest]
+
+    def _name(self, row: list[int]) -> str:
+        count, listed = row[0], [c for c in row[1 : 1 + self.LISTED] if c >= 0]
+        if count == 0:
+            return "nothing"
+        more = f" and {count - len(listed)} more buffer(s)" if count > len(listed) else ""
+        return "; ".join(self.describe(c) for c in listed) + more
+
+    def agree(self, codes: list[int], label: str) -> None:
+        """Raise on every rank unless all ranks pass the same buffer numbers ``codes`` (in order).
+        Call on all ranks."""
+        self._mine.copy_(torch.tensor(self._encode(codes), dtype=torch.int64))
         comm.all_gather(self._all, self._mine, self.group, label="stage 3 gather order")
-        codes = self._all.tolist()
-        if any(c != code for c in codes):
-            listing = "\n".join(f"  rank {r}: {self.describe(c)}" for r, c in enumerate(codes))
+        width = self._mine.numel()
+        rows = self._all.view(-1, width).tolist()
+        if any(row != rows[0] for row in rows):
+            listing = "\n".join(f"  rank {r}: {self._name(row)}" for r, row in enumerate(rows))
             raise RuntimeError(
                 f"the ranks are about to gather different parameters under ZeRO stage 3 (this rank: {label}):\n"
                 f"{listing}\nEvery rank must run the same modules in the same order: a branch that depends on "

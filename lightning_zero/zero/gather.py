@@ -191,7 +191,9 @@ class GatherCoordinator:
             if not b.persistent and all(b is not o for o in self._all):
                 self._all.append(b)
         self._number = {id(b): i for i, b in enumerate(self._all)}
-        self._order = GatherOrderCheck(group, self._describe) if comm.is_plain_gloo(group) else None
+        self._order = (
+            GatherOrderCheck(comm.side_gloo_group(group), self._describe) if comm.is_plain_gloo(group) else None
+        )
 
         def sharded(params: Any) -> list[FlatBuffer]:
             found: list[FlatBuffer] = []
@@ -245,11 +247,16 @@ class GatherCoordinator:
         names = [self._params[id(p)][0] for p in self._all[number].params if id(p) in self._params]
         return "the parameters " + ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
 
-    def _start(self, b: FlatBuffer, label: str) -> None:
-        """Start ``b``'s gather (a no-op unless released), first checking that every rank gathers it."""
-        if self._order is not None and b.state is ParamState.RELEASED:
-            self._order.agree(self._number[id(b)], label)
-        b.gather_start(self.group, label)
+    def _start(self, buffers: list[FlatBuffer], label: str) -> None:
+        """Start the gathers of those of ``buffers`` that are released, first checking (one exchange
+        for all of them) that every rank is about to gather the same ones."""
+        released = [b for b in buffers if b.state is ParamState.RELEASED]
+        if not released:
+            return
+        if self._order is not None:
+            self._order.agree([self._number[id(b)] for b in released], label)
+        for b in released:
+            b.gather_start(self.group, label)
 
     def _track(self, sub: nn.Module, needs: list[FlatBuffer]) -> None:
         """Give ``sub`` the hooks that gather ``needs`` around its forward and before its backward."""
@@ -350,8 +357,7 @@ class GatherCoordinator:
 
     def acquire(self, buffers: list[FlatBuffer], label: str = "") -> None:
         """Gather ``buffers`` (waiting for any in flight) and hold them. Call on all ranks."""
-        for b in buffers:
-            self._start(b, label)
+        self._start(buffers, label)
         for b in buffers:
             b.gather_wait()
             self._refs[id(b)] = self._refs.get(id(b), 0) + 1
@@ -375,8 +381,15 @@ class GatherCoordinator:
         return sum(b.numel for b in self._all if b.state is not ParamState.RELEASED)
 
     def _prefetch(self, upcoming: list[int]) -> None:
+        """Start the gathers of the next modules' buffers, up to the prefetch window."""
+        if upcoming:
+            self._start(self._window(upcoming), f"{self.names[upcoming[0]]} (prefetch)")
+
+    def _window(self, upcoming: list[int]) -> list[FlatBuffer]:
+        """The released buffers that the modules ``upcoming`` need, in order, that fit the window."""
         budget = self.config.prefetch_bucket_numel
         live = self._live_numel()
+        chosen: list[FlatBuffer] = []
         seen: set[int] = set()
         for index in upcoming:
             for b in self.needs[index]:
@@ -390,25 +403,26 @@ class GatherCoordinator:
                     # alive at once in backward, the model's full fp32 size, with a 5M window).
                     budget -= b.numel
                     if budget < 0:
-                        return
+                        return chosen
                     continue
                 if self.shard_tier is not None and b.shard_tier is not None and not self.shard_tier.ready(b):
                     # its shard's read was not started at an earlier hook (ParamTier.ready: a decision
                     # that gates a collective, so the same on every rank, not "has my read finished")
-                    return
+                    return chosen
                 if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
-                    return
-                self._start(b, f"{self.names[index]} (prefetch)")
+                    return chosen
+                chosen.append(b)
                 budget -= b.numel
                 live += b.numel
+        return chosen
 
     # -- forward -------------------------------------------------------------------------------
 
     def _make_pre_forward(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
             if _RECOMPUTING.get():  # activation checkpointing, in backward: gather only
-                for b in self.needs[index]:  # no reference taken: no post-forward drop follows
-                    self._start(b, f"{self.names[index]} (recompute)")
+                # no reference taken: no post-forward drop follows
+                self._start(self.needs[index], f"{self.names[index]} (recompute)")
                 for b in self.needs[index]:
                     b.gather_wait()
                 return
@@ -459,8 +473,7 @@ class GatherCoordinator:
 
     def pre_backward(self, index: int) -> None:
         """Gather a module's parameters before its backward; prefetch the modules that ran before it."""
-        for b in self.needs[index]:
-            self._start(b, f"{self.names[index]} (backward)")
+        self._start(self.needs[index], f"{self.names[index]} (backward)")
         for b in self.needs[index]:
             b.gather_wait()
         cursor = self._bwd_cursor if self._bwd_cursor >= 0 else len(self.trace)

@@ -140,7 +140,8 @@ class BranchModel(ParityModel):
         return super().training_step(batch, batch_idx)
 
 
-ZERO3_DEBUG = {"stage": 3, "param_persistence_threshold": 10, "reduce_bucket_size": 40, "debug_collectives": True}
+ZERO3 = {"stage": 3, "param_persistence_threshold": 10, "reduce_bucket_size": 40}
+ZERO3_DEBUG = {**ZERO3, "debug_collectives": True}
 
 
 def _debug_worker(rank: int) -> dict:
@@ -152,6 +153,14 @@ def _debug_worker(rank: int) -> dict:
         out["branch"] = None
     except RuntimeError as error:
         out["branch"] = str(error)
+    # Without debug_collectives, stage 3's own gather-order check: from the first step (no prefetch
+    # plan yet) and from the third (rank 0 on last step's plan, prefetching; rank 1 off it).
+    for branch_at in (0, 2):
+        try:
+            fit(ZERO3, model_cls=BranchModel, model_kwargs={"branch_at": branch_at}, max_steps=4)
+            out[f"order_{branch_at}"] = None
+        except RuntimeError as error:
+            out[f"order_{branch_at}"] = str(error)
     try:
         fit({"stage": 2, "reduce_bucket_size": 40}, model_cls=BranchModel, model_kwargs={"oom_at": 1}, max_steps=3)
         out["oom"] = None
@@ -173,6 +182,16 @@ def test_collective_checker_names_both_calls(debug_results):
         lines = {line.split(":", 1)[0].strip(): line for line in message.splitlines() if line.startswith("  rank ")}
         assert "all_gather for 'extra' (forward)" in lines["rank 1"]
         assert "'extra'" not in lines["rank 0"] and "all_gather for" in lines["rank 0"]
+
+
+def test_gather_order_check_names_both_ranks_modules(debug_results):
+    for result in debug_results:
+        for key in ("order_0", "order_2"):
+            message = result[key]
+            assert message is not None and "about to gather different parameters" in message, (key, message)
+            lines = {line.split(":", 1)[0].strip(): line for line in message.splitlines() if line.startswith("  rank ")}
+            assert "'extra.weight'" in lines["rank 1"], (key, message)
+            assert "'extra" not in lines["rank 0"], (key, message)
 
 
 def test_out_of_memory_message(debug_results):
