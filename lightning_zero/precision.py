@@ -53,6 +53,7 @@ from torch import nn
 from lightning_zero.config import PRECISIONS, LossScaleConfig, NvmeConfig, OffloadConfig, normalize_precision
 from lightning_zero.exposure import reads_step_grads
 from lightning_zero.hardware import warn_if_slow_bf16
+from lightning_zero.zero.build import fp32_norm_params
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -196,6 +197,8 @@ class OffloadPrecision(HalfPrecision):
 
         Parameters already of that dtype (those in ZeRO's flat buffers) keep their storage. "32-true"
         casts nothing, as Lightning's: every parameter keeps its dtype (ZeRO's flat buffers too).
+        Under "bf16-mixed" and "16-mixed" batch-norm weights stay fp32 beside their fp32 running
+        statistics (:func:`~lightning_zero.zero.build.fp32_norm_params`).
         """
         if self.engine_precision == "32-true":
             return module
@@ -203,7 +206,10 @@ class OffloadPrecision(HalfPrecision):
             for buffer in list(module.buffers()):
                 if buffer.is_floating_point() and buffer.dtype != self.compute_dtype:
                     buffer.data = buffer.data.to(self.compute_dtype)
+        kept = fp32_norm_params(module) if self.separate_master else frozenset()
         for param in module.parameters():
+            if id(param) in kept:
+                continue
             if param.is_floating_point() and param.dtype != self.compute_dtype:
                 param.data = param.data.to(self.compute_dtype)
         return module

@@ -65,10 +65,14 @@ class BuildContext:
     keep_param_dtypes: bool = False
     """"32-true": every parameter keeps its own dtype, as under DDP (a ``.double()`` sub-module stays
     float64, in flat buffers of its own); otherwise every floating parameter gets ``dtype``."""
+    fp32_params: frozenset[int] = frozenset()
+    """``id``\ s of parameters kept in fp32 under mixed precision (:func:`fp32_norm_params`)."""
 
     def dtype_of(self, param: torch.Tensor) -> torch.dtype:
         """The dtype ``param`` has in its flat buffer."""
-        return param.dtype if self.keep_param_dtypes else self.dtype
+        if self.keep_param_dtypes:
+            return param.dtype
+        return torch.float32 if id(param) in self.fp32_params else self.dtype
 
     @property
     def rank(self) -> int:
@@ -107,6 +111,18 @@ class BuildContext:
             runs = plan_buckets([p.numel() for p in same], self.config.reduce_bucket_numel)
             out += [self.buffer([same[i] for i in run], group, persistent=True) for run in runs]
         return out
+
+
+def fp32_norm_params(module: nn.Module) -> frozenset[int]:
+    """``id``\ s of the parameters that stay fp32 under 16-bit mixed precision: those of batch-norm
+    layers (``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones).
+    Their running statistics are fp32 buffers, and torch's kernels take a 16-bit input with fp32
+    weights and statistics (what autocast gives under DDP), not 16-bit weights beside fp32 statistics."""
+    found: set[int] = set()
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            found.update(id(p) for p in sub.parameters(recurse=False) if p.is_floating_point())
+    return frozenset(found)
 
 
 Holders = tuple[tuple[int, int], ...]

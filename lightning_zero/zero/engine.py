@@ -41,7 +41,14 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, StrategyConfig, grad_dtype
 from lightning_zero.offload.nvme import SwapStore
-from lightning_zero.zero.build import BuildContext, Holders, build_bucketed, build_sharded, optimizer_owners
+from lightning_zero.zero.build import (
+    BuildContext,
+    Holders,
+    build_bucketed,
+    build_sharded,
+    fp32_norm_params,
+    optimizer_owners,
+)
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.engine_checkpoint import CheckpointSurface, _unwrap
 from lightning_zero.zero.flat import FlatBuffer, GradState
@@ -191,6 +198,7 @@ class ZeroEngine(CheckpointSurface):
             recordings=tuple(recordings),
             sink=sink,
             keep_param_dtypes=precision == "32-true",  # as DDP (Lightning's 32-true casts nothing)
+            fp32_params=fp32_norm_params(module) if separate_master else frozenset(),
         )
         self._frozen: list[FlatBuffer] = []
         self._ctx = ctx  # parameter groups added during fit get their buffers from it
