@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, fit, state
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +45,7 @@ class Block(nn.Module):
 
 
 def _model_cls() -> type:
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     class Blocks(ParityModel):
         def __init__(self, **kwargs: Any) -> None:

@@ -18,11 +18,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import WIDTH, ParityModel, build_strategy, fit, make_loader, state
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import free_port, run_ranks
+from tests.helpers.models import WIDTH, ParityModel, make_loader, state
+from tests.helpers.trainer import build_strategy, fit, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent
@@ -65,17 +66,14 @@ def _fit(spec, world_size, rank, max_steps, ckpt_path=None, callbacks=(), model_
 
     pl.seed_everything(7, verbose=False)
     model = DropoutModel(**(model_kwargs or {}))
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world_size,
         strategy=build_strategy(spec),
         precision=precision,
         max_steps=max_steps,
-        logger=False,
         callbacks=list(callbacks),
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,

@@ -24,6 +24,7 @@ from test_checkpoint import DropoutModel, _loader
 from test_checkpoint_io import _error
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -47,18 +48,15 @@ def _fit(
 
     pl.seed_everything(7, verbose=False)
     model = DropoutModel()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         num_nodes=2,
         strategy=ZeroStrategy(stage=2, reduce_bucket_size=50, node_local_storage=node_local),
         precision="32-true",
         max_steps=8,
-        logger=False,
         callbacks=list(callbacks),
         enable_checkpointing=any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,

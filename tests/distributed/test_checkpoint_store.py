@@ -13,11 +13,12 @@ import urllib.request
 
 import pytest
 import torch
-from models import ParityModel, fit, state
 from test_checkpoint import _fit, check_frozen_buffers, frozen_buffers_worker, opened_files
 from torch import nn
 
 from lightning_zero.testing import free_port, run_ranks
+from tests.helpers.models import ParityModel, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 ZERO2 = {"stage": 2, "reduce_bucket_size": 50}

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, ParityModel, make_loader
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, ParityModel, make_loader
+from tests.helpers.parity import max_rel, norm_rel
 
 pytestmark = pytest.mark.distributed
 
@@ -119,10 +120,6 @@ def _parity_worker(rank: int, specs: list, precision: str = "32-true") -> dict:
     return {(name, clip, opt): run(spec, clip, opt, how, precision) for name, spec, clip, opt, how in specs}
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
     zero2 = {"stage": 2, "reduce_bucket_size": 40}
     # AdamW is blind to clipping by norm when every step clips (a common factor on the gradients of
@@ -165,10 +162,10 @@ def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
                 torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=(name, clip, opt)
             )
             for key, value in ref["state"].items():
-                assert _max_rel(got["state"][key], value) <= 1e-5, (name, clip, opt, key)
+                assert max_rel(got["state"][key], value) <= 1e-5, (name, clip, opt, key)
     # clipping acted: by norm and by value the SGD runs end in other places
     by_norm, by_value = results[0][("ddp", "norm", "sgd")], results[0][("ddp", "value", "sgd")]
-    assert _max_rel(by_norm["state"]["up.weight"], by_value["state"]["up.weight"]) > 1e-3
+    assert max_rel(by_norm["state"]["up.weight"], by_value["state"]["up.weight"]) > 1e-3
 
 
 def _discard_worker(rank: int) -> dict:
@@ -201,7 +198,7 @@ def test_fabric_strategy_zero_grad_discards_the_window():
         for name in ("zero2", "zero3"):
             for key, value in res["ddp"].items():
                 # one SGD step in fp32: the summation order alone, ~1e-7 relative; 1e-5 as above
-                assert _max_rel(res[name][key], value) <= 1e-5, (name, key)
+                assert max_rel(res[name][key], value) <= 1e-5, (name, key)
 
 
 def _loss_scale_worker(rank: int, tmp: str) -> dict:
@@ -262,10 +259,6 @@ def test_fabric_fp16_overflow_skips_step_and_halves_scale(tmp_path):
         assert res["loaded_scale"] == res["scale"]  # the scaler's state is in the checkpoint
 
 
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def test_fabric_bf16_mixed_matches_ddp():
     specs = [
         ("ddp", "ddp", "norm", "adamw", "setup"),
@@ -283,7 +276,7 @@ def test_fabric_bf16_mixed_matches_ddp():
             # wrong shard mapping gives ~1).
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
             for key, value in ref["state"].items():
-                assert _norm_rel(got["state"][key], value) <= 5e-2, (name, key)
+                assert norm_rel(got["state"][key], value) <= 5e-2, (name, key)
 
 
 def _errors_worker(rank: int) -> dict:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.parity import max_rel
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -75,25 +77,17 @@ def _worker(rank: int, specs: list) -> dict:
         pl.seed_everything(7, verbose=False)
         model = TinyGAN()
         strategy = DDPStrategy(find_unused_parameters=True) if spec == "ddp" else ZeroStrategy(**spec)
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=strategy,
             max_steps=8,  # Lightning counts both optimizers' steps: 4 batches
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(real), batch_size=3))
         with trainer.strategy.gathered_parameters() if spec != "ddp" else contextlib.nullcontext():
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         out[name] = {"losses": model.losses, "state": weights}
     return out
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def test_two_optimizers_manual_match_ddp():
@@ -115,4 +109,4 @@ def test_two_optimizers_manual_match_ddp():
                 torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0
             )
             for key, value in ref["state"].items():
-                assert _max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)
+                assert max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)

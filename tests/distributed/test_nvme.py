@@ -14,11 +14,12 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback
-from models import fit, state
 
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload import nvme as nvme_io
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -418,7 +419,7 @@ def _no_space_worker(rank: int, nvme_path: str, optimizer_name: str) -> str:
 @pytest.mark.parametrize(("optimizer_name", "moment_bytes"), [("adamw", 4), ("cpuadam_bf16", 2)])
 def test_free_space_is_checked_before_training(tmp_path, optimizer_name, moment_bytes):
     (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), optimizer_name, world_size=1)
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     # ParityModel's trainable elements * (4 + 2 * moment bytes) (fp32 master + 2 moments, bf16 ones
     # under ops.CPUAdam(state_dtype=torch.bfloat16)) on the one rank, plus a 4096-byte block of
@@ -446,9 +447,8 @@ class _InitialWeights(Callback):
 
 
 def _configure_model_worker(rank: int, nvme_path: str, devices: int) -> dict:
-    from models import BuiltInConfigureModel
-
     from lightning_zero.offload.nvme import SwapStore
+    from tests.helpers.models import BuiltInConfigureModel
 
     if rank == 1:
         # A slow disk on one rank: none of its reads has completed until waited for. Whatever the

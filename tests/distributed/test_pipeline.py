@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
-from gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens
 
 EPS = 1e-6  # AdamW's eps: see the module docstring
 
@@ -131,17 +132,13 @@ def _fit(
         sequence_parallel=sequence_parallel,
         **options,
     )
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
         precision="32-true",
         max_steps=STEPS,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate,
     )
@@ -293,15 +290,11 @@ def _failing_worker(rank: int) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_micro_batches=2),
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     start = time.perf_counter()
     try:

@@ -32,14 +32,14 @@ import pytest
 import torch
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
-from gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens
-
 
 def _gpt():
-    from gpt_reference import tiny_gpt
+    from tests.helpers.gpt_reference import tiny_gpt
 
     return tiny_gpt(n_layer=2)
 
@@ -117,17 +117,13 @@ def _fit(
         sequence_parallel=sequence_parallel,
         **options,
     )
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=tensor_parallel * data_parallel,
         strategy=strategy,
         precision="32-true",
         max_steps=STEPS,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
@@ -273,16 +269,12 @@ def _recipe_fit(tensor_parallel: int) -> dict:
     module = GPT2LM(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32), OptimizerConfig(lr=LR))
     record = Record()
     strategy = ZeroStrategy(stage=2, tensor_parallel_size=2) if tensor_parallel > 1 else "auto"
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=tensor_parallel,
         strategy=strategy,
         precision="32-true",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[record],
     )

@@ -7,9 +7,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import StateEveryStep, build_strategy, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import StateEveryStep, make_loader, state
+from tests.helpers.trainer import build_strategy, fit
 
 pytestmark = pytest.mark.distributed
 
@@ -107,9 +108,8 @@ def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
 
 
 def _eval_worker(rank: int) -> dict:
-    from models import ParityModel
-
     import lightning_zero  # noqa: F401 (registers the strategy names)
+    from tests.helpers.models import ParityModel
 
     trainer, model = fit(
         "zero2", max_steps=2, devices=1, precision="bf16-mixed", trainer_kwargs={"limit_val_batches": 1.0}
@@ -137,7 +137,7 @@ def _environment_worker(rank: int) -> dict:
     fit({"stage": 2, "offload_optimizer": True}, max_steps=2)  # offload sets torch's threads per rank
     after_fit = dict(os.environ)
     threads_after_fit = torch.get_num_threads()
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     class FailsAtStep1(ParityModel):
         def training_step(self, batch, batch_idx):
@@ -196,9 +196,8 @@ def test_strategy_backward_left_to_lightning():
 def _save_before_fit_worker(rank: int, tmp: str, state_dict_type: str) -> dict:
     import os
 
-    from models import ParityModel
-
     from lightning_zero import ZeroStrategy
+    from tests.helpers.models import ParityModel
 
     pl.seed_everything(7, verbose=False)
     model = ParityModel()
