@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_fabric import make_fabric, train, weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.fabric import make_fabric, train, weights
 from tests.helpers.models import ParityModel, make_loader
 from tests.helpers.parity import max_rel
 from tests.helpers.trainer import fit

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_fabric import make_fabric, train, weights
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.fabric import make_fabric, train, weights
 from tests.helpers.models import ParityModel, make_loader
 
 pytestmark = pytest.mark.distributed
