@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.model_parallel import fit_pipelined, fit_tensor_parallel
 from tests.helpers.models import VOCAB, state
 from tests.helpers.trainer import fit
 
@@ -114,9 +115,6 @@ def test_checkpointing_matches_the_run_without_it(stage: int, policy: str):
 
 
 def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
-    import test_pipeline
-    import test_tensor_parallel
-
     from recipes.gpt2.model import Block as GPTBlock
 
     counts = {"forwards": 0}
@@ -132,14 +130,12 @@ def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
         for name, policy in (("plain", None), ("checkpointed", {GPTBlock})):
             counts["forwards"] = 0
             if pipeline > 1:
-                res = test_pipeline._fit(
+                res = fit_pipelined(
                     world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b",
                     activation_checkpointing=policy,
                 )  # fmt: skip
             else:  # sequence parallelism: the recompute repeats its gathers and reduce-scatters too
-                res = test_tensor_parallel._fit(
-                    tensor, 1, stage=2, sequence_parallel=True, activation_checkpointing=policy
-                )
+                res = fit_tensor_parallel(tensor, 1, stage=2, sequence_parallel=True, activation_checkpointing=policy)
                 res["weights"] = res["params"]
             out[name] = {"losses": res["losses"], "norms": res["norms"], "weights": res["weights"]}
             out[name]["forwards"] = counts["forwards"]
