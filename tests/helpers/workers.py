@@ -20,6 +20,9 @@ NOISE, DATA, HIDDEN = 5, 7, 13
 
 
 def resume_worker(rank: int, tmp: str, first: object, second: object, precision: str, optimizer: str = "adamw") -> dict:
+    """8 steps under strategy ``first`` with a checkpoint at step 4, then a resume from it to step 8
+    under ``second`` (a sharded checkpoint is converted first when ``second`` is DDP); both runs'
+    losses and final states, which a caller compares."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     # 12 rows / batch 3 = 4 optimizer steps per epoch on each rank. The default ModelCheckpoint
@@ -99,6 +102,8 @@ class TinyGAN(pl.LightningModule):
 
 
 def gan_worker(rank: int, specs: list) -> dict:
+    """:class:`TinyGAN` for 4 batches under each ``(name, spec)`` of ``specs`` (``"ddp"`` or ZeroStrategy
+    arguments); per name, the losses and the final (gathered) state."""
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_zero import ZeroStrategy
