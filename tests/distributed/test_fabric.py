@@ -2,7 +2,7 @@
 zero2_offload (gradient accumulation under ``fabric.no_backward_sync``, clipping by norm and by value,
 ``fabric.init_module()`` at stage 3), and the errors a Fabric user meets before any work starts.
 
-The model is ``models.ParityModel`` (odd shapes, a tied weight, a frozen layer, an unused parameter,
+The model is ``tests.helpers.models.ParityModel`` (odd shapes, a tied weight, a frozen layer, an unused parameter,
 modules called twice, two parameter groups, an LR scheduler), trained by a plain Fabric loop.
 """
 

@@ -1,6 +1,6 @@
 """ZeRO stage 1 and 2 against Lightning's DDP on 2 CPU/gloo ranks: same seed, same data.
 
-The model (see models.py) has odd shapes, tied and frozen weights, an unused parameter and two
+The model (see tests/helpers/models.py) has odd shapes, tied and frozen weights, an unused parameter and two
 parameter groups; runs use gradient accumulation 2, norm clipping and an LR scheduler.
 """
 
