@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# run by path (by torchrun, or as SLURM's task): the repository root, for tests.helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import ParityModel, fit  # noqa: E402  (the parity model and its Trainer options, from this folder)
+from tests.helpers.models import ParityModel  # noqa: E402 - after the path above
+from tests.helpers.trainer import fit  # noqa: E402 - after the path above
 
 
 class NodeLocalData(ParityModel):

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, fit, state
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.model_parallel import fit_pipelined, fit_tensor_parallel
+from tests.helpers.models import VOCAB, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +46,7 @@ class Block(nn.Module):
 
 
 def _model_cls() -> type:
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     class Blocks(ParityModel):
         def __init__(self, **kwargs: Any) -> None:
@@ -113,9 +115,6 @@ def test_checkpointing_matches_the_run_without_it(stage: int, policy: str):
 
 
 def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
-    import test_pipeline
-    import test_tensor_parallel
-
     from recipes.gpt2.model import Block as GPTBlock
 
     counts = {"forwards": 0}
@@ -131,14 +130,12 @@ def _model_parallel_worker(rank: int, tensor: int, pipeline: int) -> dict:
         for name, policy in (("plain", None), ("checkpointed", {GPTBlock})):
             counts["forwards"] = 0
             if pipeline > 1:
-                res = test_pipeline._fit(
+                res = fit_pipelined(
                     world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b",
                     activation_checkpointing=policy,
                 )  # fmt: skip
             else:  # sequence parallelism: the recompute repeats its gathers and reduce-scatters too
-                res = test_tensor_parallel._fit(
-                    tensor, 1, stage=2, sequence_parallel=True, activation_checkpointing=policy
-                )
+                res = fit_tensor_parallel(tensor, 1, stage=2, sequence_parallel=True, activation_checkpointing=policy)
                 res["weights"] = res["params"]
             out[name] = {"losses": res["losses"], "norms": res["norms"], "weights": res["weights"]}
             out[name]["forwards"] = counts["forwards"]

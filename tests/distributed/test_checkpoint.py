@@ -5,84 +5,31 @@ ModelCheckpoint top-k, and the errors a user meets. Several checks share one spa
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from models import WIDTH, ParityModel, build_strategy, fit, make_loader, state
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import free_port, run_ranks
+from tests.helpers.checkpoint import (
+    BufferModel,
+    DropoutModel,
+    check_frozen_buffers,
+    fit_dropout,
+    frozen_buffers_worker,
+)
+from tests.helpers.models import state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
-HERE = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 # Every parameter sharded (none kept whole by the persistence threshold), buckets cutting through them.
 ZERO3 = {"stage": 3, "reduce_bucket_size": 30, "param_persistence_threshold": 0}
-
-
-class DropoutModel(ParityModel):
-    """ParityModel with dropout: a resume is exact only if the random states are restored too."""
-
-    def __init__(self, dropout: float = 0.2, hidden: int = 7) -> None:
-        super().__init__()
-        if hidden != self.up.out_features:  # an incompatible model, for the error test
-            self.up, self.down = nn.Linear(self.up.in_features, hidden), nn.Linear(hidden, self.down.out_features)
-        self.dropout = dropout
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.frozen(self.embed(tokens))
-        x = x + self.down(F.dropout(torch.tanh(self.up(x)), self.dropout, self.training))
-        return self.head(self.norm(x))
-
-
-def _loader(rank: int, world_size: int) -> DataLoader:
-    """4 steps per epoch. Every batch of a rank is the same, so batches replay identically wherever
-    Lightning resumes (it restarts a plain DataLoader's epoch): 2 ranks see 3 copies per batch of a
-    row of its own; 1 rank sees both rows, 3 copies each, so its mean loss is the mean of the 2 ranks'.
-
-    The loader has a generator of its own: creating an iterator then draws its seed from that one,
-    not from the global random state. (A resumed run finishes the interrupted epoch with one batch and
-    starts a new iterator where the uninterrupted run did not; the dropout masks would shift.)"""
-    rows = [make_loader(n=1, seed=1000 + r).dataset.tensors[0][0] for r in range(2)]
-    generator = torch.Generator().manual_seed(0)
-    if world_size == 2:
-        return DataLoader(TensorDataset(rows[rank].repeat(12, 1)), batch_size=3, generator=generator)
-    return DataLoader(TensorDataset(torch.stack(rows).repeat(12, 1)), batch_size=6, generator=generator)
-
-
-def _fit(spec, world_size, rank, max_steps, ckpt_path=None, callbacks=(), model_kwargs=None, precision="32-true"):
-    import lightning_zero  # noqa: F401 - registers the strategy names
-
-    pl.seed_everything(7, verbose=False)
-    model = DropoutModel(**(model_kwargs or {}))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=build_strategy(spec),
-        precision=precision,
-        max_steps=max_steps,
-        logger=False,
-        callbacks=list(callbacks),
-        enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        deterministic=True,
-    )
-    trainer.fit(model, train_dataloaders=_loader(rank, world_size), ckpt_path=ckpt_path)
-    return trainer, model
 
 
 def _two_rank_worker(rank: int, tmp: str) -> dict:
@@ -93,12 +40,12 @@ def _two_rank_worker(rank: int, tmp: str) -> dict:
         dirpath=f"{tmp}/topk", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
     )
     zero2 = {"stage": 2, "reduce_bucket_size": 50}
-    trainer, full = _fit(zero2, 2, rank, 8, callbacks=[every_epoch, top_k])
+    trainer, full = fit_dropout(zero2, 2, rank, 8, callbacks=[every_epoch, top_k])
     trainer.save_checkpoint(f"{tmp}/final.ckpt")
     path = f"{tmp}/epochs/epoch=0-step=4.ckpt"
-    _, same = _fit(zero2, 2, rank, 8, ckpt_path=path)
-    _, stage1 = _fit({"stage": 1}, 2, rank, 8, ckpt_path=path)
-    _, stage3 = _fit(ZERO3, 2, rank, 8, ckpt_path=path)
+    _, same = fit_dropout(zero2, 2, rank, 8, ckpt_path=path)
+    _, stage1 = fit_dropout({"stage": 1}, 2, rank, 8, ckpt_path=path)
+    _, stage3 = fit_dropout(ZERO3, 2, rank, 8, ckpt_path=path)
     return {
         "full": full.losses,
         "same": same.losses,
@@ -111,7 +58,7 @@ def _two_rank_worker(rank: int, tmp: str) -> dict:
 
 def _reshard_worker(rank: int, tmp: str, source: str, spec: dict, world_size: int, out: str) -> dict:
     """Resume ``source`` on ``world_size`` ranks without training (max_steps is the saved step), save again."""
-    trainer, model = _fit(spec, world_size, rank, 4, ckpt_path=source, model_kwargs={"dropout": 0.0})
+    trainer, model = fit_dropout(spec, world_size, rank, 4, ckpt_path=source, model_kwargs={"dropout": 0.0})
     trainer.save_checkpoint(out)
     return {"global_step": trainer.global_step, "state": state(model)}
 
@@ -119,14 +66,14 @@ def _reshard_worker(rank: int, tmp: str, source: str, spec: dict, world_size: in
 def _one_rank_worker(rank: int, tmp: str, source: str, out: str) -> dict:
     """2 ranks -> 1 rank, then each error a user can meet (the same spawn, to save a start-up)."""
     resharded = _reshard_worker(rank, tmp, source, {"stage": 1}, 1, out)
-    _, continued = _fit({"stage": 1}, 1, rank, 8, ckpt_path=out, model_kwargs={"dropout": 0.0})
+    _, continued = fit_dropout({"stage": 1}, 1, rank, 8, ckpt_path=out, model_kwargs={"dropout": 0.0})
     return {**resharded, "continued": continued.losses, "errors": _errors(rank, Path(source))}
 
 
 def _from_one_rank_worker(rank: int, tmp: str, source: str, out: str) -> dict:
     """1 rank -> 2 ranks under zero3: reshard and save again; and train on from the 1-rank checkpoint."""
     resharded = _reshard_worker(rank, tmp, source, ZERO3, 2, out)
-    _, continued = _fit({"stage": 2}, 2, rank, 8, ckpt_path=source, model_kwargs={"dropout": 0.0})
+    _, continued = fit_dropout({"stage": 2}, 2, rank, 8, ckpt_path=source, model_kwargs={"dropout": 0.0})
     return {**resharded, "continued": continued.losses}
 
 
@@ -146,96 +93,11 @@ def _errors(rank: int, source: Path) -> dict:
     messages = {}
     for name, (path, kwargs) in cases.items():
         try:
-            _fit({"stage": 2}, 1, rank, 8, ckpt_path=path, model_kwargs=kwargs)
+            fit_dropout({"stage": 2}, 1, rank, 8, ckpt_path=path, model_kwargs=kwargs)
             messages[name] = None
         except ValueError as error:
             messages[name] = str(error)
     return messages
-
-
-class BufferModel(ParityModel):
-    """ParityModel (its frozen layer: a non-partitioned parameter at stages 1/2) with buffers that
-    training changes the same way on every rank: a float factor on the frozen layer's output (it
-    enters the loss) and an int64 count of training forwards. Both are saved whole by rank 0 only.
-    ``scrambled``: every parameter and buffer off its initial value, so that a resumed model matches
-    the saved one only where the checkpoint was loaded."""
-
-    def __init__(self, scrambled: bool = False, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.register_buffer("decay", torch.ones(WIDTH))
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-        if scrambled:  # not a different seed: the seed also orders Lightning's distributed sampler
-            with torch.no_grad():
-                for tensor in (*self.parameters(), *self.buffers()):
-                    tensor.add_(3)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            self.decay.mul_(torch.linspace(0.95, 0.99, WIDTH))
-            self.calls += 1
-        x = self.frozen(self.embed(tokens)) * self.decay
-        for _ in range(2):
-            x = x + self.down(torch.tanh(self.up(x)))
-        return self.head(self.norm(x))
-
-
-@contextlib.contextmanager
-def opened_files() -> Iterator[list[str]]:
-    """The names of the checkpoint files this process reads meanwhile (from a store: downloads)."""
-    from lightning_zero.checkpoint import format as fmt
-
-    opened: list[str] = []
-    load_file = fmt.load_file
-
-    def recording(file, *args, **kwargs):
-        opened.append(os.path.basename(str(file)))
-        return load_file(file, *args, **kwargs)
-
-    fmt.load_file = recording
-    try:
-        yield opened
-    finally:
-        fmt.load_file = load_file
-
-
-def frozen_buffers_worker(rank: int, root: str, specs: list[dict]) -> list[dict]:
-    """For each ZeRO spec: 8 steps with a checkpoint at step 4 (to ``root``: a directory or a store
-    prefix), then a resume from it to step 8 into a scrambled model (see :class:`BufferModel`)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    results = []
-    for index, spec in enumerate(specs):
-        every = ModelCheckpoint(dirpath=f"{root}/{index}", every_n_train_steps=4, save_top_k=-1)
-        callbacks = {"callbacks": [every], "enable_checkpointing": True}
-        _, full = fit(spec, max_steps=8, model_cls=BufferModel, trainer_kwargs=callbacks)
-        with opened_files() as opened:
-            path = f"{root}/{index}/epoch=0-step=4.ckpt"
-            _, resumed = fit(spec, max_steps=8, model_cls=BufferModel, model_kwargs={"scrambled": True}, ckpt_path=path)
-        results.append(
-            {
-                "full": full.losses,
-                "resumed": resumed.losses,
-                "full_state": state(full),
-                "resumed_state": state(resumed),
-                "opened": opened,
-            }
-        )
-    return results
-
-
-def check_frozen_buffers(results: list[list[dict]]) -> None:
-    for rank, per_spec in enumerate(results):
-        for res in per_spec:
-            # Only this rank's own file besides Lightning's: the frozen layer and the buffers come from
-            # data-parallel rank 0, which read them from its own file and broadcast them.
-            assert sorted(res["opened"]) == ["lightning.pt", f"rank-{rank:05d}.pt"], (rank, res["opened"])
-            # The same layout and arithmetic as the uninterrupted run: equal bit for bit, the frozen layer
-            # (never stepped: what was loaded) and the buffers (loaded, then changed the same way) included.
-            assert res["resumed"] == res["full"][8:]  # a loss per micro-batch, 2 per step
-            assert res["resumed_state"].keys() == res["full_state"].keys()
-            for key, value in res["full_state"].items():
-                assert torch.equal(res["resumed_state"][key], value), key
-            assert res["resumed_state"]["calls"] == 16  # 8 steps of 2 micro-batches: the count was loaded
 
 
 def test_resume_frozen_parameters_and_buffers(tmp_path):
@@ -351,13 +213,13 @@ def test_sharded_checkpoints_resume_reshard_consolidate(tmp_path):
 _KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path.insert(0, {here!r})
+    sys.path.insert(0, {root!r})  # the repository root, for tests.helpers
     import torch
-    from test_checkpoint import _fit
+    from tests.helpers.checkpoint import fit_dropout
     from lightning_zero.checkpoint import save
 
     path, where = sys.argv[1], sys.argv[2]
-    trainer, model = _fit({{"stage": 2, "reduce_bucket_size": 50}}, 1, 0, 2)
+    trainer, model = fit_dropout({{"stage": 2, "reduce_bucket_size": 50}}, 1, 0, 2)
     trainer.save_checkpoint(path)
     torch.save({{k: v.clone() for k, v in model.state_dict().items()}}, path + ".expected")
     with torch.no_grad():
@@ -392,7 +254,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, where):
     from lightning_zero.checkpoint import consolidate, is_sharded_checkpoint
 
     script = tmp_path / "kill.py"
-    script.write_text(_KILL_SCRIPT.format(here=str(HERE)))
+    script.write_text(_KILL_SCRIPT.format(root=str(ROOT)))
     path = tmp_path / "model.ckpt"
     # One rank that looks like torchrun's, as in lightning_zero.testing.
     env = dict(

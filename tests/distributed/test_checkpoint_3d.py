@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -112,17 +113,14 @@ def _fit(rank: int, world: int, tp: int, ckpt_path=None, save_dir=None, strategy
         )
     callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
     callbacks += [record] if record is not None else []
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
         precision="32-true",
         max_steps=STEPS,
-        logger=False,
         callbacks=callbacks,
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
@@ -370,17 +368,14 @@ def _fit_piped(world: int, pp: int, ckpt_path=None, save_dir=None):
     pl.seed_everything(3, verbose=False)
     model = _piped_module(pp > 1)
     callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=world,
         strategy=ZeroStrategy(stage=2, pipeline_parallel_size=pp, reduce_bucket_size=333),
         precision="32-true",
         max_steps=STEPS,
-        logger=False,
         callbacks=callbacks,
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -78,17 +79,14 @@ def _fit(rank: int, tp: int, pp: int, ckpt_path=None, save_dir=None) -> list[flo
     mine = rows[dp_rank * ROWS // data : (dp_rank + 1) * ROWS // data]
     loader = DataLoader(TensorDataset(mine.repeat(STEPS_PER_EPOCH, 1)), batch_size=len(mine))
     callbacks = [ModelCheckpoint(dirpath=save_dir, every_n_epochs=1, save_top_k=-1)] if save_dir else []
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=4,
         precision="32-true",
         max_steps=STEPS,
-        logger=False,
         callbacks=callbacks,
         strategy=ZeroStrategy(stage=1, tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_micro_batches=2),
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,

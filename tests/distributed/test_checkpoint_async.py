@@ -12,9 +12,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_checkpoint import _fit
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.checkpoint import fit_dropout
 
 pytestmark = pytest.mark.distributed
 ZERO2 = {"stage": 2, "reduce_bucket_size": 50}
@@ -50,15 +50,15 @@ def _worker(rank: int, tmp: str) -> dict:
     runs = {}
     for name, spec in (("sync", ZERO2), ("async", ASYNC)):
         every_epoch = ModelCheckpoint(dirpath=f"{tmp}/{name}", every_n_epochs=1, save_top_k=-1)
-        _, model = _fit(spec, 2, rank, 8, callbacks=[every_epoch])
+        _, model = fit_dropout(spec, 2, rank, 8, callbacks=[every_epoch])
         # Right after fit: the save at step 8 (the end of the last epoch, no step boundary after it)
         # was published by teardown.
         runs[name] = {"losses": model.losses, "listing": sorted(os.listdir(f"{tmp}/{name}"))}
-    _, resumed = _fit(ASYNC, 2, rank, 8, ckpt_path=f"{tmp}/async/epoch=0-step=4.ckpt")
+    _, resumed = fit_dropout(ASYNC, 2, rank, 8, ckpt_path=f"{tmp}/async/epoch=0-step=4.ckpt")
 
     real_write = save._write
     try:
-        _fit(ASYNC, 2, rank, 8, callbacks=[_SaveAt(f"{tmp}/kept.ckpt", failing=1)])
+        fit_dropout(ASYNC, 2, rank, 8, callbacks=[_SaveAt(f"{tmp}/kept.ckpt", failing=1)])
         failed = "no error"
     except RuntimeError as error:
         failed = str(error)

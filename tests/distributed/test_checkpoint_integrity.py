@@ -13,11 +13,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import ParityModel, build_strategy, make_loader
 
 from lightning_zero.checkpoint import consolidate, load_from_checkpoint
 from lightning_zero.cli import main
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import ParityModel, make_loader
+from tests.helpers.trainer import build_strategy, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -33,15 +34,11 @@ def _save_worker(rank: int, tmp: str) -> None:
 
     for name, cls in (("plain", ParityModel), ("hparams", WithPathHyperparameters)):
         pl.seed_everything(7, verbose=False)
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=build_strategy({"stage": 2, "reduce_bucket_size": 40}),
             max_steps=2,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(cls(), make_loader(n=12))
         trainer.save_checkpoint(f"{tmp}/{name}.ckpt")
@@ -50,15 +47,11 @@ def _save_worker(rank: int, tmp: str) -> None:
 def _resume_worker(rank: int, path: str) -> str:
     import lightning_zero  # noqa: F401
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         strategy=build_strategy({"stage": 2}),
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     try:
         trainer.fit(ParityModel(), make_loader(n=12), ckpt_path=path)

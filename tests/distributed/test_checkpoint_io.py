@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import _fit
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.checkpoint import error_text, fit_dropout
 
 pytestmark = pytest.mark.distributed
 ZERO2 = {"stage": 2, "reduce_bucket_size": 50}
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def _worker(rank: int, tmp: str) -> dict:
@@ -38,10 +30,10 @@ def _worker(rank: int, tmp: str) -> dict:
     os.chdir(f"{tmp}/node{rank}")
     # (Not a file:// URL here: ModelCheckpoint itself turns one into a path under the working directory.)
     every_epoch = ModelCheckpoint(dirpath=f"{tmp}/epochs", every_n_epochs=1, save_top_k=-1)
-    trainer, full = _fit(ZERO2, 2, rank, 8, callbacks=[every_epoch])
+    trainer, full = fit_dropout(ZERO2, 2, rank, 8, callbacks=[every_epoch])
     trainer.save_checkpoint("ck/final.ckpt")
     trainer.save_checkpoint(f"file://{tmp}/url.ckpt")
-    _, resumed = _fit(ZERO2, 2, rank, 8, ckpt_path=f"file://{tmp}/epochs/epoch=0-step=4.ckpt")
+    _, resumed = fit_dropout(ZERO2, 2, rank, 8, ckpt_path=f"file://{tmp}/epochs/epoch=0-step=4.ckpt")
     if rank == 0:
         consolidate(f"{tmp}/node0/ck/final.ckpt", f"{tmp}/before.pt", dtype=None)
     torch.distributed.barrier()
@@ -58,7 +50,7 @@ def _worker(rank: int, tmp: str) -> dict:
     with torch.no_grad():
         for p in full.parameters():
             p.add_(1.0)  # the failed save would differ from the saved one
-    failed = _error(lambda: trainer.save_checkpoint("ck/final.ckpt"))
+    failed = error_text(lambda: trainer.save_checkpoint("ck/final.ckpt"))
     save._write = real_write
     torch.distributed.barrier()
 
@@ -66,9 +58,9 @@ def _worker(rank: int, tmp: str) -> dict:
     real_tmp = save.fmt.temporary_path
     if rank == 1:
         save.fmt.temporary_path = lambda path: real_tmp(path.parent / "elsewhere" / path.name)
-    blind = _error(lambda: trainer.save_checkpoint("ck/final.ckpt"))
+    blind = error_text(lambda: trainer.save_checkpoint("ck/final.ckpt"))
     save.fmt.temporary_path = real_tmp
-    remote = _error(lambda: trainer.save_checkpoint("memory://bucket/final.ckpt"))
+    remote = error_text(lambda: trainer.save_checkpoint("memory://bucket/final.ckpt"))
 
     # At setup, before any step: rank 1 looks for rank 0's marker in another directory (a node-local disk).
     from lightning_zero.checkpoint import io as ckpt_io
@@ -77,7 +69,7 @@ def _worker(rank: int, tmp: str) -> dict:
     if rank == 1:
         ckpt_io.same_place = lambda mine, path: real_same(mine, path.replace(tmp, f"{tmp}/node1"))
     steps = ModelCheckpoint(dirpath=f"{tmp}/setup_ck", every_n_train_steps=1)
-    at_setup = _error(lambda: _fit(ZERO2, 2, rank, 8, callbacks=[steps]))
+    at_setup = error_text(lambda: fit_dropout(ZERO2, 2, rank, 8, callbacks=[steps]))
     ckpt_io.same_place = real_same
     return {
         "full": full.losses,

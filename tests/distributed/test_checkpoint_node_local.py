@@ -20,10 +20,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from test_checkpoint import DropoutModel, _loader
-from test_checkpoint_io import _error
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.checkpoint import DropoutModel, error_text, replay_loader
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -47,24 +47,21 @@ def _fit(
 
     pl.seed_everything(7, verbose=False)
     model = DropoutModel()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         num_nodes=2,
         strategy=ZeroStrategy(stage=2, reduce_bucket_size=50, node_local_storage=node_local),
         precision="32-true",
         max_steps=8,
-        logger=False,
         callbacks=list(callbacks),
         enable_checkpointing=any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
         deterministic=True,
     )
-    trainer.fit(model, train_dataloaders=_loader(rank, 2), ckpt_path=ckpt_path)
+    trainer.fit(model, train_dataloaders=replay_loader(rank, 2), ckpt_path=ckpt_path)
     return trainer, model.losses
 
 
@@ -85,10 +82,10 @@ def _worker(rank: int, tmp: str) -> dict:
     if rank == 1:
         os.rename("ck/epoch0.ckpt/rank-00001.pt", "moved.pt")
     torch.distributed.barrier()
-    missing = _error(lambda: _fit(True, rank, ckpt_path="ck/epoch0.ckpt"))
+    missing = error_text(lambda: _fit(True, rank, ckpt_path="ck/epoch0.ckpt"))
     # ModelCheckpoint gives every rank rank 0's absolute directory: on this one machine both "nodes"
     # would write into it.
-    both = _error(lambda: _fit(True, rank, callbacks=(ModelCheckpoint(dirpath=f"{tmp}/both", every_n_epochs=1),)))
+    both = error_text(lambda: _fit(True, rank, callbacks=(ModelCheckpoint(dirpath=f"{tmp}/both", every_n_epochs=1),)))
     trainer.strategy.remove_checkpoint("ck/epoch0.ckpt")  # as save_top_k does: each node removes its own
     return {
         "removed": not os.path.exists("ck/epoch0.ckpt") and os.path.isdir("ck/epoch1.ckpt"),

@@ -13,11 +13,12 @@ import urllib.request
 
 import pytest
 import torch
-from models import ParityModel, fit, state
-from test_checkpoint import _fit, check_frozen_buffers, frozen_buffers_worker, opened_files
 from torch import nn
 
 from lightning_zero.testing import free_port, run_ranks
+from tests.helpers.checkpoint import check_frozen_buffers, fit_dropout, frozen_buffers_worker, opened_files
+from tests.helpers.models import ParityModel, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 ZERO2 = {"stage": 2, "reduce_bucket_size": 50}
@@ -67,12 +68,12 @@ def _worker(rank: int, root: str, tmp: str) -> dict:
     every_epoch = ModelCheckpoint(dirpath=f"{root}/epochs", every_n_epochs=1, save_top_k=-1)
     top_k = ModelCheckpoint(dirpath=f"{root}/topk", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max")
     # ModelCheckpoint's saves during fit are asynchronous (background threads streaming to the store)
-    trainer, full = _fit({**ZERO2, "async_save": True}, 2, rank, 8, callbacks=[every_epoch, top_k])
+    trainer, full = fit_dropout({**ZERO2, "async_save": True}, 2, rank, 8, callbacks=[every_epoch, top_k])
     trainer.save_checkpoint(f"{root}/final.ckpt")
     trainer.save_checkpoint(f"{tmp}/final.ckpt")  # the same state on local disk, for the byte comparison
     trainer.save_checkpoint(f"{root}/final.ckpt")  # overwriting a checkpoint on the store
-    _, resumed = _fit(ZERO2, 2, rank, 8, ckpt_path=f"{root}/epochs/epoch=0-step=4.ckpt")
-    _, resharded = _fit(ZERO3, 2, rank, 8, ckpt_path=f"{root}/epochs/epoch=0-step=4.ckpt")
+    _, resumed = fit_dropout(ZERO2, 2, rank, 8, ckpt_path=f"{root}/epochs/epoch=0-step=4.ckpt")
+    _, resharded = fit_dropout(ZERO3, 2, rank, 8, ckpt_path=f"{root}/epochs/epoch=0-step=4.ckpt")
     fs = S3FileSystem()
     return {
         "full": full.losses,

@@ -14,11 +14,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import build_strategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import build_strategy, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -79,17 +79,13 @@ def _fit(spec, compile: str | None) -> dict:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(24, 15, generator=g), torch.randint(0, 3, (24,), generator=g))
     model = CompiledModel(compile)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=build_strategy(spec),
         precision="32-true",
         max_steps=4,
         accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
@@ -183,15 +179,11 @@ def _checkpointed_worker(rank: int) -> dict:
         g = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(24, 15, generator=g), torch.randint(0, 3, (24,), generator=g))
         model = CheckpointedBlocks(None if name == "ddp" else "submodule")
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=build_strategy(checkpointed),
             max_steps=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         probe = _WrappedProbe()
         trainer.callbacks.append(probe)

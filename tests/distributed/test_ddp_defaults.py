@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -90,17 +91,13 @@ def fit(
 
     pl.seed_everything(11, verbose=False)
     model = BatchNormModel(double_head=kwargs.pop("double_head", False))
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=kwargs.pop("max_steps", 4),
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=2,
         **kwargs,

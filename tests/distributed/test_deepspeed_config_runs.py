@@ -12,9 +12,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import ParityModel, fit, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import ParityModel, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

@@ -22,11 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from models import SEQ, VOCAB, ParityModel, build_strategy
 from torch.utils.data import RandomSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import SEQ, VOCAB, ParityModel
+from tests.helpers.trainer import build_strategy, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -69,7 +70,7 @@ def _fit(spec, devices: int, ckpt_path: str | None = None, callbacks=()) -> list
 
     pl.seed_everything(7, verbose=False)
     model = DropoutModel()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
         strategy=build_strategy(spec),
@@ -77,11 +78,8 @@ def _fit(spec, devices: int, ckpt_path: str | None = None, callbacks=()) -> list
         max_steps=MAX_STEPS,
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=0.5,
-        logger=False,
         callbacks=list(callbacks),
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         deterministic=True,

@@ -2,7 +2,7 @@
 zero2_offload (gradient accumulation under ``fabric.no_backward_sync``, clipping by norm and by value,
 ``fabric.init_module()`` at stage 3), and the errors a Fabric user meets before any work starts.
 
-The model is ``models.ParityModel`` (odd shapes, a tied weight, a frozen layer, an unused parameter,
+The model is ``tests.helpers.models.ParityModel`` (odd shapes, a tied weight, a frozen layer, an unused parameter,
 modules called twice, two parameter groups, an LR scheduler), trained by a plain Fabric loop.
 """
 
@@ -14,69 +14,17 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from models import VOCAB, ParityModel, make_loader
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.fabric import ACCUMULATE, loss_of, make_fabric, train, weights
+from tests.helpers.models import ParityModel, make_loader
+from tests.helpers.parity import max_rel, norm_rel
 
 pytestmark = pytest.mark.distributed
 
-ACCUMULATE, STEPS = 2, 4
+STEPS = 4
 # Every parameter sharded (none kept whole by the persistence threshold), buckets cutting through them.
 ZERO3 = {"stage": 3, "reduce_bucket_size": 30, "param_persistence_threshold": 0, "prefetch_bucket_size": 200}
-
-
-def loss_of(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
-
-
-def make_fabric(strategy: Any, precision: str = "32-true") -> Any:
-    """A launched 2-rank CPU Fabric; ``"ddp"``: Fabric's DDP (unused-parameter search: the model has one)."""
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy
-
-    from lightning_zero.fabric import ZeroStrategy
-
-    if strategy == "ddp":
-        strategy = DDPStrategy(find_unused_parameters=True)
-    elif isinstance(strategy, dict):
-        strategy = ZeroStrategy(**strategy)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)  # type: ignore[arg-type]
-    fabric.launch()
-    return fabric
-
-
-def train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, clip: str, steps: int) -> list[float]:
-    """``steps`` optimizer steps of ACCUMULATE micro-batches each; the micro-batch losses.
-    ``optimizer``: one or a list (each clipped and stepped); ``scheduler``: one or None."""
-    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-    losses: list[float] = []
-    for index, (tokens,) in enumerate(loader):
-        boundary = (index + 1) % ACCUMULATE == 0
-        with fabric.no_backward_sync(model, enabled=not boundary):
-            loss = loss_of(model, tokens)
-            fabric.backward(loss / ACCUMULATE)
-        losses.append(loss.item())
-        if boundary:
-            for opt in optimizers:
-                if clip == "norm":
-                    fabric.clip_gradients(model, opt, max_norm=0.5)
-                elif clip == "value":
-                    fabric.clip_gradients(model, opt, clip_val=0.02)
-                opt.step()
-                opt.zero_grad()
-            if scheduler is not None:
-                scheduler.step()
-        if len(losses) == steps * ACCUMULATE:
-            break
-    return losses
-
-
-def weights(fabric: Any, model: ParityModel) -> dict[str, torch.Tensor]:
-    gathered = getattr(fabric.strategy, "gathered_parameters", None)
-    with gathered(model) if gathered is not None else contextlib.nullcontext():
-        return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
 def run(strategy: Any, clip: str, optimizer: str, how: str = "setup", precision: str = "32-true") -> dict[str, Any]:
@@ -117,10 +65,6 @@ def _parity_worker(rank: int, specs: list, precision: str = "32-true") -> dict:
     import lightning_zero  # noqa: F401 - registers the names with Fabric's registry
 
     return {(name, clip, opt): run(spec, clip, opt, how, precision) for name, spec, clip, opt, how in specs}
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
@@ -165,10 +109,10 @@ def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
                 torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0, msg=(name, clip, opt)
             )
             for key, value in ref["state"].items():
-                assert _max_rel(got["state"][key], value) <= 1e-5, (name, clip, opt, key)
+                assert max_rel(got["state"][key], value) <= 1e-5, (name, clip, opt, key)
     # clipping acted: by norm and by value the SGD runs end in other places
     by_norm, by_value = results[0][("ddp", "norm", "sgd")], results[0][("ddp", "value", "sgd")]
-    assert _max_rel(by_norm["state"]["up.weight"], by_value["state"]["up.weight"]) > 1e-3
+    assert max_rel(by_norm["state"]["up.weight"], by_value["state"]["up.weight"]) > 1e-3
 
 
 def _discard_worker(rank: int) -> dict:
@@ -201,7 +145,7 @@ def test_fabric_strategy_zero_grad_discards_the_window():
         for name in ("zero2", "zero3"):
             for key, value in res["ddp"].items():
                 # one SGD step in fp32: the summation order alone, ~1e-7 relative; 1e-5 as above
-                assert _max_rel(res[name][key], value) <= 1e-5, (name, key)
+                assert max_rel(res[name][key], value) <= 1e-5, (name, key)
 
 
 def _loss_scale_worker(rank: int, tmp: str) -> dict:
@@ -262,10 +206,6 @@ def test_fabric_fp16_overflow_skips_step_and_halves_scale(tmp_path):
         assert res["loaded_scale"] == res["scale"]  # the scaler's state is in the checkpoint
 
 
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 def test_fabric_bf16_mixed_matches_ddp():
     specs = [
         ("ddp", "ddp", "norm", "adamw", "setup"),
@@ -283,7 +223,7 @@ def test_fabric_bf16_mixed_matches_ddp():
             # wrong shard mapping gives ~1).
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-2, atol=0)
             for key, value in ref["state"].items():
-                assert _norm_rel(got["state"][key], value) <= 5e-2, (name, key)
+                assert norm_rel(got["state"][key], value) <= 5e-2, (name, key)
 
 
 def _errors_worker(rank: int) -> dict:

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from models import ParityModel, fit, make_loader
-from test_fabric import make_fabric, train, weights
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.fabric import make_fabric, train, weights
+from tests.helpers.models import ParityModel, make_loader
+from tests.helpers.parity import max_rel
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -88,10 +90,6 @@ def _trainer_weights(model: ParityModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 def test_fabric_checkpoints_round_trip_and_interchange_with_trainer(tmp_path):
     for res in run_ranks(_worker, str(tmp_path), timeout=600):
         full = res["full"]
@@ -105,7 +103,7 @@ def test_fabric_checkpoints_round_trip_and_interchange_with_trainer(tmp_path):
                 torch.tensor(got["losses"]), torch.tensor(full["losses"]), rtol=1e-5, atol=0, msg=name
             )
             for key, value in full["state"].items():
-                assert _max_rel(got["state"][key], value) <= 1e-5, (name, key)
+                assert max_rel(got["state"][key], value) <= 1e-5, (name, key)
         # what fabric.load gives back besides the objects it restored in place
         assert res["fabric_stage3"]["step"] == 2 and res["fabric_from_ddp"]["step"] == 2
         assert "global_step" in res["fabric_from_trainer"]["remainder"]  # the Trainer's counters come back

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-from models import ParityModel, make_loader
-from test_fabric import make_fabric, train, weights
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.fabric import make_fabric, train, weights
+from tests.helpers.models import ParityModel, make_loader
 
 pytestmark = pytest.mark.distributed
 
@@ -192,7 +192,8 @@ class PretrainedModel(ParityModel):
 
 
 def _trainer_worker(rank: int) -> dict[str, Any]:
-    from models import fit, state
+    from tests.helpers.models import state
+    from tests.helpers.trainer import fit
 
     out = {}
     for name, spec in (("ddp", "ddp"), ("zero3", ZERO3), ("zero3_default", "zero3"), ("zero2", "zero2")):
@@ -305,8 +306,9 @@ def _gpt_program(spec: Any, tmp: str, name: str, part: str) -> dict[str, Any]:
     (LitGPT's resume), 2 more steps, then the final model-only save. "eval": a third program loads the
     final weights with model.load_state_dict(lazy_load(...)["model"]) (LitGPT's load_checkpoint, full
     format) or fabric.load (sharded) and evaluates."""
-    from gpt_reference import VOCAB, tiny_gpt, tokens
     from lightning.fabric.utilities.load import _lazy_load
+
+    from tests.helpers.gpt_reference import VOCAB, tiny_gpt, tokens
 
     fabric = make_fabric(spec)
     fabric.seed_everything(1337)
@@ -366,9 +368,8 @@ GPT_CASES = [
 
 
 def _gpt_worker(rank: int, tmp: str) -> dict[str, Any]:
-    from gpt_reference import tiny_gpt
-
     import lightning_zero  # noqa: F401
+    from tests.helpers.gpt_reference import tiny_gpt
 
     if rank == 0:  # "pretrained": the init moved by noise, so that a missed load shows
         generator = torch.Generator().manual_seed(21)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import WIDTH, ParityModel, fit
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import WIDTH, ParityModel
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

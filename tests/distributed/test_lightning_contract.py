@@ -11,11 +11,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, ParityModel, build_strategy, fit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, ParityModel
+from tests.helpers.parity import norm_rel
+from tests.helpers.trainer import build_strategy, fit, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -126,15 +128,11 @@ def _gan_worker(rank: int) -> dict:
         pl.seed_everything(3, verbose=False)
         model = ToggledGAN()
         data = torch.randn(24, 7, generator=torch.Generator().manual_seed(5))
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=build_strategy(spec),
             max_steps=6,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(TensorDataset(data), batch_size=2))
         with trainer.strategy.gathered_parameters(model) if name != "ddp" else contextlib.nullcontext():
@@ -195,16 +193,12 @@ def test_in_place_weight_clipping_in_a_hook_matches_ddp():
             # after the next step (measured 2.0 relative off DDP).
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-2, atol=0, msg=name)
             for key, value in ref["weights"].items():
-                assert _norm_rel(got["weights"][key], value) <= 5e-2, (name, key)
+                assert norm_rel(got["weights"][key], value) <= 5e-2, (name, key)
             assert _largest_trainable(got["weights"]) <= ClippedWeights.CLIP * (1 + 2**-8)
 
 
 def _largest_trainable(weights: dict[str, torch.Tensor]) -> float:
     return max(float(w.abs().max()) for k, w in weights.items() if not k.startswith("frozen."))
-
-
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def _summary_worker(rank: int) -> dict:
@@ -363,7 +357,7 @@ FINETUNING = {
 def _finetuning_trainer(spec: Any, max_epochs: int) -> pl.Trainer:
     from lightning.pytorch.callbacks import BackboneFinetuning
 
-    return pl.Trainer(
+    return quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=build_strategy(spec),
@@ -371,10 +365,6 @@ def _finetuning_trainer(spec: Any, max_epochs: int) -> pl.Trainer:
         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.5)],
         use_distributed_sampler=False,  # the same rows on both ranks: DDP, which never reduces
         # parameters frozen when it wrapped the model, is then a valid reference
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 

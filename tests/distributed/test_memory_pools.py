@@ -15,6 +15,7 @@ from lightning_zero import comm
 from lightning_zero.testing import run_ranks
 from lightning_zero.zero.flat import ParamState
 from lightning_zero.zero.reduce import GradReducer
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -94,17 +95,13 @@ def _fit(strategy, precision: str = "32-true", callbacks=(), steps: int = 5, mod
 
     pl.seed_everything(11, verbose=False)
     model = model_class()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         precision=precision,
         max_steps=steps,
         accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=list(callbacks),
     )
     trainer.fit(model, train_dataloaders=loader if loader is not None else _loader())

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import StateEveryStep, fit
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import StateEveryStep
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

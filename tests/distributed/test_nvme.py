@@ -14,11 +14,13 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback
-from models import fit, state
 
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload import nvme as nvme_io
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.trainer import fit
+from tests.helpers.workers import gan_worker, resume_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -187,11 +189,9 @@ def _nvme_stage2(nvme_path: str) -> dict:
 
 @pytest.mark.parametrize("direction", ["nvme-to-cpu", "cpu-to-nvme"])
 def test_checkpoint_round_trip_between_tiers(tmp_path, direction):
-    from test_training_features import _resume_worker
-
     nvme, cpu = _nvme_stage2(str(tmp_path / "swap")), dict(_specs(""))["zero2_cpu"]
     first, second = (nvme, cpu) if direction == "nvme-to-cpu" else (cpu, nvme)
-    for res in run_ranks(_resume_worker, str(tmp_path / "ckpt"), first, second, "32-true"):
+    for res in run_ranks(resume_worker, str(tmp_path / "ckpt"), first, second, "32-true"):
         # The checkpoint format does not depend on the tier (torch's Adam keys, fp32 masters), so
         # the resumed run repeats the uninterrupted one; the bound is the CPU-offload resume test's
         # (tests/distributed/test_offload.py), in practice both tiers run the same kernel.
@@ -203,12 +203,10 @@ def test_checkpoint_round_trip_between_tiers(tmp_path, direction):
 
 @pytest.mark.parametrize("direction", ["disk-to-cpu", "cpu-to-disk", "disk-to-disk"])
 def test_checkpoint_round_trip_with_parameters_on_disk(tmp_path, direction):
-    from test_training_features import _resume_worker
-
     disk = {**_params_on_disk(str(tmp_path / "swap")), **SMALL}
     cpu = dict(_specs(""))["zero3_cpu"]
     first, second = {"disk-to-cpu": (disk, cpu), "cpu-to-disk": (cpu, disk), "disk-to-disk": (disk, disk)}[direction]
-    for res in run_ranks(_resume_worker, str(tmp_path / "ckpt"), first, second, "bf16-mixed"):
+    for res in run_ranks(resume_worker, str(tmp_path / "ckpt"), first, second, "bf16-mixed"):
         # The checkpoint holds fp32 masters and torch's Adam keys whatever the tier, and the 16-bit
         # shards are rebuilt from the masters on load (cast, as after a step), so the resumed run
         # repeats the uninterrupted one exactly: same kernel, same inputs, same order.
@@ -418,7 +416,7 @@ def _no_space_worker(rank: int, nvme_path: str, optimizer_name: str) -> str:
 @pytest.mark.parametrize(("optimizer_name", "moment_bytes"), [("adamw", 4), ("cpuadam_bf16", 2)])
 def test_free_space_is_checked_before_training(tmp_path, optimizer_name, moment_bytes):
     (message,) = run_ranks(_no_space_worker, str(tmp_path / "swap"), optimizer_name, world_size=1)
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     # ParityModel's trainable elements * (4 + 2 * moment bytes) (fp32 master + 2 moments, bf16 ones
     # under ops.CPUAdam(state_dtype=torch.bfloat16)) on the one rank, plus a 4096-byte block of
@@ -446,9 +444,8 @@ class _InitialWeights(Callback):
 
 
 def _configure_model_worker(rank: int, nvme_path: str, devices: int) -> dict:
-    from models import BuiltInConfigureModel
-
     from lightning_zero.offload.nvme import SwapStore
+    from tests.helpers.models import BuiltInConfigureModel
 
     if rank == 1:
         # A slow disk on one rank: none of its reads has completed until waited for. Whatever the
@@ -564,8 +561,6 @@ def test_default_end_of_fit_leaves_the_model_on_disk(tmp_path):
 
 
 def test_two_optimizers_on_disk_match_cpu_offload(tmp_path):
-    from test_multiple_optimizers import _worker as gan_worker
-
     # A GAN's two optimizers (Adam and AdamW) on one engine: their swap files are named per
     # optimizer (each has a buffer 0, whose files collided before), and the run is bit-identical to
     # CPU offload: same kernel, same inputs, same order.

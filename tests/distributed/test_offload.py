@@ -10,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from models import fit, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.parity import max_rel
+from tests.helpers.trainer import fit
+from tests.helpers.workers import resume_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +57,7 @@ def _check(results: list, names: list[str], rtol: float) -> None:
             got = res[name]
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0)
             for key, value in ref["state"].items():
-                diff = float((got["state"][key] - value).abs().max() / value.abs().max().clamp_min(1e-12))
+                diff = max_rel(got["state"][key], value)
                 assert diff <= rtol, (name, key, diff)
 
 
@@ -123,10 +126,8 @@ def test_bf16_moments_offload_match_ddp():
 def test_bf16_moments_resume_bit_exact(tmp_path):
     """A checkpoint of a zero2_offload run with bf16 moments resumes as if never interrupted: the
     moments come back in bf16 (fp32 ones would step differently from there on)."""
-    from test_training_features import _resume_worker
-
     spec = OFFLOAD_SPECS[1][1]
-    for res in run_ranks(_resume_worker, str(tmp_path), spec, spec, "32-true", "cpuadam_bf16"):
+    for res in run_ranks(resume_worker, str(tmp_path), spec, spec, "32-true", "cpuadam_bf16"):
         assert res["resumed"] == res["full"][4:]
         for key, value in res["full_state"].items():
             assert torch.equal(res["resumed_state"][key], value), key
@@ -141,9 +142,7 @@ def test_bf16_moments_resume_bit_exact(tmp_path):
     ids=["zero2_offload-zero2_offload-bf16", "zero3_offload_params-zero2-fp32"],
 )
 def test_offloaded_run_resumes(tmp_path, first, second, precision):
-    from test_training_features import _resume_worker
-
-    for res in run_ranks(_resume_worker, str(tmp_path), first, second, precision):
+    for res in run_ranks(resume_worker, str(tmp_path), first, second, precision):
         # Same arithmetic as the uninterrupted run once masters and moments are restored (the
         # offloaded kernels keep torch's Adam state keys, so the checkpoint also resumes without
         # offload); summation order differs only between stages: ~1e-7.

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from models import fit, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

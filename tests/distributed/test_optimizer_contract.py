@@ -24,9 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from models import VOCAB, ParityModel, fit, make_loader
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, ParityModel, make_loader
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -96,17 +97,13 @@ def _worker(rank: int, manual: bool, names: list[str]) -> dict:
         pl.seed_everything(7, verbose=False)
         model = GradReader(manual)
         strategy = DDPStrategy(find_unused_parameters=True) if name == "ddp" else ZeroStrategy(**_spec(name))
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=strategy,
             max_epochs=1,
             accumulate_grad_batches=1 if manual else 2,
             gradient_clip_val=None if manual else 0.1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=DataLoader(TensorDataset(x), batch_size=3))
         with trainer.strategy.gathered_parameters() if name != "ddp" else contextlib.nullcontext():

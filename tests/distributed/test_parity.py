@@ -1,6 +1,6 @@
 """ZeRO stage 1 and 2 against Lightning's DDP on 2 CPU/gloo ranks: same seed, same data.
 
-The model (see models.py) has odd shapes, tied and frozen weights, an unused parameter and two
+The model (see tests/helpers/models.py) has odd shapes, tied and frozen weights, an unused parameter and two
 parameter groups; runs use gradient accumulation 2, norm clipping and an LR scheduler.
 """
 
@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from models import fit, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.parity import max_rel, norm_rel
+from tests.helpers.trainer import fit, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +25,8 @@ ZERO3 = {"stage": 3, "param_persistence_threshold": 10, "prefetch_bucket_size": 
 
 def _parity_worker(rank: int, specs: list, precision: str, optimizer: str) -> dict:
     import lightning.pytorch as pl
-    from models import ParityModel
+
+    from tests.helpers.models import ParityModel
 
     pl.seed_everything(7, verbose=False)
     out = {"init": state(ParityModel())}
@@ -31,10 +34,6 @@ def _parity_worker(rank: int, specs: list, precision: str, optimizer: str) -> di
         trainer, model = fit(spec, precision=precision, model_kwargs={"optimizer": optimizer})
         out[name] = {"losses": model.losses, "state": state(model), "steps": trainer.global_step}
     return out
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -56,12 +55,8 @@ def test_fp32_matches_ddp(optimizer):
             # amplified by a few optimizer steps; 1e-5 relative is the issue's bound.
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
             for key, value in ref["state"].items():
-                assert _max_rel(got["state"][key], value) <= 1e-5, (rank, name, key)
+                assert max_rel(got["state"][key], value) <= 1e-5, (rank, name, key)
             assert got["state"]["up.weight"].ne(res["init"]["up.weight"]).any()
-
-
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def test_bf16_mixed_matches_ddp():
@@ -86,7 +81,7 @@ def test_bf16_mixed_matches_ddp():
                 # bf16-rounded near-zero gradient can flip single elements by up to 2*lr per step;
                 # over the whole tensor (norm) the difference stays at the bf16 storage rounding
                 # (~4e-3) plus such flips. Measured <= 1.3e-2; a wrong shard mapping gives ~1.
-                assert _norm_rel(got["state"][key], value) <= 5e-2, (rank, name, key)
+                assert norm_rel(got["state"][key], value) <= 5e-2, (rank, name, key)
 
 
 class _Memory(Callback):
@@ -96,21 +91,19 @@ class _Memory(Callback):
 
 def _manual_and_memory_worker(rank: int) -> dict:
     import lightning.pytorch as pl
-    from models import ManualParityModel, build_strategy, make_loader
+
+    from tests.helpers.models import ManualParityModel, make_loader
+    from tests.helpers.trainer import build_strategy
 
     out = {}
     for name, strategy in (("ddp", "ddp"), ("zero1", {"stage": 1, "reduce_bucket_size": 30}), ("zero2", {"stage": 2})):
         pl.seed_everything(7, verbose=False)
         model = ManualParityModel()
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=2,
             strategy=build_strategy(strategy),
             max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(model, train_dataloaders=make_loader(n=24))
         out[name] = {"losses": model.losses, "state": state(model)}
@@ -136,7 +129,7 @@ def test_manual_optimization_and_memory_breakdown():
                 torch.tensor(res[name]["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0
             )
             for key, value in ref["state"].items():
-                assert _max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)
+                assert max_rel(res[name]["state"][key], value) <= 1e-5, (name, key)
         mem = res["memory"]
         device = mem["breakdown"]["device"]
         psi, n = mem["trainable"], 2

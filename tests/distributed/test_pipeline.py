@@ -25,12 +25,11 @@ import pytest
 import torch
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.gpt_reference import BATCH, LR, reference_run, tiny_gpt, tokens
+from tests.helpers.model_parallel import EPS, fit_pipelined
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
-
-from gpt_reference import BATCH, CLIP, LR, SEED, STEPS, reference_run, tiny_gpt, tokens
-
-EPS = 1e-6  # AdamW's eps: see the module docstring
 
 
 def _gpt():
@@ -38,51 +37,6 @@ def _gpt():
 
 
 _tokens = tokens
-
-
-def _make_module():
-    import lightning.pytorch as pl
-
-    from lightning_zero import PipelineSpec
-    from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
-
-    class PipedGPT(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = _gpt()
-            self.losses: list[float] = []
-            self.norms: list[float] = []
-
-        def configure_pipeline(self) -> PipelineSpec:
-            return PipelineSpec(
-                layers=self.model.to_layers(),
-                loss=lambda logits, batch: self.model.loss(logits, batch[0][:, 1:]),
-                inputs=lambda batch: batch[0][:, :-1],
-            )
-
-        def tensor_parallel_plan(self) -> dict[str, str]:
-            return {f"model.{k}": v for k, v in TENSOR_PARALLEL_PLAN.items()}
-
-        def forward(self, input_ids):  # Lightning's predict requires it (refused under pipelining)
-            return self.model(input_ids)
-
-        # Lightning runs a loop only when the hook exists; under pipelining the schedule runs instead.
-        def training_step(self, batch, batch_idx):  # pragma: no cover
-            raise AssertionError("training_step is replaced by the pipeline schedule")
-
-        def validation_step(self, batch, batch_idx):  # pragma: no cover
-            raise AssertionError("validation_step is replaced by the pipeline schedule")
-
-        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-            self.losses.append(float(outputs["loss"]))
-
-        def on_before_optimizer_step(self, optimizer) -> None:
-            self.norms.append(float(self.trainer.strategy.grad_norm(optimizer)))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1, eps=EPS)
-
-    return PipedGPT()
 
 
 def _reference(data_parallel: int) -> dict:
@@ -97,75 +51,6 @@ def _reference(data_parallel: int) -> dict:
     )
     ref["weights"] = {f"model.{n}": p for n, p in ref.pop("params").items()}
     return ref
-
-
-def _fit(
-    world: int,
-    tensor: int,
-    pipeline: int,
-    stage: int,
-    micro_batches: int,
-    schedule: str,
-    accumulate: int = 1,
-    chunks: int = 1,
-    sequence_parallel: bool = False,
-    **options,
-) -> dict:
-    """``options``: further ZeroStrategy arguments (e.g. activation_checkpointing)."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_zero import ZeroStrategy
-    from lightning_zero.parallel.pipeline import RemoteLayer
-
-    pl.seed_everything(SEED, verbose=False)
-    model = _make_module()
-    strategy = ZeroStrategy(
-        stage=stage,
-        tensor_parallel_size=tensor,
-        pipeline_parallel_size=pipeline,
-        pipeline_micro_batches=micro_batches,
-        pipeline_schedule=schedule,
-        pipeline_chunks=chunks,
-        reduce_bucket_size=3000,
-        sequence_parallel=sequence_parallel,
-        **options,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=STEPS,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate,
-    )
-    data = world // (tensor * pipeline)
-    loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data)), batch_size=BATCH // accumulate, shuffle=False)
-    trainer.fit(model, train_dataloaders=loader)
-    val = trainer.validate(model, DataLoader(TensorDataset(_tokens(BATCH)), batch_size=BATCH), verbose=False)
-    runner = strategy._parallel.runner
-    try:  # refused at setup, before any batch: the outputs would live on the last stage only
-        trainer.predict(model, DataLoader(TensorDataset(_tokens(BATCH)), batch_size=BATCH))
-        predict_error = None
-    except NotImplementedError as error:
-        predict_error = str(error)
-    return {
-        "predict_error": predict_error,
-        "losses": model.losses,
-        "norms": model.norms,
-        "val_loss": val[0]["val_loss"],
-        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)),
-        "remote": sorted(n for n, m in model.named_modules() if isinstance(m, RemoteLayer)),
-        "schedule": [repr(a) for a in runner.train_actions] if runner is not None else [],
-        "sampler": strategy.distributed_sampler_kwargs,
-    }
 
 
 def _close(got, want, what, atol=1e-7):
@@ -201,7 +86,7 @@ def _check(results: list[dict], reference: dict, tensor: int, pipeline: int) -> 
 
 
 def _pp2_worker(rank: int) -> dict:
-    return _fit(world=2, tensor=1, pipeline=2, stage=2, micro_batches=4, schedule="1f1b")
+    return fit_pipelined(world=2, tensor=1, pipeline=2, stage=2, micro_batches=4, schedule="1f1b")
 
 
 def test_pp2_stage2_1f1b_matches_one_process_with_tied_embedding():
@@ -214,7 +99,7 @@ def test_pp2_stage2_1f1b_matches_one_process_with_tied_embedding():
 
 
 def _pp2_accumulate_worker(rank: int) -> dict:
-    return _fit(world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", accumulate=2)
+    return fit_pipelined(world=2, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", accumulate=2)
 
 
 def test_pp2_with_gradient_accumulation_matches_one_process():
@@ -229,7 +114,7 @@ def test_pp2_with_gradient_accumulation_matches_one_process():
 
 
 def _pp2_interleaved_worker(rank: int) -> dict:
-    return _fit(world=2, tensor=1, pipeline=2, stage=1, micro_batches=4, schedule="1f1b", chunks=2)
+    return fit_pipelined(world=2, tensor=1, pipeline=2, stage=1, micro_batches=4, schedule="1f1b", chunks=2)
 
 
 def test_pp2_interleaved_two_chunks_matches_one_process():
@@ -241,7 +126,7 @@ def test_pp2_interleaved_two_chunks_matches_one_process():
 
 
 def _pp2_dp2_worker(rank: int) -> dict:
-    return _fit(world=4, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="gpipe")
+    return fit_pipelined(world=4, tensor=1, pipeline=2, stage=1, micro_batches=2, schedule="gpipe")
 
 
 def test_pp2_dp2_stage1_matches_dp2_reference():
@@ -249,7 +134,7 @@ def test_pp2_dp2_stage1_matches_dp2_reference():
 
 
 def _tp2_pp2_worker(rank: int, sequence_parallel: bool) -> dict:
-    return _fit(
+    return fit_pipelined(
         world=4, tensor=2, pipeline=2, stage=1, micro_batches=2, schedule="1f1b", sequence_parallel=sequence_parallel
     )
 
@@ -293,15 +178,11 @@ def _failing_worker(rank: int) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_micro_batches=2),
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     start = time.perf_counter()
     try:

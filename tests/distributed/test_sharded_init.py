@@ -12,10 +12,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import SEQ, VOCAB, make_loader
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import SEQ, VOCAB, make_loader
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -123,16 +124,12 @@ def _fit(
 
     pl.seed_everything(seed, verbose=False)
     model, initial = Built(kind, init_from), _Initial()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy() if strategy == "ddp" else ZeroStrategy(**strategy),
         precision=precision,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[initial],
     )
     trainer.fit(model, train_dataloaders=make_loader(n=48, batch_size=3, period=4))  # learnable rows
@@ -228,15 +225,11 @@ def _tensor_parallel_pretrained_worker(rank: int, directory: str) -> dict:
     pl.seed_everything(0, verbose=False)
     config = GPTConfig(vocab_size=64, block_size=SEQ, n_layer=2, n_head=2, n_embd=16)
     first = First()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=ZeroStrategy(stage=2, tensor_parallel_size=2),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[first],
     )

@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.parity import max_rel
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -119,15 +121,11 @@ def _fit(spec: Any, mode: str, epochs: int, ckpt_path: str | None = None, save: 
     pl.seed_everything(7, verbose=False)
     model = SharedEmbeddingGAN(mode)
     strategy = DDPStrategy(find_unused_parameters=True) if spec == "ddp" else ZeroStrategy(**spec)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, train_dataloaders=_data(), ckpt_path=ckpt_path)
     if save is not None:
@@ -139,10 +137,6 @@ def _fit(spec: Any, mode: str, epochs: int, ckpt_path: str | None = None, save: 
 
 def _parity_worker(rank: int, mode: str) -> dict:
     return {name: _fit(spec, mode, epochs=2) for name, spec in [("ddp", "ddp"), *SPECS]}
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("mode", ["alternate", "together"])
@@ -157,7 +151,7 @@ def test_shared_parameter_in_two_optimizers_matches_ddp(mode):
             # amplified over 16 steps of two optimizers; 1e-5 is the bound of test_multiple_optimizers.py.
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
             for key, value in ref_state.items():
-                assert _max_rel(state[key], value) <= 1e-5, (name, key)
+                assert max_rel(state[key], value) <= 1e-5, (name, key)
 
 
 def _resume_worker(rank: int, tmp: str) -> dict:
@@ -188,7 +182,7 @@ def test_shared_parameter_checkpoint_resumes_exactly_and_consolidates_as_ddp(tmp
         to_lightning_checkpoint(tmp_path / f"{name}.ckpt", plain)
         mine = torch.load(plain, weights_only=False)
         for key, value in ddp["state_dict"].items():
-            assert _max_rel(mine["state_dict"][key], value) <= 1e-5, (name, key)  # the parity bound above
+            assert max_rel(mine["state_dict"][key], value) <= 1e-5, (name, key)  # the parity bound above
         # per optimizer, per parameter position (the embedding is in both, with its own state in each)
         for o_index, (got, want) in enumerate(zip(_optimizer_states(mine), _optimizer_states(ddp), strict=True)):
             assert set(got) == set(want), (name, o_index)
@@ -196,6 +190,6 @@ def test_shared_parameter_checkpoint_resumes_exactly_and_consolidates_as_ddp(tmp
                 assert set(got[position]) == set(state), (name, o_index, position)
                 for key, value in state.items():
                     if torch.is_tensor(value) and value.dim() > 0:
-                        assert _max_rel(got[position][key], value) <= 1e-5, (name, o_index, position, key)
+                        assert max_rel(got[position][key], value) <= 1e-5, (name, o_index, position, key)
                     else:
                         assert float(got[position][key]) == float(value), (name, o_index, position, key)

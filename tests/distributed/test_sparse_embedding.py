@@ -12,10 +12,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, build_strategy, make_loader
 from torch import nn
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, make_loader
+from tests.helpers.trainer import build_strategy, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -62,15 +63,11 @@ def _fit(spec: Any, optimizer: str) -> SparseLM:
 
     pl.seed_everything(2, verbose=False)
     model = SparseLM(optimizer)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=build_strategy(spec),
         max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, make_loader(n=30, batch_size=3))
     return model

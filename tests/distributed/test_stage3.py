@@ -7,9 +7,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import BuiltInConfigureModel, HazardModel, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import BuiltInConfigureModel, HazardModel, make_loader, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

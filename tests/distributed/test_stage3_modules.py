@@ -18,11 +18,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, make_loader
 from torch import nn
 
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, make_loader
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -115,21 +116,16 @@ class _Initial(pl.Callback):
 
 
 def _fit(kind: str, built: bool, spec: Any, steps: int, ckpt: str | None = None) -> tuple[pl.Trainer, Zoo]:
-    from models import build_strategy
-
     import lightning_zero  # noqa: F401 - registers the strategy names
+    from tests.helpers.trainer import build_strategy
 
     pl.seed_everything(5, verbose=False)
     model = Zoo(kind, built)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=build_strategy(spec),
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[_Initial()],
     )
     trainer.fit(model, make_loader(n=30, batch_size=3), ckpt_path=ckpt)

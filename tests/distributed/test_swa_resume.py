@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import ParityModel, fit, make_loader
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import ParityModel, make_loader
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 

@@ -32,14 +32,15 @@ import pytest
 import torch
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.gpt_reference import CLIP, LR, SEED, SEQ, VOCAB, reference_run, tokens
+from tests.helpers.model_parallel import fit_tensor_parallel, gpt_optimizer
+from tests.helpers.trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
-from gpt_reference import BATCH, CLIP, LR, SEED, SEQ, STEPS, VOCAB, reference_run, tokens
-
 
 def _gpt():
-    from gpt_reference import tiny_gpt
+    from tests.helpers.gpt_reference import tiny_gpt
 
     return tiny_gpt(n_layer=2)
 
@@ -47,99 +48,9 @@ def _gpt():
 _tokens = tokens
 
 
-def _optimizer(name: str, params):
-    from lightning_zero.ops import CPULamb
-
-    if name == "lamb":
-        return CPULamb(params, lr=LR, weight_decay=0.1)
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-class _TinyGPT2:
-    """Built lazily inside a rank (Lightning is imported there)."""
-
-    @staticmethod
-    def make(optimizer: str):
-        import lightning.pytorch as pl
-
-        from recipes.gpt2.model import TENSOR_PARALLEL_PLAN
-
-        class TinyGPT2(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = _gpt()
-                self.losses: list[float] = []
-                self.norms: list[float] = []
-
-            def tensor_parallel_plan(self) -> dict[str, str]:
-                return {f"model.{k}": v for k, v in TENSOR_PARALLEL_PLAN.items()}
-
-            def training_step(self, batch, batch_idx):
-                (rows,) = batch
-                loss = self.model.loss(self.model(rows[:, :-1]), rows[:, 1:])
-                self.losses.append(loss.item())
-                return loss
-
-            def on_before_optimizer_step(self, optimizer) -> None:
-                self.norms.append(float(self.trainer.strategy.grad_norm(optimizer)))
-
-            def configure_optimizers(self):
-                return _optimizer(optimizer, self.parameters())
-
-        return TinyGPT2()
-
-
 def _reference(data_parallel: int, optimizer: str = "adamw") -> dict:
     """One process, whole model: per-step losses of each data-parallel half, gradient norms, final weights."""
-    return reference_run(2, lambda params: _optimizer(optimizer, params), data_parallel)
-
-
-def _fit(
-    tensor_parallel: int,
-    data_parallel: int,
-    stage: int,
-    optimizer: str = "adamw",
-    sequence_parallel: bool = False,
-    **options,
-) -> dict:
-    """``options``: further ZeroStrategy arguments (e.g. activation_checkpointing)."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_zero import ZeroStrategy
-
-    pl.seed_everything(SEED, verbose=False)  # the sampler's shuffling seed
-    model = _TinyGPT2.make(optimizer)
-    strategy = ZeroStrategy(
-        stage=stage,
-        tensor_parallel_size=tensor_parallel,
-        reduce_bucket_size=3000,
-        sequence_parallel=sequence_parallel,
-        **options,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=tensor_parallel * data_parallel,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=STEPS,
-        gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    loader = DataLoader(TensorDataset(_tokens(BATCH * STEPS * data_parallel)), batch_size=BATCH, shuffle=False)
-    trainer.fit(model, train_dataloaders=loader)
-    return {
-        "losses": model.losses,
-        "norms": model.norms,
-        "sampler": strategy.distributed_sampler_kwargs,
-        "params": {n: p.detach().clone() for n, p in model.model.named_parameters()},
-        "marked": sorted(n for n, p in model.model.named_parameters() if getattr(p, "tensor_parallel", False)),
-    }
+    return reference_run(2, lambda params: gpt_optimizer(optimizer, params), data_parallel)
 
 
 def _bert_check(groups) -> dict:
@@ -235,7 +146,7 @@ def _function_worker(rank: int) -> dict:
         "head_grad": (column_head.weight.grad, head.weight.grad[shard]),
         "argmax": (vocab_parallel_argmax(full[..., shard], groups.tp), full.argmax(-1)),
     }
-    out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2)
+    out["fit"] = fit_tensor_parallel(tensor_parallel=2, data_parallel=1, stage=2)
     out["recipe"] = _recipe_fit(tensor_parallel=2)
     return out
 
@@ -273,16 +184,12 @@ def _recipe_fit(tensor_parallel: int) -> dict:
     module = GPT2LM(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32), OptimizerConfig(lr=LR))
     record = Record()
     strategy = ZeroStrategy(stage=2, tensor_parallel_size=2) if tensor_parallel > 1 else "auto"
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=tensor_parallel,
         strategy=strategy,
         precision="32-true",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[record],
     )
@@ -370,8 +277,8 @@ def test_tp2_gpt2_matches_whole_model_and_trains_like_one_process():
 def _dp_tp_worker(rank: int) -> dict:
     # Two fits in the same four ranks (one spawn): AdamW under stage 1, LAMB under stage 2.
     return {
-        "adamw": _fit(tensor_parallel=2, data_parallel=2, stage=1),
-        "lamb": _fit(tensor_parallel=2, data_parallel=2, stage=2, optimizer="lamb"),
+        "adamw": fit_tensor_parallel(tensor_parallel=2, data_parallel=2, stage=1),
+        "lamb": fit_tensor_parallel(tensor_parallel=2, data_parallel=2, stage=2, optimizer="lamb"),
     }
 
 
@@ -420,7 +327,7 @@ def _sequence_parallel_worker(rank: int) -> dict:
     out.update(_forward_backward(whole, split, rows))
     out["ln_1 output"] = chunks["ln_1"]
     out["tied"] = split.head.lm_head.weight is split.embed.wte.weight
-    out["fit"] = _fit(tensor_parallel=2, data_parallel=1, stage=2, sequence_parallel=True)
+    out["fit"] = fit_tensor_parallel(tensor_parallel=2, data_parallel=1, stage=2, sequence_parallel=True)
     return out
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from models import StateEveryStep, build_strategy, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import StateEveryStep, make_loader, state
+from tests.helpers.trainer import build_strategy, fit
+from tests.helpers.workers import resume_worker
 
 pytestmark = pytest.mark.distributed
 
@@ -43,47 +45,6 @@ def test_fp16_overflow_skips_step_and_halves_scale():
         assert any(not torch.equal(skipped[k], after[k]) for k in skipped if k != "frozen.weight")
 
 
-def _resume_worker(
-    rank: int, tmp: str, first: object, second: object, precision: str, optimizer: str = "adamw"
-) -> dict:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    # 12 rows / batch 3 = 4 optimizer steps per epoch on each rank. The default ModelCheckpoint
-    # writes at the end of epoch 0 (step 4) during the uninterrupted 8-step run; the second run
-    # resumes from it. Lightning restarts a plain DataLoader's epoch on resume, so every row of a
-    # rank is the same (rank-specific) row and the batches replay identically wherever Lightning
-    # resumes; no accumulation, because Lightning also restarts the accumulation window.
-    every_epoch = ModelCheckpoint(dirpath=tmp, every_n_epochs=1, save_top_k=-1)
-    loader = make_loader(n=12, seed=1000 + rank, period=1)
-    common = {"precision": precision, "accumulate": 1, "loader": loader, "model_kwargs": {"optimizer": optimizer}}
-    no_sampler = {"use_distributed_sampler": False}
-    with_ckpt = {"callbacks": [every_epoch], "enable_checkpointing": True, **no_sampler}
-    trainer, full = fit(first, max_steps=8, trainer_kwargs=with_ckpt, **common)
-    path = f"{tmp}/epoch=0-step=4.ckpt"
-    full_file = isinstance(first, dict) and first.get("state_dict_type") == "full"
-    if full_file:  # one ordinary Lightning file, readable without lightning_zero
-        import os
-
-        loaded = torch.load(path, weights_only=False, map_location="cpu")
-        assert os.path.isfile(path) and "embed.weight" in loaded["state_dict"], sorted(loaded)
-        assert not any(p.name.startswith(".") for p in __import__("pathlib").Path(tmp).iterdir())  # no staging
-        # a weights-only save (ModelCheckpoint(save_weights_only=True)) has no optimizer states, as DDP's
-        # (in a folder of its own: the other rank may still be looking for staging directories in tmp)
-        os.makedirs(f"{tmp}/weights", exist_ok=True)
-        trainer.save_checkpoint(f"{tmp}/weights/last.ckpt", weights_only=True)
-        weights = torch.load(f"{tmp}/weights/last.ckpt", weights_only=True)
-        assert "optimizer_states" not in weights and "embed.weight" in weights["state_dict"], sorted(weights)
-    if second == "ddp" and first != "ddp" and not full_file:
-        from lightning_zero.checkpoint import to_lightning_checkpoint
-
-        # DDP reads one file: the sharded directory is converted first (what
-        # `lightning-zero consolidate --lightning` does); one copy per rank, so no barrier is needed.
-        to_lightning_checkpoint(path, f"{tmp}/plain-{rank}.ckpt")
-        path = f"{tmp}/plain-{rank}.ckpt"
-    _, resumed = fit(second, max_steps=8, ckpt_path=path, trainer_kwargs=no_sampler, **common)
-    return {"full": full.losses, "resumed": resumed.losses, "full_state": state(full), "resumed_state": state(resumed)}
-
-
 @pytest.mark.parametrize(
     "first,second,precision",
     [
@@ -97,7 +58,7 @@ def _resume_worker(
     ids=["zero2-zero2-fp32", "zero1-zero2-bf16", "ddp-zero2", "zero2-ddp", "zero3full-ddp", "zero2full-zero3"],
 )
 def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
-    for res in run_ranks(_resume_worker, str(tmp_path), first, second, precision):
+    for res in run_ranks(resume_worker, str(tmp_path), first, second, precision):
         # The resumed run replays batches 4..7 of the uninterrupted one from the restored
         # weights, fp32 master and optimizer state. Same arithmetic, so 1e-6 relative (summation
         # order differs only between DDP and ZeRO, ~1e-7; bf16-mixed restores the fp32 master).
@@ -107,9 +68,8 @@ def test_resume_matches_uninterrupted(tmp_path, first, second, precision):
 
 
 def _eval_worker(rank: int) -> dict:
-    from models import ParityModel
-
     import lightning_zero  # noqa: F401 (registers the strategy names)
+    from tests.helpers.models import ParityModel
 
     trainer, model = fit(
         "zero2", max_steps=2, devices=1, precision="bf16-mixed", trainer_kwargs={"limit_val_batches": 1.0}
@@ -137,7 +97,7 @@ def _environment_worker(rank: int) -> dict:
     fit({"stage": 2, "offload_optimizer": True}, max_steps=2)  # offload sets torch's threads per rank
     after_fit = dict(os.environ)
     threads_after_fit = torch.get_num_threads()
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     class FailsAtStep1(ParityModel):
         def training_step(self, batch, batch_idx):
@@ -196,9 +156,8 @@ def test_strategy_backward_left_to_lightning():
 def _save_before_fit_worker(rank: int, tmp: str, state_dict_type: str) -> dict:
     import os
 
-    from models import ParityModel
-
     from lightning_zero import ZeroStrategy
+    from tests.helpers.models import ParityModel
 
     pl.seed_everything(7, verbose=False)
     model = ParityModel()

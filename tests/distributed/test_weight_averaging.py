@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from models import fit, make_loader, state
 
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import make_loader, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -173,7 +174,7 @@ def _validation_worker(rank: int) -> dict:
 
 
 def _validated() -> type:
-    from models import ParityModel
+    from tests.helpers.models import ParityModel
 
     class Validated(ParityModel):
         def val_dataloader(self) -> Any:

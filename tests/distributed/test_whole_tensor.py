@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import fit, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import state
+from tests.helpers.parity import max_rel, norm_rel
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +28,7 @@ SPECS = {
 
 
 def _run(spec, optimizer: str, precision: str = "32-true", **kwargs):
-    from whole_models import WholeModel
+    from tests.helpers.whole_models import WholeModel
 
     manual = optimizer == "muon"  # Lightning steps two optimizers only under manual optimization
     return fit(
@@ -42,7 +44,8 @@ def _run(spec, optimizer: str, precision: str = "32-true", **kwargs):
 
 def _parity_worker(rank: int, cases: list[tuple[str, list[str]]], precision: str) -> dict:
     import lightning.pytorch as pl
-    from whole_models import WholeModel
+
+    from tests.helpers.whole_models import WholeModel
 
     out = {}
     for optimizer, names in cases:
@@ -52,14 +55,6 @@ def _parity_worker(rank: int, cases: list[tuple[str, list[str]]], precision: str
             trainer, model = _run("ddp" if name == "ddp" else SPECS[name], optimizer, precision, max_steps=4)
             out[(optimizer, name)] = {"losses": model.losses, "state": state(model), "steps": trainer.global_step}
     return out
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def test_fp32_whole_tensor_optimizers_match_ddp():
@@ -76,7 +71,7 @@ def test_fp32_whole_tensor_optimizers_match_ddp():
                 # the bound asked for. A piece gathered to the wrong place gives ~1.
                 torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
                 for key, value in ref["state"].items():
-                    assert _max_rel(got["state"][key], value) <= 1e-5, (rank, optimizer, name, key)
+                    assert max_rel(got["state"][key], value) <= 1e-5, (rank, optimizer, name, key)
                 for key in ("up.weight", "embed.weight", "norm.weight"):  # the whole and the elementwise path
                     assert got["state"][key].ne(res[(optimizer, "init")][key]).any(), (optimizer, name, key)
 
@@ -97,7 +92,7 @@ def test_bf16_mixed_whole_tensor_optimizers_match_ddp():
                     # Muon's orthogonalized update has unit-scale entries (like Adam's, a bf16 flip of
                     # a near-zero gradient moves little); over a whole tensor the difference stays
                     # at bf16 storage rounding (~4e-3) plus such flips, as the elementwise test's 5e-2.
-                    assert _norm_rel(got["state"][key], value) <= 5e-2, (rank, optimizer, name, key)
+                    assert norm_rel(got["state"][key], value) <= 5e-2, (rank, optimizer, name, key)
 
 
 CKPT_SPECS = ["ddp", "zero3", "zero2_offload"]
@@ -132,7 +127,7 @@ def test_checkpoints_consolidate_and_resume_at_another_world_size(tmp_path):
             to_lightning_checkpoint(tmp_path / f"{optimizer}-{name}.ckpt", out)
             got = torch.load(out, weights_only=False)
             for key, value in ref["state_dict"].items():
-                assert _max_rel(got["state_dict"][key].float(), value.float()) <= 1e-5, (optimizer, name, key)
+                assert max_rel(got["state_dict"][key].float(), value.float()) <= 1e-5, (optimizer, name, key)
             # consolidated: per parameter the owner's whole state (Muon's momentum, Adafactor's row and
             # column factors and step) as DDP's optimizer wrote it; fp32, so the 1e-5 of the weights
             for opt_got, opt_ref in zip(got["optimizer_states"], ref["optimizer_states"], strict=True):
@@ -144,11 +139,11 @@ def test_checkpoints_consolidate_and_resume_at_another_world_size(tmp_path):
                     for key, value in entry.items():
                         mine = opt_got["state"][index][key]
                         assert mine.shape == value.shape, (optimizer, name, index, key)
-                        assert _max_rel(mine.float(), value.float()) <= 1e-5, (optimizer, name, index, key)
+                        assert max_rel(mine.float(), value.float()) <= 1e-5, (optimizer, name, index, key)
     # 2 -> 1 rank: the whole states land on the one owner there, and training continues as DDP's
     (resumed,) = run_ranks(_resume_worker, str(tmp_path), optimizers, world_size=1, timeout=900)
     for optimizer in optimizers:
         ref = resumed[(optimizer, "ddp")]
         for name in CKPT_SPECS[1:]:
             for key, value in ref.items():
-                assert _max_rel(resumed[(optimizer, name)][key], value) <= 1e-5, (optimizer, name, key)
+                assert max_rel(resumed[(optimizer, name)][key], value) <= 1e-5, (optimizer, name, key)

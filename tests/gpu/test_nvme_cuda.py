@@ -16,60 +16,19 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (set before CUDA starts)
+from tests.helpers.cuda import fit_cuda, odd_network
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none found"),
-]
+pytestmark = pytest.mark.gpu  # skipped, with the reason, without a CUDA device (tests/conftest.py)
 
 
 def _fit(spec: dict, precision: str) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
-    import lightning.pytorch as pl
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
     from lightning_zero import ZeroStrategy
 
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            # odd shapes (buckets and 4096-byte blocks cut through parameters) and a tied weight
-            self.enc = nn.Linear(33, 47)
-            self.net = nn.Sequential(nn.Linear(47, 129), nn.LayerNorm(129), nn.GELU(), nn.Linear(129, 47, bias=False))
-            self.dec = nn.Linear(47, 33, bias=False)
-            self.head = nn.Linear(33, 5)
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.head(self.dec(self.net(self.enc(x)))).float(), y)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-    pl.seed_everything(11, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(24, 33, generator=g), torch.randn(24, 5, generator=g))
-    model = Model()
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=ZeroStrategy(**spec),
-        precision=precision,
-        max_steps=6,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=4))
+    # odd shapes: buckets and 4096-byte blocks cut through parameters
+    network = lambda: odd_network(33, 47, 129, 5)  # noqa: E731 - built after fit_cuda seeds
+    losses, state = fit_cuda(network, ZeroStrategy(**spec), precision, shape=(33, 5))
     left = sorted(os.listdir(spec["nvme_path"])) if "nvme_path" in spec and os.path.exists(spec["nvme_path"]) else []
-    return model.losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}, left
+    return losses, state, left
 
 
 SMALL = {"param_persistence_threshold": 10, "reduce_bucket_size": 500}

@@ -8,17 +8,12 @@ bitwise (same kernels on the same slices; copies move bits). The forward and bac
 deterministic algorithms so that the two runs' gradients are bitwise equal too.
 """
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (set before CUDA starts)
+from tests.helpers.cuda import fit_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none found"),
-]
+pytestmark = pytest.mark.gpu  # skipped, with the reason, without a CUDA device (tests/conftest.py)
 
 
 def test_copy_back_copies_on_a_side_stream_and_orders_the_compute_stream():
@@ -39,49 +34,17 @@ def test_copy_back_copies_on_a_side_stream_and_orders_the_compute_stream():
 
 
 def _fit(pipeline: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    import lightning.pytorch as pl
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_zero import ZeroStrategy
 
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            # odd shapes: buckets of 40 elements cut through parameters
-            self.net = nn.Sequential(nn.Linear(15, 7), nn.Tanh(), nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
-            self.losses: list[float] = []
+    def network() -> nn.Module:  # odd shapes: buckets of 40 elements cut through parameters
+        return nn.Sequential(nn.Linear(15, 7), nn.Tanh(), nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 3))
 
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x).float(), y)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-    pl.seed_everything(7, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(24, 15, generator=g), torch.randn(24, 3, generator=g))
-    model = Model()
     strategy = ZeroStrategy(
         stage=2, offload_optimizer=True, reduce_bucket_size=40, allgather_bucket_size=100, offload_pipeline=pipeline
     )
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision="bf16-mixed",
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=4))
-    return model.losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return fit_cuda(network, strategy, "bf16-mixed", shape=(15, 3), seed=7, clip=None)
 
 
 def test_pipelined_offload_is_bitwise_unpipelined_on_gpu():

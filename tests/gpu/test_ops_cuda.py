@@ -13,10 +13,7 @@ import lightning_zero.ops as ops
 from lightning_zero.ops import FusedAdam, FusedLamb, reference
 from lightning_zero.ops import functional as F
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none found"),
-]
+pytestmark = pytest.mark.gpu  # skipped, with the reason, without a CUDA device (tests/conftest.py)
 SHAPES = [(278011,)] + [(7, 15)] * 40
 STEPS = 10
 LR = 1e-3

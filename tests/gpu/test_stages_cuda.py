@@ -18,67 +18,20 @@ near-zero elements by 2 lr), and uses the same bounds as here (1e-2, 5e-2); a wr
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (set before CUDA starts)
+from tests.helpers.cuda import fit_cuda, odd_network
+from tests.helpers.parity import norm_rel
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none found"),
-]
+pytestmark = pytest.mark.gpu  # skipped, with the reason, without a CUDA device (tests/conftest.py)
 
 
 def _fit(strategy, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    import lightning.pytorch as pl
-    from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            # odd shapes: small buckets cut through parameters; a bias-free layer and a LayerNorm; a
-            # weight shared by the first and the last layer (tied embeddings): under parameter offload
-            # its shard lives on the host between the two uses, which must not split its gradient
-            self.enc = nn.Linear(15, 15)
-            self.net = nn.Sequential(
-                nn.Linear(15, 37), nn.LayerNorm(37), nn.GELU(), nn.Linear(37, 15, bias=False), nn.Tanh()
-            )
-            self.dec = nn.Linear(15, 15, bias=False)
-            self.dec.weight = self.enc.weight
-            self.head = nn.Linear(15, 3)
-            self.losses: list[float] = []
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.head(self.dec(self.net(self.enc(x)))).float(), y)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-    pl.seed_everything(11, verbose=False)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(24, 15, generator=g), torch.randn(24, 3, generator=g))
-    model = Model()
-    trainer = pl.Trainer(
-        accelerator="cuda",
-        devices=1,
-        strategy=strategy,
-        precision=precision,
-        max_steps=6,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-    )
-    trainer.fit(model, DataLoader(data, batch_size=4))
-    return model.losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    # odd shapes: small buckets cut through parameters; a bias-free layer and a LayerNorm; a weight
+    # shared by the first and the last layer (tied embeddings): under parameter offload its shard
+    # lives on the host between the two uses, which must not split its gradient
+    return fit_cuda(lambda: odd_network(15, 15, 37, 3, tied=True, squash=True), strategy, precision, shape=(15, 3))
 
 
 CASES = [(1, False), (2, False), (3, False), (2, True), (3, True), (3, "params")]
@@ -110,5 +63,5 @@ def test_stage_matches_lightning_ddp_on_gpu(stage, offload, precision):
         return
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=0)
     for key, value in ref_state.items():
-        rel = (state[key] - value).norm() / value.norm().clamp_min(1e-12)
-        assert rel <= 5e-2, (key, rel.item())
+        rel = norm_rel(state[key], value)
+        assert rel <= 5e-2, (key, rel)

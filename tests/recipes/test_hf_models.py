@@ -4,17 +4,12 @@ ZeRO stage 2 and stage 3."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch import Trainer
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from recipes.bert.data import BertDataModule
 from recipes.common.hf import HFLightningModule
 from recipes.gpt2.data import GPT2DataModule

@@ -17,9 +17,6 @@ import torch
 import yaml
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
 from recipes.bert import train as bert_train
 from recipes.bert.data import BertDataModule
 from recipes.bert.model import TENSOR_PARALLEL_PLAN as BERT_PLAN
@@ -32,6 +29,8 @@ from recipes.gpt2.data import GPT2DataModule
 from recipes.gpt2.model import GPT, GPTConfig
 from recipes.gpt2.model import TENSOR_PARALLEL_PLAN as GPT_PLAN
 from recipes.gpt2.module import GPT2LM
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY_GPT = [
     "--model.config.n_layer=2",

@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_zero import MemoryMonitor, memory
 from lightning_zero.memory import ActivationMeter, resident_bytes
+from tests.helpers.trainer import quiet_trainer
 
 
 def test_activation_meter_counts_saved_tensors_once():
@@ -53,15 +54,11 @@ class _Tiny(pl.LightningModule):
 def test_memory_monitor_on_one_process():
     monitor = MemoryMonitor()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 9)), batch_size=4)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         max_steps=2,
         callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(_Tiny(), data)
     last = monitor.last

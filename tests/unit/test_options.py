@@ -10,6 +10,7 @@ import torch
 import lightning_zero
 from lightning_zero import LossScaleConfig, OffloadPrecision, ZeroStrategy
 from lightning_zero.zero.step import check_optimizer
+from tests.helpers.trainer import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -220,15 +221,11 @@ def test_strategy_resolves_auto_sizes_for_its_model():
 
     strategy = ZeroStrategy(stage=2)
     assert strategy.zero_config.reduce_bucket_size == "auto"
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     model = Model()
     numel = sum(p.numel() for p in model.parameters())  # 633,603: a sixteenth is 39,600, under the floor

@@ -1,0 +1,79 @@
+"""Models for the whole-tensor optimizer tests: ParityModel (odd shapes, tied, frozen and unused
+weights) with Muon + AdamW, Adafactor, a user's norm-scaled SGD and a mixed AdamW."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.models import VOCAB, ParityModel
+
+
+class NormSGD(torch.optim.Optimizer):
+    """A user's whole-tensor optimizer: SGD with momentum whose step is the momentum scaled to unit
+    norm per tensor (the update of an element reads the whole tensor's norm)."""
+
+    whole_tensor = True
+
+    def __init__(self, params: Any, lr: float = 1e-2, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(buf / buf.norm().clamp_min(1e-12), alpha=-group["lr"])
+        return loss
+
+
+def _groups(model: ParityModel) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "unused"]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "unused"]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class WholeModel(ParityModel):
+    """``optimizer``: "adafactor", "normsgd", "mixed_adamw" (AdamW, its decay group stepped whole),
+    or "muon" (manual optimization: Muon for the hidden matrices, AdamW for the rest)."""
+
+    def __init__(self, optimizer: str = "adafactor", **kwargs: Any) -> None:
+        super().__init__(optimizer=optimizer, **kwargs)
+        self.automatic_optimization = optimizer != "muon"
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        (tokens,) = batch
+        muon, adamw = self.optimizers()
+        logits = self(tokens)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        muon.zero_grad()
+        adamw.zero_grad()
+        self.manual_backward(loss)
+        muon.step()
+        adamw.step()
+        return None
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adafactor":
+            return torch.optim.Adafactor(_groups(self), lr=self.lr)
+        if self.optimizer_name == "normsgd":
+            return NormSGD(_groups(self), lr=self.lr)
+        if self.optimizer_name == "mixed_adamw":
+            groups = _groups(self)
+            groups[0]["whole_tensor"] = True
+            return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
+        hidden = [self.up.weight, self.down.weight]
+        rest = [p for n, p in self.named_parameters() if n not in ("up.weight", "down.weight")]
+        muon = torch.optim.Muon(hidden, lr=self.lr * 2, weight_decay=0.05)
+        adamw = torch.optim.AdamW(rest, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return [muon, adamw]
