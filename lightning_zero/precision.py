@@ -57,7 +57,7 @@ from lightning_zero.hardware import warn_if_slow_bf16
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 
 class DynamicLossScaler:

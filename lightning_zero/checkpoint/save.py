@@ -75,7 +75,7 @@ from lightning_zero.layout import ParallelLayout
 from lightning_zero.ops import checksum
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
 
