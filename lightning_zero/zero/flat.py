@@ -40,6 +40,11 @@ Stage 1 receives into a bucket kept across steps and reduces once, at the step (
 REDUCING -> REDUCED); stages 2 and 3 reduce after every backward, so from the second micro-step on a
 buffer accumulates (ACCUMULATING: the next reduction is added to ``grad_shard``, not written).
 
+Other modules read the roles and states (read-only properties) and ask for every change through a
+method: the reducer for the transitions above, the disk tiers (:mod:`~lightning_zero.zero.swap`,
+:mod:`~lightning_zero.zero.swap_grads`) to rest a role in a file (``attach_shard_tier``,
+``attach_grad_tier``, ``split_master``), the step to leave ``master.grad`` on disk (``defer_grad``).
+
 The padding at the end of the flat buffer is zero in every role, so norms and optimizer states
 computed over whole slices are exact.
 """
