@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_zero.config import ActivationCheckpointConfig
-from lightning_zero.zero.gather import recompute_contexts
+from lightning_zero.zero import recompute_contexts
 
 _ORIGINAL = "_lightning_zero_checkpointed_forward"  # the instance attribute holding the wrapped forward
 

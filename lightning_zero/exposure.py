@@ -18,15 +18,24 @@ silently.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
-    from lightning_zero.precision import OffloadPrecision
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
+
+
+class LossScaled(Protocol):
+    """What this module reads of the precision plugin (:class:`~lightning_zero.precision.OffloadPrecision`,
+    which imports this module: naming its class here would tie the two into a cycle)."""
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        ...
 
 
 def reads_step_grads(model: pl.LightningModule) -> bool:
@@ -45,7 +54,7 @@ def install(
     trainer: pl.Trainer,
     model: pl.LightningModule,
     engine: ZeroEngine | None,
-    precision: OffloadPrecision,
+    precision: LossScaled,
     pipelined: bool = False,
 ) -> None:
     """At setup (fitting): the :class:`ValidationWindow` callback first among the trainer's, or with
@@ -99,7 +108,7 @@ class ValidationWindow(pl.Callback):
     stage 3 this rank's pieces of the sharded parameters, a slice-sized copy and no communication.
     """
 
-    def __init__(self, engine: ZeroEngine, precision: OffloadPrecision) -> None:
+    def __init__(self, engine: ZeroEngine, precision: LossScaled) -> None:
         self.engine = engine
         self.precision = precision  # its loss scale unscales the gradients
 

@@ -97,10 +97,7 @@ from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
-from lightning_zero.zero.deferred import Recorder, Recording
-from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.surface import ModelParallelContext
-from lightning_zero.zero.swap import check_space as check_nvme_space
+from lightning_zero.zero import ModelParallelContext, Recorder, Recording, ZeroEngine, check_nvme_space
 
 
 # (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)

@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,7 +37,7 @@ from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
 
 if TYPE_CHECKING:
-    from lightning_zero.strategy import ZeroStrategy
+    from lightning_zero.zero import ZeroEngine
 
 _RANK_KEY = "lightning_zero/rank/{}"
 _ANSWER_KEY = "lightning_zero/answered/{}"
@@ -306,7 +306,26 @@ def reap_children_at_exit(launcher: Any, grace: float = 5.0) -> None:
     atexit.register(reap)
 
 
-def explain(error: BaseException, strategy: ZeroStrategy) -> None:
+class FailedRun(Protocol):
+    """What :func:`explain` reads of the strategy that failed (the strategies import this module:
+    naming their classes here would tie the two into a cycle)."""
+
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank_processes(self) -> Processes: ...
+    @property
+    def launcher(self) -> Any: ...
+    @property
+    def _engine(self) -> ZeroEngine | None: ...
+    @property
+    def zero_config(self) -> ZeroConfig: ...
+    def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
+
+
+def explain(error: BaseException, strategy: FailedRun) -> None:
     """``ZeroStrategy.on_exception``: name the lost rank of a failed collective, or add this rank's
     memory and the settings to try to an out-of-memory error; make sure no rank outlives the run."""
     try:

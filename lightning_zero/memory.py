@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "buffers", "communication_buckets")
 

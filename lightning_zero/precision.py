@@ -58,7 +58,7 @@ from lightning_zero.zero.build import fp32_norm_params
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 
 class DynamicLossScaler:

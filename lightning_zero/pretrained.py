@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_zero.zero.deferred import Recording, active_recording
+from lightning_zero.zero import Recording, active_recording
 
 
 @dataclass

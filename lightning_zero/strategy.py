@@ -49,6 +49,7 @@ from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
+from lightning_zero.checkpoint.load import current_model_source
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.checkpoint.trainer_saves import CheckpointWriting
 from lightning_zero.config import (
@@ -65,14 +66,14 @@ from lightning_zero.options import as_offload_precision, new_precision, register
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
-from lightning_zero.zero.averaging import (
-    current_model_source,
+from lightning_zero.zero import (
+    Recorder,
+    Recording,
+    ZeroEngine,
+    check_nvme_space,
     keep_edits_in_masters,
     shard_averaged_copies,
 )
-from lightning_zero.zero.deferred import Recorder, Recording
-from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.swap import check_space as check_nvme_space
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_zero.zero.surface import HeldParam
+from lightning_zero.zero import HeldParam
 
 
 class ZeroLayerSummary(LayerSummary):

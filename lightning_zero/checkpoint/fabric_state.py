@@ -35,7 +35,7 @@ from lightning_zero.checkpoint.pieces import module_state_dict
 from lightning_zero.precision import OffloadPrecision
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 PRECISION_KEY = OffloadPrecision.__qualname__
 """Where the loss scaler's state is saved: the key Lightning gives the Trainer's precision plugin."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from lightning_zero.zero.engine_checkpoint import exact_storage
+from lightning_zero.zero import exact_storage
 
 
 class _Reader(Protocol):

@@ -43,11 +43,10 @@ from lightning_zero.checkpoint.reader import FullReader, ShardedReader
 from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.tensor import is_tensor_parallel
-from lightning_zero.zero.gather import placeholders_allowed
-from lightning_zero.zero.surface import HeldParam, OptimizerPiece
+from lightning_zero.zero import HeldParam, OptimizerPiece, placeholders_allowed
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 SHARDED_KEY = "lightning_zero_sharded_checkpoint"
 """Key of the checkpoint dict that :func:`load_checkpoint` returns for a sharded checkpoint: its directory."""
@@ -458,3 +457,19 @@ def replay_callback_restores(module: Any) -> None:
             BaseFinetuning.on_fit_start(callback, trainer, module)
         if isinstance(callback, StochasticWeightAveraging) and callback._scheduler_state is not None:
             StochasticWeightAveraging._clear_schedulers(trainer)
+
+
+def current_model_source(checkpoint: Mapping[str, Any], callbacks: list[Any]) -> dict[str, Any] | None:
+    """Lightning's ``WeightAveraging`` checkpoint (``state_dict``: the averaged weights,
+    ``current_model_state``: the model's own) resumed at stage 3: the checkpoint to load the model
+    from, its ``current_model_state`` as a plain (whole-tensor) state dict; ``None`` for any other."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    if not any(isinstance(c, WeightAveraging) for c in callbacks):
+        return None
+    current = checkpoint.get("current_model_state")
+    if not isinstance(current, Mapping) or "averaging_state" not in checkpoint:
+        return None
+    source = {k: v for k, v in checkpoint.items() if k != SHARDED_KEY}
+    source["state_dict"] = dict(current)
+    return source

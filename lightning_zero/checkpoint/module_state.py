@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_zero.zero.gather import placeholders_allowed, placeholders_ok
-from lightning_zero.zero.surface import HeldParam
+from lightning_zero.zero import HeldParam, placeholders_allowed, placeholders_ok
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 
 class FullStateDictHooks:

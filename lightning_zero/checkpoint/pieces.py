@@ -21,8 +21,7 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.parallel.tensor import is_tensor_parallel
-from lightning_zero.zero.gather import placeholders_allowed
-from lightning_zero.zero.surface import HeldParam
+from lightning_zero.zero import HeldParam, placeholders_allowed
 
 TIED_NAMES = "tied_names"
 """Attribute a pipeline stage may set on a parameter tied to one held by another stage: the other
@@ -30,7 +29,7 @@ state-dict names of the same weight, so that a checkpoint stores it once and res
 
 if TYPE_CHECKING:
     from lightning_zero.checkpoint.merge import Placement
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ so a failure on one rank raises on every rank instead of leaving the others wait
     rank 0     writes metadata.json last (the completeness marker) and renames the directory into place;
                an existing PATH is first renamed aside to .zero-old-HASH, then deleted
 
+The steps are those of a :class:`ShardedSave`: ``prepare`` (the first agreement), ``write``,
+``commit`` (the second) and ``publish`` (the third); :func:`save_sharded` runs them in one call.
+The file operations (checksummed, flushed writes; the renames) are in :mod:`~lightning_zero.checkpoint.files`.
+
 So a kill at any moment leaves either the previous checkpoint at PATH (or, between the two renames,
 at .zero-old-HASH, which :func:`~lightning_zero.checkpoint.format.resolve` finds), or the new one;
 a directory without ``metadata.json`` is never loaded. A save that fails on any rank removes its
@@ -28,7 +32,7 @@ agreement that follows the snapshot), the whole tensors of its node (:func:`~lig
 
 Speed: a synchronous save pickles straight from the engine's host tensors (no copy of the
 shard), checksums with the compiled CRC-32 (:mod:`lightning_zero.ops.checksum`) and starts the disk
-writes along the way (:class:`_Flusher`). An asynchronous save's training-thread work is the copy
+writes along the way (:class:`~lightning_zero.checkpoint.files.Flusher`). An asynchronous save's training-thread work is the copy
 into the run's :class:`~lightning_zero.checkpoint.host_buffer.HostBuffer` (allocated ahead, after the
 first optimizer step) and three small agreements; the pickling, checksum, writes and fsync run in
 the writer thread; the publication (``metadata.json``, rename) runs at the next step boundary that
@@ -49,7 +53,6 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -57,9 +60,9 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.checkpoint import files, rng, store
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
-from lightning_zero.checkpoint import rng, store
 from lightning_zero.checkpoint.host_buffer import HostBuffer
 from lightning_zero.checkpoint.io import Location
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
@@ -75,7 +78,7 @@ from lightning_zero.layout import ParallelLayout
 from lightning_zero.ops import checksum
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
 
@@ -115,137 +118,26 @@ def _guarded(fn: Callable[[], Any]) -> tuple[bool, Any]:
         return False, traceback.format_exc()
 
 
-class _Flusher:
-    """Starts a file's disk writes while it is still being written: a thread calls ``fdatasync`` each
-    time ``every`` more bytes went in, so the disk works while the writer pickles and checksums the
-    rest, and the final ``fsync`` waits only for the last part. (Otherwise Linux starts writing back
-    only above its dirty-page threshold, a tenth of the memory: a checkpoint smaller than that is
-    computed first and written to disk after, one after the other.)"""
-
-    def __init__(self, fd: int, every: int = 64 << 20) -> None:
-        self.fd, self.every, self.next = fd, every, every
-        self.signal = threading.Event()
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="lightning_zero-fdatasync", daemon=True)
-        self.thread.start()
-
-    def written(self, size: int) -> None:
-        if size >= self.next:
-            self.next = size + self.every
-            self.signal.set()
-
-    def _run(self) -> None:
-        sync = getattr(os, "fdatasync", os.fsync)  # (fdatasync: Linux)
-        while True:
-            self.signal.wait()
-            self.signal.clear()
-            if self.closed:
-                return
-            try:
-                sync(self.fd)
-            except OSError:
-                return  # the writer's own final fsync reports it
-
-    def close(self) -> None:
-        self.closed = True
-        self.signal.set()
-        self.thread.join()
-
-
-class _Checksummed:
-    """A file object that computes the CRC-32 and the size of what is written through it, ``CHUNK``
-    bytes at a time (each piece is checksummed and written while it is still in the CPU's cache)."""
-
-    CHUNK = 4 << 20
-
-    def __init__(self, f: Any, flusher: _Flusher | None = None) -> None:
-        self.f = f
-        self.flusher = flusher
-        self.crc32 = 0
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        for start in range(0, view.nbytes, self.CHUNK):
-            piece = view[start : start + self.CHUNK]
-            self.crc32 = checksum.crc32(piece, self.crc32)
-            self.f.write(piece)
-        self.size += view.nbytes
-        if self.flusher is not None:
-            self.flusher.written(self.size)
-        return view.nbytes
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def _write(obj: Any, file: Location) -> tuple[int, int]:
     """``torch.save``, streamed: locally with fsync (the rename that publishes the checkpoint must not
-    overtake the data; disk writes started along the way by a :class:`_Flusher`), on a store through
+    overtake the data; disk writes started along the way by a :class:`~lightning_zero.checkpoint.files.Flusher`), on a store through
     fsspec's writer (one buffer in memory, uploaded part by part; the object exists once closed).
     Returns the file's size and the CRC-32 of its bytes, computed while writing."""
     if not file.local:
         with file.open("wb") as f:
-            out = _Checksummed(f)
+            out = files.Checksummed(f)
             torch.save(obj, out)  # type: ignore[arg-type]  # a write()/flush() object is all torch.save uses
         return out.size, out.crc32
     with open(file.as_path(), "wb") as f:
-        flusher = _Flusher(f.fileno())
+        flusher = files.Flusher(f.fileno())
         try:
-            out = _Checksummed(f, flusher)
+            out = files.Checksummed(f, flusher)
             torch.save(obj, out)  # type: ignore[arg-type]  # as above
         finally:
             flusher.close()
         f.flush()
         os.fsync(f.fileno())
     return file.as_path().stat().st_size, out.crc32
-
-
-def _clear(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, path: Path, deletions: list[threading.Thread] | None = None) -> None:
-    """Rename the complete ``tmp`` to ``path``, moving an existing ``path`` aside first and deleting it
-    (with ``deletions``: by a thread appended there, see :func:`_delete_later`)."""
-    old = fmt.previous_path(path)
-    _clear(old)
-    if path.exists() or path.is_symlink():
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
-    if deletions is None:
-        _clear(old)
-    elif old.exists() or old.is_symlink():
-        deletions.append(_delete_later(old))
-
-
-def _delete_later(old: Path) -> threading.Thread:
-    """Delete the replaced checkpoint ``old`` off the save's critical path: renamed at once to a hidden
-    name of its own (never taken for a checkpoint, and out of the next save's way), then removed by a
-    daemon thread, which the caller joins later (the strategy: at the end of fit). Deleting the
-    benchmark's replaced checkpoint took ~250 ms per save there, which every rank waited for in the
-    publishing agreement. (A process killed meanwhile leaves the hidden ``.zero-trash-*`` directory.)"""
-    trash = old.parent / f"{fmt.trash_path(old).name}-{uuid.uuid4().hex[:8]}"
-    os.rename(old, trash)
-    thread = threading.Thread(
-        target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, name="lightning_zero-delete", daemon=True
-    )
-    thread.start()
-    return thread
 
 
 def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
@@ -333,33 +225,267 @@ def _discard(writes: bool, tmp: Location, marker: Location | None) -> None:
     if marker is not None:
         store.abort(tmp, marker)
     else:
-        _clear(tmp.as_path())
+        files.clear(tmp.as_path())
 
 
-def commit_save(pending: PendingSave) -> None:
-    """Wait for this rank's writer, agree on every rank's outcome and (rank 0) write ``metadata.json``
-    and rename the directory into place; a failed write on any rank raises on every rank, naming it,
-    and removes the temporary directory. Call on all ranks, from the main thread."""
+@dataclass(frozen=True)
+class SaveSource:
+    """What a save writes: Lightning's dict and the state the engine holds for ``module``."""
+
+    checkpoint: dict[str, Any]
+    """Lightning's checkpoint dict; its ``state_dict`` holds only the tensors ZeRO does not partition."""
+    module: nn.Module
+    engine: ZeroEngine | None
+    optimizers: list[torch.optim.Optimizer]
+    precision: str
+
+
+class ShardedSave:
+    """One save of a sharded checkpoint, as a transaction of four steps (see the module docstring)::
+
+        prepare()   agreement: the writer makes the temporary directory (or begins the store's
+                    save), every rank reports its pieces; then every rank checks it sees the directory
+        write()     this rank's file (rank 0 also lightning.pt) into the temporary directory, now or
+                    in a thread (asynchronous save); returns the PendingSave
+        commit()    agreement on every rank's write; a failure anywhere removes the temporary files
+        publish()   the writer writes metadata.json last and renames the directory into place
+
+    :func:`commit_save` runs the last two. A failure at any step raises on every rank (each
+    agreement exchanges every rank's outcome, so none waits for a rank that failed), leaves the
+    previous checkpoint at the path as it was, and removes what this save wrote.
+
+    Args:
+        source: what to save.
+        filepath: the checkpoint directory (a local path or an fsspec URL); the same on every rank.
+        layout: the run's data x tensor x pipeline layout (``None``: data parallel only).
+        node: node-local storage: this rank's node and local rank.
+        deletions: where a thread deleting the replaced checkpoint goes (``None``: deleted at once).
+    """
+
+    def __init__(
+        self,
+        source: SaveSource,
+        filepath: fmt.PathLike,
+        *,
+        layout: ParallelLayout | None = None,
+        node: ckpt_io.NodeRanks | None = None,
+        deletions: list[threading.Thread] | None = None,
+    ) -> None:
+        self.source = source
+        self.group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
+        self.placement = Placement.of(comm.rank(self.group), comm.world_size(self.group), layout)
+        self.rank, self.world_size = self.placement.rank, self.placement.layout.world_size
+        self.mine = ckpt_io.location(filepath)  # an unknown protocol raises on every rank alike, before any work
+        if node is not None and not self.mine.local:
+            raise ValueError(
+                f"node_local_storage=True writes each node's files to its own disk, but {self.mine} is not a local "
+                "path: an object store is shared by every node. Use node_local_storage=False for object-store "
+                "checkpoints."
+            )
+        self.node = node
+        self.deletions = deletions
+        self.save_id = uuid.uuid4().hex[:12] if self.rank == 0 else None
+        self.writes = self.rank == 0 if node is None else node.writer
+        self.has_optimizer_states = "optimizer_states" in source.checkpoint
+        self.mid_window = False  # set by the snapshot: the same on every rank (windows end together)
+        # set by prepare(): where the files go, and what every rank holds
+        self.path = self.tmp = self.mine
+        self.marker: Location | None = None
+        self.merged: dict[str, Any] = {}
+        self.nodes: list[int] | None = None
+        self.rank_files: list[str] = []
+
+    @staticmethod
+    def _temporary(where: Location, node_rank: int | None) -> Location:
+        return fmt.temporary_path(where) if node_rank is None else fmt.node_temporary_path(where, node_rank)
+
+    def prepare(self) -> None:
+        """The first agreement and the visibility check (see the class docstring). Call on all ranks."""
+        mine, node, src = self.mine, self.node, self.source
+
+        def start() -> tuple[str | None, str | None, ckpt_io.NodeRanks | None, dict[str, Any]]:
+            if self.writes:
+                if mine.local:
+                    tmp = self._temporary(mine, None if node is None else node.node).as_path()
+                    files.clear(tmp)
+                    tmp.mkdir(parents=True)
+                else:
+                    store.begin(mine, self.save_id or "")
+            report = rank_report(src.module, src.engine, src.optimizers, self.placement, copies=node is not None)
+            return (mine.path if self.writes else None), self.save_id, node, report
+
+        prepared = _agree(_guarded(start), self.group, f"starting the save of {mine}")
+        everyone = None if node is None else [where for _, _, where, _ in prepared]
+        nodes = self.nodes = None if everyone is None else [r.node for r in everyone]
+        writer_of = {0: 0} if everyone is None else ckpt_io.writers([w for w in everyone if w is not None])
+        # The writer's resolution: one directory whatever each rank's working directory (one per node
+        # under node-local storage)
+        my_node = 0 if node is None else node.node
+        path = self.path = ckpt_io.same_place(mine, str(prepared[writer_of[my_node]][0]))
+        self.save_id = prepared[0][1] or ""
+        marker = self.marker = None if path.local else fmt.temporary_path(path)
+        tmp = self.tmp = (
+            self._temporary(path, None if node is None else my_node)
+            if path.local
+            else store.files_dir(path, self.save_id)
+        )
+        self.merged = merge_reports([report for _, _, _, report in prepared])
+        if nodes is not None:
+            keep_copies(self.merged, nodes)
+        self.rank_files = [
+            fmt.rank_file(r) if path.local else f"{tmp.name}/{fmt.rank_file(r)}" for r in range(self.world_size)
+        ]
+
+        seen = marker if marker is not None else tmp
+        if not path.local:
+            path.refresh()
+        # Under node-local storage a writer that resolved the same path as another node's writer and sees
+        # that node's temporary directory shares its storage with it: their files would collide.
+        crossed = self.writes and any(
+            prepared[w][0] == path.path and self._temporary(path, n).exists()
+            for n, w in writer_of.items()
+            if n != my_node
+        )
+        flags = comm.all_gather_object((seen.exists(), crossed), self.group)
+        blind = [r for r, (ok, _) in enumerate(flags) if not ok]
+        sharing = sorted({nodes[r] for r, (_, shared) in enumerate(flags) if shared}) if nodes is not None else []
+        if blind or sharing:
+            _discard(self.writes, tmp, marker)
+            if sharing:
+                raise ckpt_io.shared_storage_error(path, sharing)
+            raise ckpt_io.not_visible_error(path, seen, blind, self.world_size)
+
+    def snapshot(self) -> tuple[dict[str, Any], bytes | None]:
+        """This rank's file's contents (views of the engine's host tensors) and, on rank 0, the bytes of
+        ``lightning.pt``. Local."""
+        src = self.source
+        replaced = overrides(
+            src.checkpoint["state_dict"], src.module, src.engine
+        )  # an EMA's weights, put there by its callback
+        values, optim = rank_payload(src.module, src.engine, src.optimizers, self.merged, self.rank, replaced)
+        payload: dict[str, Any] = {
+            "params": values,
+            "optim": optim if self.has_optimizer_states else [],
+            "rng": rng.collect(),
+        }
+        # Resuming exactly mid-epoch: this rank's data loader state (Lightning's dict keeps rank 0's) and,
+        # in the middle of an accumulation window, the gradients accumulated since the last step.
+        payload["loader"] = loader_state(src.checkpoint)
+        window = src.engine.window_state() if src.engine is not None and self.has_optimizer_states else None
+        payload["window"] = window
+        self.mid_window = window is not None
+        lightning_bytes = None
+        if self.rank == 0:
+            buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
+            torch.save(_lightning_state(src.checkpoint, self.merged), buffer)
+            lightning_bytes = buffer.getvalue()
+        return payload, lightning_bytes
+
+    def write(self, background: bool = False, host_buffer: HostBuffer | None = None) -> PendingSave:
+        """Write this rank's files into the temporary directory. Synchronous: written when this returns,
+        the outcome (or the failure) kept in the :class:`PendingSave` for :meth:`commit`. ``background``:
+        the pieces are copied into ``host_buffer`` (a buffer of this save's own by default) in one
+        agreement, and a thread writes them. Call on all ranks, after :meth:`prepare`."""
+        tmp, rank, node = self.tmp, self.rank, self.node
+        pending = PendingSave(
+            path=self.path,
+            tmp=tmp,
+            marker=self.marker,
+            rank=rank,
+            writes=self.writes,
+            group=self.group,
+            meta=self.metadata,
+            deletions=self.deletions,
+        )
+        if not background and node is None:
+            pending.outcome = _guarded(lambda: _write_files(tmp, rank, *self.snapshot()))
+            return pending
+        taken: list[tuple[dict[str, Any], bytes | None]] = []
+        buffer = host_buffer if host_buffer is not None else HostBuffer()
+
+        def take() -> bytes | None:
+            payload, own = self.snapshot()
+            taken.append((buffer.copy(payload) if background else payload, own))
+            return own if node is not None else None  # rank 0's bytes, for the other nodes' writers
+
+        try:
+            sent = _agree(_guarded(take), self.group, f"copying the shards of {self.path} to host")
+        except RuntimeError:
+            _discard(self.writes, tmp, self.marker)
+            raise
+        payload, own = taken.pop()
+        lightning_bytes = own if node is None else (sent[0] if self.writes else None)
+        if not background:
+            pending.outcome = _guarded(lambda: _write_files(tmp, rank, payload, lightning_bytes))
+            return pending
+        pending.start(lambda: _write_files(tmp, rank, payload, lightning_bytes))
+        buffer.user = pending
+        return pending
+
+    def metadata(self, written: list[tuple[int, int, int | None]]) -> dict[str, Any]:
+        """``metadata.json``'s contents, given every rank's ``(file size, CRC-32, lightning.pt's CRC-32)``."""
+        layout, engine, path, tmp = self.placement.layout, self.source.engine, self.path, self.tmp
+        return {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "stage": engine.config.zero.stage if engine is not None else None,
+            "world_size": self.world_size,
+            "layout": {"data": layout.data, "tensor": layout.tensor, "pipeline": layout.pipeline},
+            "precision": self.source.precision,
+            "has_optimizer_states": self.has_optimizer_states,
+            "mid_window": self.mid_window,  # the same on every rank: windows end together
+            "rank_files": self.rank_files,
+            "rank_file_bytes": [size for size, _, _ in written],
+            # CRC-32 of every file, checked by each reader before it trusts a file's bytes
+            "rank_file_crc32": [crc for _, crc, _ in written],
+            "lightning_file_crc32": next((crc for _, _, crc in written if crc is not None), None),
+            "save_id": self.save_id,  # the same in every node's copy (node-local storage): their union is one save
+            **({} if self.nodes is None else {"rank_nodes": self.nodes}),
+            **({} if path.local else {"lightning_file": f"{tmp.name}/{fmt.LIGHTNING_FILE}"}),
+            "state_dict_keys": self.merged["state_dict_keys"],
+            "params": self.merged["params"],
+            "torch_version": torch.__version__,
+            "lightning_version": lightning.__version__,
+        }
+
+
+def commit(pending: PendingSave) -> list[tuple[int, int, int | None]]:
+    """Wait for this rank's writer and agree on every rank's outcome: every rank's ``(file size,
+    CRC-32, lightning.pt's CRC-32)``. A failed write on any rank raises on every rank, naming it, and
+    the writer removes the temporary files. Call on all ranks, from the main thread."""
     pending.wait()
     assert pending.outcome is not None
-    path, tmp = pending.path, pending.tmp
     try:
-        written = _agree(pending.outcome, pending.group, f"writing the sharded checkpoint {path} (files in {tmp})")
+        return _agree(
+            pending.outcome, pending.group, f"writing the sharded checkpoint {pending.path} (files in {pending.tmp})"
+        )
     except RuntimeError:
         # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
         # previous checkpoint at ``path`` was never touched).
-        _discard(pending.writes, tmp, pending.marker)
+        _discard(pending.writes, pending.tmp, pending.marker)
         raise
+
+
+def publish(pending: PendingSave, written: list[tuple[int, int, int | None]]) -> None:
+    """The writer writes ``metadata.json`` last and renames the directory into place (on a store:
+    commits the marker); the outcome is agreed, so a failure raises on every rank. Call on all ranks."""
+    path, tmp = pending.path, pending.tmp
 
     def finish() -> None:
         if pending.marker is not None:
             store.commit(path, pending.marker, pending.meta(written))
             return
         fmt.write_metadata(tmp, pending.meta(written))
-        _publish(tmp.as_path(), path.as_path(), pending.deletions)
+        files.rename_into_place(tmp.as_path(), path.as_path(), pending.deletions)
 
     ok = _guarded(finish) if pending.writes else (True, None)
     _agree(ok, pending.group, f"publishing the sharded checkpoint {path}")
+
+
+def commit_save(pending: PendingSave) -> None:
+    """:func:`commit` then :func:`publish`: a written save becomes the checkpoint at its path, or fails
+    on every rank leaving the previous one. Call on all ranks, from the main thread."""
+    publish(pending, commit(pending))
 
 
 def poll_save(pending: PendingSave) -> bool:
@@ -384,7 +510,8 @@ def save_sharded(
     host_buffer: HostBuffer | None = None,
     deletions: list[threading.Thread] | None = None,
 ) -> PendingSave | None:
-    """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``.
+    """Write ``checkpoint`` (Lightning's dict) and the engine's shards to the directory ``filepath``:
+    a :class:`ShardedSave` run through its four steps (the strategies' one call).
 
     ``checkpoint["state_dict"]`` should hold only the tensors ZeRO does not partition (what the
     strategy's ``lightning_module_state_dict`` returns); its tensors are written into the rank files
@@ -406,145 +533,14 @@ def save_sharded(
     ``node`` (node-local storage): this rank's node and local rank; each node writes its own ranks'
     files under ``filepath`` as its local rank 0 resolves it (a local path only).
     """
-    group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
-    placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
-    rank, world_size = placement.rank, placement.layout.world_size
-    mine = ckpt_io.location(filepath)  # an unknown protocol raises on every rank alike, before any work
-    if node is not None and not mine.local:
-        raise ValueError(
-            f"node_local_storage=True writes each node's files to its own disk, but {mine} is not a local path: an "
-            "object store is shared by every node. Use node_local_storage=False for object-store checkpoints."
-        )
-    save_id = uuid.uuid4().hex[:12] if rank == 0 else None
-    writes = rank == 0 if node is None else node.writer
-
-    def temporary(where: Location, node_rank: int | None) -> Location:
-        return fmt.temporary_path(where) if node_rank is None else fmt.node_temporary_path(where, node_rank)
-
-    def prepare() -> tuple[str | None, str | None, ckpt_io.NodeRanks | None, dict[str, Any]]:
-        if writes:
-            if mine.local:
-                tmp = temporary(mine, None if node is None else node.node).as_path()
-                _clear(tmp)
-                tmp.mkdir(parents=True)
-            else:
-                store.begin(mine, save_id or "")
-        report = rank_report(module, engine, optimizers, placement, copies=node is not None)
-        return (mine.path if writes else None), save_id, node, report
-
-    prepared = _agree(_guarded(prepare), group, f"starting the save of {mine}")
-    everyone = None if node is None else [where for _, _, where, _ in prepared]
-    nodes = None if everyone is None else [r.node for r in everyone]
-    writer_of = {0: 0} if everyone is None else ckpt_io.writers([w for w in everyone if w is not None])
-    # The writer's resolution: one directory whatever each rank's working directory (one per node
-    # under node-local storage)
-    my_node = 0 if node is None else node.node
-    path = ckpt_io.same_place(mine, str(prepared[writer_of[my_node]][0]))
-    save_id = prepared[0][1] or ""
-    marker = None if path.local else fmt.temporary_path(path)
-    tmp = temporary(path, None if node is None else my_node) if path.local else store.files_dir(path, save_id)
-    merged = merge_reports([report for _, _, _, report in prepared])
-    if nodes is not None:
-        keep_copies(merged, nodes)
-    has_optimizer_states = "optimizer_states" in checkpoint
-    rank_files = [fmt.rank_file(r) if path.local else f"{tmp.name}/{fmt.rank_file(r)}" for r in range(world_size)]
-
-    seen = marker if marker is not None else tmp
-    if not path.local:
-        path.refresh()
-    # Under node-local storage a writer that resolved the same path as another node's writer and sees
-    # that node's temporary directory shares its storage with it: their files would collide.
-    crossed = writes and any(
-        prepared[w][0] == path.path and temporary(path, n).exists() for n, w in writer_of.items() if n != my_node
-    )
-    flags = comm.all_gather_object((seen.exists(), crossed), group)
-    blind = [r for r, (ok, _) in enumerate(flags) if not ok]
-    sharing = sorted({nodes[r] for r, (_, shared) in enumerate(flags) if shared}) if nodes is not None else []
-    if blind or sharing:
-        _discard(writes, tmp, marker)
-        if sharing:
-            raise ckpt_io.shared_storage_error(path, sharing)
-        raise ckpt_io.not_visible_error(path, seen, blind, world_size)
-
-    facts: dict[str, Any] = {}
-
-    def snapshot() -> tuple[dict[str, Any], bytes | None]:
-        replaced = overrides(checkpoint["state_dict"], module, engine)  # an EMA's weights, put there by its callback
-        values, optim = rank_payload(module, engine, optimizers, merged, rank, replaced)
-        payload: dict[str, Any] = {
-            "params": values,
-            "optim": optim if has_optimizer_states else [],
-            "rng": rng.collect(),
-        }
-        # Resuming exactly mid-epoch: this rank's data loader state (Lightning's dict keeps rank 0's) and,
-        # in the middle of an accumulation window, the gradients accumulated since the last step.
-        payload["loader"] = loader_state(checkpoint)
-        payload["window"] = engine.window_state() if engine is not None and has_optimizer_states else None
-        facts["mid_window"] = payload["window"] is not None
-        lightning_bytes = None
-        if rank == 0:
-            buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
-            torch.save(_lightning_state(checkpoint, merged), buffer)
-            lightning_bytes = buffer.getvalue()
-        return payload, lightning_bytes
-
-    def meta(written: list[tuple[int, int, int | None]]) -> dict[str, Any]:
-        return {
-            "format": fmt.FORMAT_NAME,
-            "version": fmt.FORMAT_VERSION,
-            "stage": engine.config.zero.stage if engine is not None else None,
-            "world_size": world_size,
-            "layout": {
-                "data": placement.layout.data,
-                "tensor": placement.layout.tensor,
-                "pipeline": placement.layout.pipeline,
-            },
-            "precision": precision,
-            "has_optimizer_states": has_optimizer_states,
-            "mid_window": facts.get("mid_window", False),  # the same on every rank: windows end together
-            "rank_files": rank_files,
-            "rank_file_bytes": [size for size, _, _ in written],
-            # CRC-32 of every file, checked by each reader before it trusts a file's bytes
-            "rank_file_crc32": [crc for _, crc, _ in written],
-            "lightning_file_crc32": next((crc for _, _, crc in written if crc is not None), None),
-            "save_id": save_id,  # the same in every node's copy (node-local storage): their union is one save
-            **({} if nodes is None else {"rank_nodes": nodes}),
-            **({} if path.local else {"lightning_file": f"{tmp.name}/{fmt.LIGHTNING_FILE}"}),
-            "state_dict_keys": merged["state_dict_keys"],
-            "params": merged["params"],
-            "torch_version": torch.__version__,
-            "lightning_version": lightning.__version__,
-        }
-
-    pending = PendingSave(
-        path=path, tmp=tmp, marker=marker, rank=rank, writes=writes, group=group, meta=meta, deletions=deletions
-    )
-    if not background and node is None:
-        pending.outcome = _guarded(lambda: _write_files(tmp, rank, *snapshot()))
-        commit_save(pending)
-        return None
-    taken: list[tuple[dict[str, Any], bytes | None]] = []
-    buffer = host_buffer if host_buffer is not None else HostBuffer()
-
-    def take() -> bytes | None:
-        payload, own = snapshot()
-        taken.append((buffer.copy(payload) if background else payload, own))
-        return own if node is not None else None  # rank 0's bytes, for the other nodes' writers
-
-    try:
-        sent = _agree(_guarded(take), group, f"copying the shards of {path} to host")
-    except RuntimeError:
-        _discard(writes, tmp, marker)
-        raise
-    payload, own = taken.pop()
-    lightning_bytes = own if node is None else (sent[0] if writes else None)
-    if not background:
-        pending.outcome = _guarded(lambda: _write_files(tmp, rank, payload, lightning_bytes))
-        commit_save(pending)
-        return None
-    pending.start(lambda: _write_files(tmp, rank, payload, lightning_bytes))
-    buffer.user = pending
-    return pending
+    source = SaveSource(checkpoint, module, engine, optimizers, precision)
+    save = ShardedSave(source, filepath, layout=layout, node=node, deletions=deletions)
+    save.prepare()
+    pending = save.write(background, host_buffer)
+    if background:
+        return pending
+    commit_save(pending)
+    return None
 
 
 def reserve_host_buffer(
@@ -584,6 +580,6 @@ def remove_sharded(filepath: fmt.PathLike) -> None:
     if not fmt.is_sharded_checkpoint(path):
         raise ValueError(f"refusing to delete {path}: it is a directory but not a lightning_zero sharded checkpoint.")
     trash = fmt.trash_path(path)
-    _clear(trash)
+    files.clear(trash)
     os.rename(path, trash)
     shutil.rmtree(trash)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from lightning_zero.config import StrategyConfig
     from lightning_zero.parallel.setup import ParallelSetup
     from lightning_zero.precision import OffloadPrecision
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero import ZeroEngine
 
 
 class _Saving(Protocol):

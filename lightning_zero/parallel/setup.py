@@ -35,7 +35,7 @@ from lightning_zero.parallel.pipeline import (
 )
 from lightning_zero.parallel.runner import PipelineRunner
 from lightning_zero.parallel.tensor import apply_tensor_parallel, check_plan
-from lightning_zero.zero.surface import ModelParallelContext, TiedAcrossStages
+from lightning_zero.zero import ModelParallelContext, TiedAcrossStages
 
 _APPLIED = "_lightning_zero_model_parallel"  # marks a LightningModule already converted
 

@@ -131,7 +131,7 @@ def plan(
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
     with fake_world(world_size) as group, host_on_meta(host), gloo:
-        from lightning_zero.zero.engine import ZeroEngine
+        from lightning_zero.zero import ZeroEngine
 
         groups = {id(group): "data"}
         module = meta_model(model, model_kwargs)

@@ -23,7 +23,7 @@ swap it into the model (as ``WeightAveraging`` does for validation) or save and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,24 +136,6 @@ def _piece_on_load(sub: nn.Module, state_dict: dict[str, Any], prefix: str, *arg
         param = sub._parameters[name]
         if torch.is_tensor(value) and param is not None and tuple(value.shape) == tuple(shape):
             state_dict[key] = value.reshape(-1)[offset : offset + param.numel()]
-
-
-def current_model_source(checkpoint: Mapping[str, Any], callbacks: list[Any]) -> dict[str, Any] | None:
-    """Lightning's ``WeightAveraging`` checkpoint (``state_dict``: the averaged weights,
-    ``current_model_state``: the model's own) resumed at stage 3: the checkpoint to load the model
-    from, its ``current_model_state`` as a plain (whole-tensor) state dict; ``None`` for any other."""
-    from lightning.pytorch.callbacks import WeightAveraging
-
-    if not any(isinstance(c, WeightAveraging) for c in callbacks):
-        return None
-    current = checkpoint.get("current_model_state")
-    if not isinstance(current, Mapping) or "averaging_state" not in checkpoint:
-        return None
-    from lightning_zero.checkpoint.load import SHARDED_KEY
-
-    source = {k: v for k, v in checkpoint.items() if k != SHARDED_KEY}
-    source["state_dict"] = dict(current)
-    return source
 
 
 def keep_edits_in_masters(engine: ZeroEngine) -> int:

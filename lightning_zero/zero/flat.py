@@ -40,6 +40,11 @@ Stage 1 receives into a bucket kept across steps and reduces once, at the step (
 REDUCING -> REDUCED); stages 2 and 3 reduce after every backward, so from the second micro-step on a
 buffer accumulates (ACCUMULATING: the next reduction is added to ``grad_shard``, not written).
 
+Other modules read the roles and states (read-only properties) and ask for every change through a
+method: the reducer for the transitions above, the disk tiers (:mod:`~lightning_zero.zero.swap`,
+:mod:`~lightning_zero.zero.swap_grads`) to rest a role in a file (``attach_shard_tier``,
+``attach_grad_tier``, ``split_master``), the step to leave ``master.grad`` on disk (``defer_grad``).
+
 The padding at the end of the flat buffer is zero in every role, so norms and optimizer states
 computed over whole slices are exact.
 """
@@ -49,7 +54,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -90,6 +96,20 @@ _ON_RECEIVE = {
 }
 
 
+@dataclass
+class PendingGrad:
+    """``master.grad`` of one buffer while its values rest in the gradient file (the gradient disk
+    tier, :mod:`~lightning_zero.zero.swap_grads`): the step computes ``grad_shard`` cast to the
+    master's dtype, times ``inv_scale`` (when not 1), then ``ops`` in order."""
+
+    inv_scale: float
+    squared: torch.Tensor | None
+    """The sum of squares of the cast slice, taken when it was reduced (valid while ``ops`` is empty
+    and ``inv_scale`` is 1); None: the slice is zero (no gradient since the last step)."""
+    zero: bool = False
+    ops: list[Callable[[torch.Tensor], object]] = field(default_factory=list)
+
+
 class ShardTier(Protocol):
     """Where ``param_shard`` rests while released when it is not kept in memory: the disk tier
     (:class:`lightning_zero.zero.swap.ParamTier`)."""
@@ -111,7 +131,7 @@ class GradTierLike(Protocol):
     def after_reduce(self, b: FlatBuffer) -> None: ...
     def drop(self, b: FlatBuffer) -> None: ...
     def resident(self, b: FlatBuffer, write: bool) -> AbstractContextManager[None]: ...
-    def pending(self, b: FlatBuffer, inv_scale: float) -> Any: ...
+    def pending(self, b: FlatBuffer, inv_scale: float) -> PendingGrad: ...
     def squared(self, b: FlatBuffer) -> torch.Tensor: ...
     def read_step_grad(self, b: FlatBuffer) -> torch.Tensor: ...
     def materialize(self, b: FlatBuffer) -> None: ...
@@ -183,47 +203,46 @@ class FlatBuffer:
             master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
                 source[piece.param_offset : piece.param_offset + piece.numel]
             )
-        self.flat_param: torch.Tensor | None = None
-        #: set by the parameter disk tier: ``param_shard`` has memory only while gathered or stepped
-        self.shard_tier: ShardTier | None = None
+        self._flat_param: torch.Tensor | None = None
+        # set by the parameter disk tier (attach_shard_tier): param_shard has memory only while gathered or stepped
+        self._shard_tier: ShardTier | None = None
         if persistent:
-            self.flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+            self._flat_param = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
             for param, slot in zip(params, layout.slots, strict=True):
-                self.flat_param[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-            self.param_shard = self.flat_param[start:end]
-            self.state = ParamState.GATHERED
+                self._flat_param[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            self._param_shard = self._flat_param[start:end]
+            self._state = ParamState.GATHERED
             self.bind_params()
         else:
             # One tensor for the buffer's whole life; memory only while gathered (see release()).
-            self.flat_param = empty_shell(layout.padded_numel, dtype, device)
-            self.param_shard = master.to(dtype)
-            if offload is not None and offload.offload_parameters and self.param_shard.device.type != "cpu":
-                self.param_shard = host_copy(self.param_shard, pin=offload.pin_memory)
-            self.state = ParamState.GATHERED
+            self._flat_param = empty_shell(layout.padded_numel, dtype, device)
+            self._param_shard = master.to(dtype)
+            if offload is not None and offload.offload_parameters and self._param_shard.device.type != "cpu":
+                self._param_shard = host_copy(self._param_shard, pin=offload.pin_memory)
+            self._state = ParamState.GATHERED
             self.release()
         if offload is not None and self.offloaded and master.device.type != "cpu":
             master = host_copy(master, pin=offload.pin_memory)
-        self.master = master if self.separate_master else self.param_shard
-        self.grad_shard: torch.Tensor | None = (
+        self._master = master if self.separate_master else self._param_shard
+        self._grad_shard: torch.Tensor | None = (
             torch.zeros(layout.shard_numel, dtype=self.grad_dtype, device=device) if self.trainable else None
         )
-        self.grad_bucket: torch.Tensor | None = None
+        self._grad_bucket: torch.Tensor | None = None
         # Offload: the reduced slice's copy in (pinned) host memory, refreshed as each reduction of
         # stages 2/3 completes so the device-to-host copy overlaps the rest of backward.
-        self.host_grad: torch.Tensor | None = None
+        self._host_grad: torch.Tensor | None = None
         if (
             offload is not None
             and self.offloaded
-            and self.grad_shard is not None
-            and self.grad_shard.device.type != "cpu"
+            and self._grad_shard is not None
+            and self._grad_shard.device.type != "cpu"
         ):
-            self.host_grad = host_empty(layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
-        self.grad_state = GradState.EMPTY
-        #: set by the gradient disk tier: ``grad_shard`` has memory only while reduced into or stepped
-        self.grad_tier: GradTierLike | None = None
-        #: under the gradient disk tier, ``master.grad`` while its values rest on disk
-        #: (:class:`lightning_zero.zero.swap_grads.PendingGrad`; None otherwise)
-        self.pending_grad: Any = None
+            self._host_grad = host_empty(layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
+        self._grad_state = GradState.EMPTY
+        # set by the gradient disk tier (attach_grad_tier): grad_shard has memory only while reduced into or stepped
+        self._grad_tier: GradTierLike | None = None
+        # under the gradient disk tier, master.grad while its values rest on disk (defer_grad)
+        self._pending_grad: PendingGrad | None = None
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
         self._bucket_kept = False  # stage 1: grad_bucket lives across steps and grad_shard is its slice
         self._bucket_adopted = False  # grad_bucket is autograd's own gradient tensor (see adopts())
@@ -233,70 +252,179 @@ class FlatBuffer:
     def numel(self) -> int:
         return self.layout.padded_numel
 
+    # -- roles and states, read-only: they change only through the methods below ----------------
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """(shard_numel,) compute dtype: rank r's slice of the parameters."""
+        return self._param_shard
+
+    @property
+    def flat_param(self) -> torch.Tensor | None:
+        """(padded_numel,) compute dtype: the full parameters (memory only while gathered when sharded)."""
+        return self._flat_param
+
+    @property
+    def master(self) -> torch.Tensor:
+        """(shard_numel,) fp32 (fp64 under "64-true"): the slice the optimizer steps; ``param_shard``
+        itself when no separate master is kept."""
+        return self._master
+
+    @property
+    def grad_shard(self) -> torch.Tensor | None:
+        """(shard_numel,) gradient dtype: rank r's slice of the reduced gradients; None when frozen."""
+        return self._grad_shard
+
+    @property
+    def grad_bucket(self) -> torch.Tensor | None:
+        """(padded_numel,) gradient dtype: the gradients collected for one reduction, if any."""
+        return self._grad_bucket
+
+    @property
+    def host_grad(self) -> torch.Tensor | None:
+        """(shard_numel,) gradient dtype: ``grad_shard``'s host copy (offload with a GPU), else None."""
+        return self._host_grad
+
+    @property
+    def state(self) -> ParamState:
+        """Where the full parameters are (:class:`ParamState`)."""
+        return self._state
+
+    @property
+    def grad_state(self) -> GradState:
+        """What the gradient roles hold (:class:`GradState`)."""
+        return self._grad_state
+
+    @property
+    def shard_tier(self) -> ShardTier | None:
+        """The tier ``param_shard`` rests in while released (:meth:`attach_shard_tier`), or None."""
+        return self._shard_tier
+
+    @property
+    def grad_tier(self) -> GradTierLike | None:
+        """The tier ``grad_shard`` rests in between reductions and the step (:meth:`attach_grad_tier`), or None."""
+        return self._grad_tier
+
+    @property
+    def pending_grad(self) -> PendingGrad | None:
+        """Under the gradient tier, ``master.grad`` while its values rest on disk (:meth:`defer_grad`)."""
+        return self._pending_grad
+
+    # -- the disk tiers ask, the buffer changes ------------------------------------------------
+
+    def split_master(self) -> bool:
+        """Give ``param_shard`` storage of its own where it is the master tensor itself (fp32 without a
+        separate master): the optimizer's disk tier moves the master to a file while the shard must
+        stay for the forward. Returns whether it split. The parameters are not rebound (see
+        :meth:`bind_released`)."""
+        # (_cdata: the storage itself; a data pointer is 0 for every storage the build freed)
+        if self._param_shard.untyped_storage()._cdata != self._master.untyped_storage()._cdata:
+            return False
+        self._param_shard = self._master.detach().clone()
+        return True
+
+    def attach_shard_tier(self, tier: ShardTier) -> None:
+        """A released sharded buffer's ``param_shard`` rests in ``tier`` from now on: the parameters
+        hold empty tensors (the shard is about to lose its memory)."""
+        assert not self.persistent and self._state is ParamState.RELEASED
+        self._shard_tier = tier
+        self.bind_released()
+
+    def detach_shard_tier(self) -> None:
+        """``param_shard`` no longer rests in a tier (the tier is closing)."""
+        self._shard_tier = None
+
+    def attach_grad_tier(self, tier: GradTierLike) -> None:
+        """``grad_shard`` rests in ``tier`` between reductions and the step from now on (EMPTY only)."""
+        assert self._grad_shard is not None and self._grad_state is GradState.EMPTY
+        self._grad_tier = tier
+
+    def detach_grad_tier(self) -> None:
+        """``grad_shard`` no longer rests in a tier (the tier is closing); no gradient is left pending."""
+        self._grad_tier = None
+        self._pending_grad = None
+
+    def defer_grad(self, inv_scale: float) -> None:
+        """The step's ``master.grad`` stays on disk under the gradient tier: record it as pending
+        (``inv_scale``, and the clipping the step records into it later)."""
+        assert self._grad_tier is not None
+        self._pending_grad = self._grad_tier.pending(self, inv_scale)
+
+    def drop_pending_grad(self) -> None:
+        """The pending ``master.grad`` was used (or read into memory, or the step is over)."""
+        self._pending_grad = None
+
+    def unbind_params(self) -> None:
+        """Point every parameter at an empty tensor of the compute dtype on the buffer's device (never
+        another device or dtype: see :meth:`bind_released`), e.g. before the shard loses its memory."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for param in self.params:
+            param.data = empty
+
     def make_trainable(self, optimizer_group: int, separate_master: bool, offload: OffloadConfig | None) -> None:
         """Stage 3: a frozen buffer joins an optimizer's parameter group added during fit
         (``add_param_group``, Lightning's ``BackboneFinetuning``): it gets the roles a trainable
         buffer is built with, from its own shard (no communication; the same object stays in the
         gather hooks). The master starts from ``param_shard``: under mixed precision a frozen shard
         was kept in the compute dtype, so the master starts from its 16-bit values."""
-        assert not self.trainable and self.shard_tier is None
+        assert not self.trainable and self._shard_tier is None
         self.optimizer_group = optimizer_group
         self.trainable = True
         self.offloaded = bool(offload and offload.offload_optimizer)
         self.separate_master = separate_master or self.offloaded
         if self.separate_master:
             master_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-            master = self.param_shard.to(device=self.device, dtype=master_dtype, copy=True)
+            master = self._param_shard.to(device=self.device, dtype=master_dtype, copy=True)
             if offload is not None and self.offloaded and master.device.type != "cpu":
                 master = host_copy(master, pin=offload.pin_memory)
-            self.master = master
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+            self._master = master
+        self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         if offload is not None and self.offloaded and self.device.type != "cpu":
-            self.host_grad = host_empty(self.layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
+            self._host_grad = host_empty(self.layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
 
     def bind_params(self) -> None:
         """Make every parameter's ``.data`` a view into ``flat_param`` (identity of the Parameter kept)."""
-        assert self.flat_param is not None
+        assert self._flat_param is not None
         for param, slot in zip(self.params, self.layout.slots, strict=True):
-            param.data = self.flat_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            param.data = self._flat_param[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     # -- stage 3: gather and release ------------------------------------------------------------
 
     def gather_start(self, group: comm.ProcessGroup, label: str = "") -> None:
         """Launch the all-gather of the full parameters (no-op unless released). ``label`` names the
         module it is for (in the collective checker's messages). Call on all ranks."""
-        if self.state is not ParamState.RELEASED:
+        if self._state is not ParamState.RELEASED:
             return
-        assert self.flat_param is not None and self._block is None
-        self._block = lend(self.pool, self.flat_param)  # the same tensor every time, pooled memory
+        assert self._flat_param is not None and self._block is None
+        self._block = lend(self.pool, self._flat_param)  # the same tensor every time, pooled memory
         start, end = self.layout.shard_range(self.rank)
-        own = self.flat_param[start:end]
-        if self.shard_tier is not None:
-            self.shard_tier.load(self)
+        own = self._flat_param[start:end]
+        if self._shard_tier is not None:
+            self._shard_tier.load(self)
         # Writing the parameters back must not count as an in-place edit of the tensors autograd saved
         # from them in forward (views of flat_param): their values are the same as when saved.
-        with torch.autograd._unsafe_preserve_version_counter(self.flat_param):
+        with torch.autograd._unsafe_preserve_version_counter(self._flat_param):
             # With offloaded parameters the shard is in host memory: to the device first (non_blocking
             # from pinned memory; the all-gather is queued after the copy on the same stream). Blocking
             # when the disk tier frees the shard right after.
-            own.copy_(self.param_shard, non_blocking=self.shard_tier is None)
-            if self.shard_tier is not None:
-                self.shard_tier.unload(self)
-            self._gather_handle = comm.all_gather(self.flat_param, own, group, async_op=True, label=label)
-        self.state = ParamState.GATHERING
+            own.copy_(self._param_shard, non_blocking=self._shard_tier is None)
+            if self._shard_tier is not None:
+                self._shard_tier.unload(self)
+            self._gather_handle = comm.all_gather(self._flat_param, own, group, async_op=True, label=label)
+        self._state = ParamState.GATHERING
 
     def gather_wait(self) -> None:
         """Complete an in-flight gather and point the parameters at the full buffer."""
-        if self.state is ParamState.GATHERING:
+        if self._state is ParamState.GATHERING:
             assert self._gather_handle is not None
             self._gather_handle.wait()
             self._gather_handle = None
             self.bind_params()
-            self.state = ParamState.GATHERED
+            self._state = ParamState.GATHERED
 
     def release(self) -> None:
         """Free the full parameters of a sharded buffer; only ``param_shard`` stays."""
-        if self.persistent or self.state is ParamState.RELEASED:
+        if self.persistent or self._state is ParamState.RELEASED:
             return
         self.gather_wait()
         self.bind_released()
@@ -305,10 +433,10 @@ class FlatBuffer:
         # backward, so every module's full parameters would stay resident from its forward to its
         # backward. The memory goes back to the pool now (flat_param holds 0 bytes); the next gather
         # puts memory into the same storage, and the saved views read the parameters again.
-        if self.flat_param is not None:
-            take_back(self.pool, self.flat_param, self._block)
+        if self._flat_param is not None:
+            take_back(self.pool, self._flat_param, self._block)
             self._block = None
-        self.state = ParamState.RELEASED
+        self._state = ParamState.RELEASED
 
     def bind_released(self) -> None:
         """Point each parameter of a released buffer at its piece of ``param_shard`` (see
@@ -320,7 +448,9 @@ class FlatBuffer:
         forward (tied embeddings) would get two accumulators and two gradient hooks in one backward."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         own = (
-            self.shard_tier is None and self.param_shard.device == self.device and self.param_shard.dtype == self.dtype
+            self._shard_tier is None
+            and self._param_shard.device == self.device
+            and self._param_shard.dtype == self.dtype
         )
         for index, param in enumerate(self.params):
             param.data = self._own_piece(index, empty) if own else empty
@@ -333,7 +463,7 @@ class FlatBuffer:
         piece = next((s for s in self.shards if s.param_index == index), None)
         if piece is None:
             return empty
-        view = self.param_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        view = self._param_shard[piece.shard_offset : piece.shard_offset + piece.numel]
         slot = self.layout.slots[index]
         return view.view(slot.shape) if piece.numel == slot.numel else view
 
@@ -355,9 +485,9 @@ class FlatBuffer:
     def keep_bucket(self) -> None:
         """Stage 1: a zeroed bucket that accumulates over every micro-step and is reduced in place,
         ``grad_shard`` being its slice r (the 2 bytes of full gradients of the ZeRO formula)."""
-        self.grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self._grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
         start, end = self.layout.shard_range(self.rank)
-        self.grad_shard = self.grad_bucket[start:end]
+        self._grad_shard = self._grad_bucket[start:end]
         self._bucket_kept = True
 
     def arrive(self, p_index: int) -> None:
@@ -367,16 +497,16 @@ class FlatBuffer:
     def receive(self, p_index: int, grad: torch.Tensor, new_bucket: Callable[[], torch.Tensor]) -> None:
         """Add parameter ``p_index``'s gradient into ``grad_bucket`` (taken from ``new_bucket`` when
         there is none): EMPTY -> COLLECTING, REDUCED/ON_HOST -> ACCUMULATING."""
-        assert self.grad_state is not GradState.REDUCING, "a gradient arrived while its bucket is being reduced"
+        assert self._grad_state is not GradState.REDUCING, "a gradient arrived while its bucket is being reduced"
         slot = self.layout.slots[p_index]
-        if self.grad_bucket is None and self.adopts(grad):
-            self.grad_bucket = grad.view(-1)
+        if self._grad_bucket is None and self.adopts(grad):
+            self._grad_bucket = grad.view(-1)
             self._bucket_adopted = True
         else:
-            if self.grad_bucket is None:
-                self.grad_bucket = new_bucket()
-            self.grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
-        self.grad_state = _ON_RECEIVE[self.grad_state]
+            if self._grad_bucket is None:
+                self._grad_bucket = new_bucket()
+            self._grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        self._grad_state = _ON_RECEIVE[self._grad_state]
         self.arrive(p_index)
 
     def adopts(self, grad: torch.Tensor) -> bool:
@@ -398,38 +528,38 @@ class FlatBuffer:
         """-> REDUCING. Returns ``(bucket, out)``: the reduce-scatter's input (a zero bucket from
         ``new_bucket`` when no gradient arrived) and output: ``grad_shard`` itself while it holds
         nothing, else a temporary that :meth:`finish_reduce` adds."""
-        if self.grad_bucket is None:
-            self.grad_bucket = new_bucket()
-        assert self.grad_shard is not None and self.grad_state is not GradState.REDUCING
-        fresh = self.grad_state in (GradState.EMPTY, GradState.COLLECTING)
-        if self.grad_tier is not None:
-            self.grad_tier.before_reduce(self, fresh)  # memory (fresh) or the earlier sum's read
-        out = self.grad_shard if fresh else torch.empty_like(self.grad_shard)
-        self.grad_state = GradState.REDUCING
-        return self.grad_bucket, out
+        if self._grad_bucket is None:
+            self._grad_bucket = new_bucket()
+        assert self._grad_shard is not None and self._grad_state is not GradState.REDUCING
+        fresh = self._grad_state in (GradState.EMPTY, GradState.COLLECTING)
+        if self._grad_tier is not None:
+            self._grad_tier.before_reduce(self, fresh)  # memory (fresh) or the earlier sum's read
+        out = self._grad_shard if fresh else torch.empty_like(self._grad_shard)
+        self._grad_state = GradState.REDUCING
+        return self._grad_bucket, out
 
     def finish_reduce(self, out: torch.Tensor, world_size: int, to_host: bool) -> torch.Tensor | None:
         """The reduction into ``out`` completed: average it into ``grad_shard`` -> REDUCED, and with
         ``to_host`` start the copy to ``host_grad`` when offloaded -> ON_HOST (pinned memory: the
         copy overlaps what follows). Returns the bucket to recycle (``None`` when kept)."""
-        assert self.grad_shard is not None and self.grad_state is GradState.REDUCING
+        assert self._grad_shard is not None and self._grad_state is GradState.REDUCING
         # Average after the sum: one pass over the slice, not the whole bucket (none for one rank).
-        if out is self.grad_shard:
+        if out is self._grad_shard:
             if world_size > 1:
-                self.grad_shard.div_(world_size)
+                self._grad_shard.div_(world_size)
         else:
-            if self.grad_tier is not None:
-                self.grad_tier.before_add(self)
-            self.grad_shard.add_(out.div_(world_size) if world_size > 1 else out)
-        self.grad_state = GradState.REDUCED
-        if self.grad_tier is not None:
-            self.grad_tier.after_reduce(self)  # sum of squares, written behind
-        if to_host and self.host_grad is not None:
-            self.host_grad.copy_(self.grad_shard, non_blocking=True)
-            self.grad_state = GradState.ON_HOST
+            if self._grad_tier is not None:
+                self._grad_tier.before_add(self)
+            self._grad_shard.add_(out.div_(world_size) if world_size > 1 else out)
+        self._grad_state = GradState.REDUCED
+        if self._grad_tier is not None:
+            self._grad_tier.after_reduce(self)  # sum of squares, written behind
+        if to_host and self._host_grad is not None:
+            self._host_grad.copy_(self._grad_shard, non_blocking=True)
+            self._grad_state = GradState.ON_HOST
         if self._bucket_kept:
             return None
-        bucket, self.grad_bucket = self.grad_bucket, None
+        bucket, self._grad_bucket = self._grad_bucket, None
         if self._bucket_adopted:  # autograd's tensor, not the pool's: let it go
             self._bucket_adopted = False
             return None
@@ -442,66 +572,70 @@ class FlatBuffer:
     def add_to_grads(self, start: int, piece: torch.Tensor) -> None:
         """Add ``piece`` into the reduced gradient slice from element ``start`` on (and into its host
         copy when that is current): gradients reduced outside the buckets (tied parameters)."""
-        assert self.grad_shard is not None
-        if self.grad_tier is not None:
-            with self.grad_tier.resident(self, write=True):
-                self.grad_shard[start : start + piece.numel()].add_(piece)
+        assert self._grad_shard is not None
+        if self._grad_tier is not None:
+            with self._grad_tier.resident(self, write=True):
+                self._grad_shard[start : start + piece.numel()].add_(piece)
             return
-        self.grad_shard[start : start + piece.numel()].add_(piece)
-        if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
-            self.host_grad[start : start + piece.numel()].add_(piece.to(self.host_grad.device))
+        self._grad_shard[start : start + piece.numel()].add_(piece)
+        if self._grad_state is GradState.ON_HOST and self._host_grad is not None:
+            self._host_grad[start : start + piece.numel()].add_(piece.to(self._host_grad.device))
 
     def grad_for_step(self) -> torch.Tensor:
         """The reduced slice as the optimizer's ``master.grad``: fp32 where the master is separate,
         in host memory when offloaded (the host copy made during backward when there is one)."""
-        assert self.grad_shard is not None
-        master_dtype = self.master.dtype  # fp32, or float64 (a float64 parameter kept under "32-true")
-        if self.grad_state is GradState.ON_HOST and self.host_grad is not None:
-            return self.host_grad.to(master_dtype)  # copied during backward (the engine waited for it)
+        assert self._grad_shard is not None
+        master_dtype = self._master.dtype  # fp32, or float64 (a float64 parameter kept under "32-true")
+        if self._grad_state is GradState.ON_HOST and self._host_grad is not None:
+            return self._host_grad.to(master_dtype)  # copied during backward (the engine waited for it)
         if self.offloaded:
-            return self.grad_shard.to(device="cpu", dtype=master_dtype)  # to the host master
+            return self._grad_shard.to(device="cpu", dtype=master_dtype)  # to the host master
         if self.separate_master:
-            return self.grad_shard.to(master_dtype)
+            return self._grad_shard.to(master_dtype)
         # the master is param_shard: a reduce_dtype other than its dtype is cast to it
-        return self.grad_shard if self.grad_shard.dtype == self.master.dtype else self.grad_shard.to(self.master.dtype)
+        return (
+            self._grad_shard
+            if self._grad_shard.dtype == self._master.dtype
+            else self._grad_shard.to(self._master.dtype)
+        )
 
     def drop_grads(self) -> None:
         """After the step (or instead of one): every gradient role back to zero -> EMPTY."""
         if self._bucket_kept:
-            assert self.grad_bucket is not None
-            self.grad_bucket.zero_()  # grad_shard is a view of it
-        elif self.grad_tier is not None:
-            self.grad_tier.drop(self)  # no memory; the file is stale until the next reduction
-        elif self.grad_shard is not None:
-            self.grad_shard.zero_()
-        self.grad_state = GradState.EMPTY
+            assert self._grad_bucket is not None
+            self._grad_bucket.zero_()  # grad_shard is a view of it
+        elif self._grad_tier is not None:
+            self._grad_tier.drop(self)  # no memory; the file is stale until the next reduction
+        elif self._grad_shard is not None:
+            self._grad_shard.zero_()
+        self._grad_state = GradState.EMPTY
 
     def window_grads(self) -> tuple[str, torch.Tensor] | None:
         """The gradients this buffer holds in the middle of an accumulation window, for a checkpoint:
         ``(GradState value, host copy)`` of ``grad_bucket`` (stage 1: this rank's unreduced sums) or
         ``grad_shard`` (stages 2/3: the averaged slice); ``None`` when EMPTY. Between backwards only
         (not REDUCING). ON_HOST is saved as REDUCED: ``host_grad`` is a copy of ``grad_shard``."""
-        if not self.trainable or self.grad_state is GradState.EMPTY:
+        if not self.trainable or self._grad_state is GradState.EMPTY:
             return None
-        assert self.grad_state is not GradState.REDUCING, "a checkpoint in the middle of a reduction"
-        source = self.grad_bucket if self._bucket_kept else self.grad_shard
+        assert self._grad_state is not GradState.REDUCING, "a checkpoint in the middle of a reduction"
+        source = self._grad_bucket if self._bucket_kept else self._grad_shard
         assert source is not None
-        state = GradState.REDUCED if self.grad_state is GradState.ON_HOST else self.grad_state
-        if self.grad_tier is not None:
-            with self.grad_tier.resident(self, write=False):
+        state = GradState.REDUCED if self._grad_state is GradState.ON_HOST else self._grad_state
+        if self._grad_tier is not None:
+            with self._grad_tier.resident(self, write=False):
                 return state.value, source.detach().to("cpu", copy=True)
         return state.value, source.detach().to("cpu", copy=True)
 
     def load_window_grads(self, state: str, grads: torch.Tensor) -> None:
         """Put back what :meth:`window_grads` saved (same layout, same rank)."""
-        target = self.grad_bucket if self._bucket_kept else self.grad_shard
+        target = self._grad_bucket if self._bucket_kept else self._grad_shard
         assert target is not None and target.shape == grads.shape
-        if self.grad_tier is not None:
-            with self.grad_tier.resident(self, write=True):  # (still EMPTY: nothing read)
+        if self._grad_tier is not None:
+            with self._grad_tier.resident(self, write=True):  # (still EMPTY: nothing read)
                 target.copy_(grads)
         else:
             target.copy_(grads)
-        self.grad_state = GradState(state)
+        self._grad_state = GradState(state)
 
     def absorb_edits(self, chunk: int = 1 << 20) -> None:
         """Write in-place edits of parameters into the master (the user's hooks and callbacks edit
@@ -512,18 +646,18 @@ class FlatBuffer:
         the edit itself was made in 16 bits). One pass over the slice, ``chunk`` elements at a time
         (no slice-sized temporaries, no host synchronization when both live on one device). No-op
         where the master is the parameter slice itself (fp32 without offload)."""
-        if not self.separate_master or self.shard_tier is not None:
+        if not self.separate_master or self._shard_tier is not None:
             # Under the parameter disk tier released parameters are empty (edits cannot reach the
             # shard), and only the step and publish write the shard, from the master.
             return
-        device = self.master.device
+        device = self._master.device
         chunk = min(chunk, self.layout.shard_numel)
-        cast = torch.empty(chunk, dtype=self.param_shard.dtype, device=device)  # reused by every chunk
+        cast = torch.empty(chunk, dtype=self._param_shard.dtype, device=device)  # reused by every chunk
         edited = torch.empty(chunk, dtype=torch.bool, device=device)
         with torch.no_grad():
             for start in range(0, self.layout.shard_numel, chunk):
-                master = self.master[start : start + chunk]
-                param = self.param_shard[start : start + chunk].to(device)  # offloaded: a copy to the host
+                master = self._master[start : start + chunk]
+                param = self._param_shard[start : start + chunk].to(device)  # offloaded: a copy to the host
                 n = master.numel()
                 cast[:n].copy_(master)
                 torch.ne(param, cast[:n], out=edited[:n])
@@ -534,4 +668,4 @@ class FlatBuffer:
     def params_from_master(self) -> None:
         """Overwrite this rank's parameter slice with the master slice (cast), offloaded or not."""
         if self.separate_master:
-            self.param_shard.copy_(self.master)
+            self._param_shard.copy_(self._master)

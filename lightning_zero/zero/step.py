@@ -269,7 +269,7 @@ class ShardedOptimizer:
                 continue
             if b.grad_tier is not None:
                 # the gradient disk tier: master.grad stays on disk until the kernel reads it (zero/swap_grads.py)
-                b.pending_grad = b.grad_tier.pending(b, inv_scale)
+                b.defer_grad(inv_scale)
                 continue
             grad = b.grad_for_step()
             if inv_scale != 1.0:
@@ -316,12 +316,12 @@ class ShardedOptimizer:
         """
         norm = self.grad_norm() if norm is None else norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        pending = [b for b in self.buffers if b.pending_grad is not None]
+        pending = [b.pending_grad for b in self.buffers if b.pending_grad is not None]
         if pending:
             # Clipping by a finite norm leaves every gradient finite (each element only shrinks), so
             # the overflow check after it needs no second read of the slices (known_finite). On the
             # host: the gradient tier is in host memory, so this costs no device sync.
-            fresh = all(not b.pending_grad.ops for b in pending)
+            fresh = all(not p.ops for p in pending)
             self._finite_after_clip = fresh and bool(torch.isfinite(norm))
         for b in self.buffers:
             if b.pending_grad is not None:  # applied when the step reads it (zero/swap_grads.py)
@@ -395,7 +395,7 @@ class ShardedOptimizer:
         self._finite_after_clip = False
         for b in self.buffers:
             b.master.grad = None
-            b.pending_grad = None
+            b.drop_pending_grad()
 
     # -- checkpoints -------------------------------------------------------------------------------
 

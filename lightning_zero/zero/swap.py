@@ -119,11 +119,9 @@ class EngineSwap:
                 )
             kernels.append(s.kernel)
             for b in s.buffers:
-                # (_cdata: the storage itself; a data pointer is 0 for every storage the build freed)
-                if b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata:
-                    # fp32 stage 3 without a separate master: the parameter shard *is* the master
-                    # tensor. It must stay in memory for the forward, so it gets its own copy.
-                    b.param_shard = b.master.detach().clone()
+                # fp32 stage 3 without a separate master: the parameter shard *is* the master tensor.
+                # It must stay in memory for the forward, so it gets its own copy.
+                b.split_master()
         self.store = store
         self.kernels = kernels
         for o, kernel in enumerate(kernels):
@@ -221,9 +219,7 @@ class ParamTier:
         #: the most shards in memory at once so far (tests and benchmarks read it)
         self.peak = 0
         for b in buffers:
-            assert not b.persistent and b.state is ParamState.RELEASED
-            b.shard_tier = self
-            b.bind_released()  # empty tensors from now on: the shards are about to lose their memory
+            b.attach_shard_tier(self)  # empty tensors from now on: the shards are about to lose their memory
         items = [self._item(b) for b in buffers if SwapStore.resident(b.param_shard)]
         for b in buffers:
             if not SwapStore.resident(b.param_shard):
@@ -361,7 +357,7 @@ class ParamTier:
         """Stop tracking the shard files (the store removes them when closed); the shards keep no memory."""
         self.flush()
         for b in self.buffers:
-            b.shard_tier = None
+            b.detach_shard_tier()
         self.store.forget([name for name, _ in map(self._item, self.buffers)])
         self._in_memory.clear()
         self._issued.clear()
@@ -398,15 +394,12 @@ class BuildToDisk:
         n, items = self.count, list[Swapped]()
         self.count += 1
         if self.masters and b.trainable and b.separate_master:
-            if b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata:
-                b.param_shard = b.master.detach().clone()  # fp32: the shard stays apart from the master (EngineSwap)
+            if b.split_master():  # fp32: the shard stays apart from the master (EngineSwap)
                 b.bind_released()
             items.append((f"build{n}.master", b.master))
         if self.params:
             items.append((f"build{n}.param", b.param_shard))
-            empty = torch.empty(0, dtype=b.dtype, device=b.device)  # as bind_released: never another device
-            for param in b.params:
-                param.data = empty  # not views of a shard about to lose its memory (ParamTier binds the same)
+            b.unbind_params()  # not views of a shard about to lose its memory (ParamTier binds the same)
         self.store.evict(items)
         self.store.release(items)
         if self.grads and b.grad_shard is not None:

@@ -39,16 +39,16 @@ being written, during backward; during the step, the read-ahead sub-groups' slic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.ops.functional import cpu_sum_squares
-from lightning_zero.zero.flat import FlatBuffer, GradState
+from lightning_zero.zero.flat import FlatBuffer, GradState, PendingGrad
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,19 +81,6 @@ class Scale:
         grad.mul_(self.factor.to(grad.dtype))
 
 
-@dataclass
-class PendingGrad:
-    """``master.grad`` of one buffer while its values rest in the gradient file: the step computes
-    ``grad_shard`` cast to the master's dtype, times ``inv_scale`` (when not 1), then ``ops`` in order."""
-
-    inv_scale: float
-    squared: torch.Tensor | None
-    """The sum of squares of the cast slice, taken when it was reduced (valid while ``ops`` is empty
-    and ``inv_scale`` is 1); None: the slice is zero (no gradient since the last step)."""
-    zero: bool = False
-    ops: list[Callable[[torch.Tensor], object]] = field(default_factory=list)
-
-
 class GradTier:
     """The gradient slices of ``buffers`` in swap files; see the module docstring.
 
@@ -118,7 +105,7 @@ class GradTier:
         self._squared: dict[int, torch.Tensor] = {}
         for b in buffers:
             assert b.grad_shard is not None and b.grad_shard.device.type == "cpu" and b.grad_state is GradState.EMPTY
-            b.grad_tier = self
+            b.attach_grad_tier(self)
             b.grad_shard.untyped_storage().resize_(0)  # EMPTY: zero, nothing to keep
 
     def item(self, b: FlatBuffer) -> Swapped:
@@ -261,7 +248,7 @@ class GradTier:
         if b.pending_grad is None:
             return
         b.master.grad = self.read_step_grad(b)
-        b.pending_grad = None
+        b.drop_pending_grad()
 
     # -- other readers and writers ------------------------------------------------------------------
 
@@ -292,8 +279,7 @@ class GradTier:
         self.flush()
         self.store.forget(self._names.values())
         for b in self.buffers:
-            b.grad_tier = None
-            b.pending_grad = None
+            b.detach_grad_tier()
             assert b.grad_shard is not None
             if bring_back and not SwapStore.resident(b.grad_shard):
                 b.grad_shard.untyped_storage().resize_(b.grad_shard.numel() * b.grad_shard.element_size())

@@ -29,14 +29,28 @@ in automatic optimization. One that calls the closure but never reaches torch's 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.reduce import GradReducer
     from lightning_zero.zero.step import ShardedOptimizer
+
+
+class StepOwner(Protocol):
+    """What a :class:`UserStep` calls on its engine (:class:`~lightning_zero.zero.engine.ZeroEngine`,
+    which makes the step: naming its class here would tie the two modules into an import cycle)."""
+
+    @property
+    def _reducer(self) -> GradReducer: ...
+    def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer: ...
+    def _update(
+        self, sharded: ShardedOptimizer, *, step_kwargs: Mapping[str, Any] | None = None, stepped_by_torch: bool = False
+    ) -> None: ...
+    def _drop_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def grad_norm(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> torch.Tensor: ...
 
 
 class UserStep:
@@ -54,7 +68,7 @@ class UserStep:
 
     def __init__(
         self,
-        engine: ZeroEngine,
+        engine: StepOwner,
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any],
         *,
