@@ -10,7 +10,6 @@ from torch import nn
 
 from lightning_zero import MemoryMonitor, memory
 from lightning_zero.memory import ActivationMeter, resident_bytes
-from tests.helpers.trainer import quiet_trainer
 
 
 def test_activation_meter_counts_saved_tensors_once():
@@ -51,7 +50,7 @@ class _Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_memory_monitor_on_one_process():
+def test_memory_monitor_on_one_process(quiet_trainer):
     monitor = MemoryMonitor()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 9)), batch_size=4)
     trainer = quiet_trainer(

@@ -10,7 +10,6 @@ import torch
 import lightning_zero
 from lightning_zero import LossScaleConfig, OffloadPrecision, ZeroStrategy
 from lightning_zero.zero.step import check_optimizer
-from tests.helpers.trainer import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -205,7 +204,7 @@ def test_auto_bucket_sizes_follow_the_model():
         ZeroConfig(allgather_bucket_size="auto")  # type: ignore[arg-type]  # only the two sized options take it
 
 
-def test_strategy_resolves_auto_sizes_for_its_model():
+def test_strategy_resolves_auto_sizes_for_its_model(quiet_trainer):
     from torch.utils.data import DataLoader, TensorDataset
 
     class Model(pl.LightningModule):
