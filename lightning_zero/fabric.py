@@ -63,21 +63,21 @@ steps them and publishes. What differs from the Trainer:
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import inspect
 import itertools
 import zipfile
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -85,8 +85,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_zero import comm, debug, deepspeed_config, failures, memory, threads
-from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero import comm, deepspeed_config
 from lightning_zero.checkpoint import fabric_state
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
@@ -94,13 +93,13 @@ from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.lifecycle import Lifecycle, on_meta
 from lightning_zero.lockstep import Lockstep
+from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
-from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
-from lightning_zero.zero.swap import check_space as check_nvme_space
 
 
 # (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
@@ -115,17 +114,44 @@ class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ig
     it defines is overridden.
     """
 
+    #: Set by the strategy: the context that explains a failed collective (see ``FabricZeroStrategy``).
+    explain_failures: Callable[[], AbstractContextManager] | None = None
+
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module  # cast_module, after the engine has taken the masters
 
     def cast_module(self, module: nn.Module) -> nn.Module:
         return super().convert_module(module)
 
+    def forward_context(self) -> AbstractContextManager:  # type: ignore[override]  # as OffloadPrecision
+        return self._forward_context()
+
+    @contextmanager
+    def _forward_context(self) -> Generator[None, None, None]:
+        # _FabricModule runs every forward in here: stage 3's gathers are collectives that name a lost rank
+        explain = self.explain_failures() if self.explain_failures is not None else nullcontext()
+        with explain, super().forward_context():
+            yield
+
     def convert_output(self, data: Any) -> Any:
         if self.compute_dtype == torch.get_default_dtype():
             return data
         dtype = torch.get_default_dtype()
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _explained(method: _Method) -> _Method:
+    """A strategy method that communicates: a failure in it is explained (``FabricZeroStrategy._explaining``)."""
+
+    @functools.wraps(method)
+    def explained(self: FabricZeroStrategy, *args: Any, **kwargs: Any) -> Any:
+        with self._explaining():
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, explained)
 
 
 class _ZeroBackwardSync(_BackwardSyncControl):
@@ -139,8 +165,8 @@ class _ZeroBackwardSync(_BackwardSyncControl):
         return self.buffers.blocking() if enabled else nullcontext()
 
 
-class ZeroStrategy(DDPStrategy):
-    """ZeRO stage 1, 2 or 3 over Fabric's ranks.
+class FabricZeroStrategy(DDPStrategy):
+    """ZeRO stage 1, 2 or 3 over Fabric's ranks (also importable as ``lightning_zero.fabric.ZeroStrategy``).
 
     ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``,
     ``process_group_backend`` and ``start_method`` are as for Fabric's ``DDPStrategy``.
@@ -205,17 +231,13 @@ class ZeroStrategy(DDPStrategy):
         self._engine: ZeroEngine | None = None
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back (lifecycle.py)
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
         self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
         self._watch_hook: Any = None
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._buffers_hooks: list[Any] = []  # broadcast_buffers: around the model's forward, as DDP's
-        self._checked_group: comm.CheckedGroup | None = None
-        self._threads_before: int | None = None
-        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
-        self._environment_before: dict[str, str | None] = {}  # what _setup_distributed changed, for teardown
         self._steps = 0  # optimizer steps taken, for the messages
         super().__init__(
             accelerator=accelerator,
@@ -254,16 +276,35 @@ class ZeroStrategy(DDPStrategy):
     @property
     def data_parallel_group(self) -> comm.ProcessGroup:
         """The group ZeRO shards over (the default group; checked when ``debug_collectives`` is on)."""
-        return self._checked_group
+        return self._life.checked_group
 
     def _setup_distributed(self) -> None:
-        # NCCL's watchdog defaults (NCCL only), as under the Trainer; put back at teardown.
-        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
-            self._environment_before.setdefault(name, value)  # the first value seen is the user's
+        self._life.before_process_group(self._get_process_group_backend())
         super()._setup_distributed()
-        failures.register_rank(self.global_rank, self.world_size, self.config.failure.collective_timeout)
-        if self.config.failure.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(None, self.config.failure.collective_timeout)
+        self._life.after_process_group(self.global_rank, self.world_size, None)
+
+    @contextmanager
+    def _explaining(self) -> Generator[None, None, None]:
+        """Around what Fabric calls that communicates (setup, forward, backward, step, clipping, barrier,
+        save, load): a failed collective names the lost rank, an out-of-memory error gets this rank's
+        memory, as the Trainer strategy's ``on_exception`` does (:meth:`lightning_zero.lifecycle.Lifecycle.explain`)."""
+        try:
+            yield
+        except Exception as error:
+            self._life.explain(
+                error,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                engine=self._engine,
+                breakdown=self.memory_breakdown,
+                registered=list(STRATEGY_REGISTRY),
+                launcher=self.launcher,
+            )
+            raise
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes by category (see :func:`lightning_zero.memory.memory_breakdown`)."""
+        return memory_breakdown(self._saved_module(), self._engine, self.root_device)
 
     # -- model and optimizers -------------------------------------------------------------------------
 
@@ -276,14 +317,14 @@ class ZeroStrategy(DDPStrategy):
             with super().module_init_context(empty_init):
                 yield
             return
-        with self.precision.module_init_context(), Recorder(self.root_device) as recording:
+        with self.precision.module_init_context(), self._life.recording(self.root_device):
             yield
-        self._recordings.append(recording)
 
     def module_to_device(self, module: nn.Module) -> None:
-        if not _on_meta(module):  # stage 3 materializes a recorded model in setup
+        if not on_meta(module):  # stage 3 materializes a recorded model in setup
             module.to(self.root_device)
 
+    @_explained
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
@@ -292,6 +333,7 @@ class ZeroStrategy(DDPStrategy):
         self._build(module, optimizers)
         return module, optimizers, scheduler
 
+    @_explained
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
         """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
         ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
@@ -300,7 +342,7 @@ class ZeroStrategy(DDPStrategy):
         now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
         Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
         self._adopt(module)
-        if self.config.zero.stage == 3 and _on_meta(module):
+        if self.config.zero.stage == 3 and on_meta(module):
             # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
             # this build, and setup_optimizers rebuilds the engine for it (see _rebuild_for).
             self._build(module, [])
@@ -308,7 +350,7 @@ class ZeroStrategy(DDPStrategy):
         if self.config.zero.stage == 3:
             self._deferred = True
             return _BuildOnFirstForward(module, self._ensure_built)
-        self._check_not_meta(module)
+        self._life.check_meta(module)
         comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
         return module
 
@@ -319,6 +361,7 @@ class ZeroStrategy(DDPStrategy):
             self._deferred = False
             self._build(self._module, [])
 
+    @_explained
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
         if self._module is None:
@@ -370,13 +413,7 @@ class ZeroStrategy(DDPStrategy):
                 "one nn.Module (with one optimizer per part if needed) and call fabric.setup once."
             )
         self._module = module
-
-    def _check_not_meta(self, module: nn.Module) -> None:
-        if _on_meta(module):
-            raise ValueError(
-                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
-                f"this strategy runs stage {self.config.zero.stage}. Use stage=3 or build the model on a real device."
-            )
+        self.precision.explain_failures = self._explaining  # around each forward (stage 3 gathers)
 
     def _check_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Every parameter of every optimizer belongs to ``module``: ZeRO partitions the model's parameters."""
@@ -393,52 +430,23 @@ class ZeroStrategy(DDPStrategy):
                 )
 
     def _build(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """What the Trainer strategy's ``setup`` does, for a model and optimizers given by the user."""
+        """The Trainer strategy's ``setup`` (:class:`~lightning_zero.lifecycle.Lifecycle`), for a model and
+        optimizers given by the user."""
         stage3 = self.config.zero.stage == 3
-        on_meta = _on_meta(module)
-        if not stage3:
-            self._check_not_meta(module)
+        meta = self._life.check_meta(module)
         self._check_optimizers(module, optimizers)
         precision = self.precision
-        # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
-        config = dataclasses.replace(self.config, offload=precision.offload)
+        config = self._life.engine_config(precision)
+        group, device = self.data_parallel_group, self.root_device
         if optimizers:
-            check_nvme_space(
-                config.offload,
-                module,
-                comm.world_size(self.data_parallel_group),
-                self.num_processes,
-                optimizers=list(optimizers),
-            )
-        host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host, self.config.zero.stage == 3)
-        mmap = self.config.zero.host_mmap_threshold
-        on_host = self.root_device.type == "cpu" or precision.offload.offload_optimizer
-        if mmap is not None and not self._mmap_fixed and on_host:
-            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
-        if precision.offload.offload_optimizer and self._threads_before is None:
-            self._threads_before = torch.get_num_threads()  # put back at teardown
-            threads.apply_threads(self.num_processes)
-        self._engine = ZeroEngine(
-            module,
-            optimizers,
-            config=config,
-            precision=precision.engine_precision,
-            device=self.root_device,
-            parallel=ModelParallelContext(data=self.data_parallel_group),
-            recordings=self._recordings,
-        )
+            self._life.check_space(config, module, precision, group, self.num_processes, list(optimizers))
+        self._life.prepare(module, precision, device, self.num_processes)
+        parallel = ModelParallelContext(data=group)
+        self._engine = self._life.build_engine(module, optimizers, config, precision, device, parallel)
         self._optimizers = list(optimizers)
-        if self._mmap_fixed:
-            memory.trim_heap()  # the parameters' memory before flattening (see memory.trim_heap)
-        for recording in self._recordings:
-            recording.close()
-        self._recordings.clear()
-        if on_meta:
-            module.to(self.root_device)  # what stage 3 left whole (buffers, small frozen parameters)
-        precision.cast_module(module)
-        precision.attach(self._engine if optimizers else None, self.root_device)
-        _optimizers_to_device(optimizers, self.root_device)
+        move, cast = (lambda: module.to(device)), (lambda: precision.cast_module(module))
+        self._life.finish(precision, self._engine if optimizers else None, device, meta=meta, move=move, cast=cast)
+        _optimizers_to_device(optimizers, device)
         if stage3:
             # The model's forward is Fabric's step: it may read any parameter (gathered on use).
             self._engine.step_on_root_forward()
@@ -464,6 +472,7 @@ class ZeroStrategy(DDPStrategy):
         if self._lockstep is not None:
             self._lockstep.before_forward(type(module).__name__)
 
+    @_explained
     def barrier(self, name: str | None = None) -> None:
         """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
         forward this rank does not (:mod:`lightning_zero.lockstep`) instead of hanging."""
@@ -487,6 +496,7 @@ class ZeroStrategy(DDPStrategy):
 
     # -- backward and step ---------------------------------------------------------------------------
 
+    @_explained
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Scale ("16-mixed"), backward (the engine's hooks reduce into buckets), complete the reductions."""
         engine = self._training_engine("fabric.backward()")
@@ -495,6 +505,7 @@ class ZeroStrategy(DDPStrategy):
         scaled.backward(*args, **kwargs)
         engine.backward_done()
 
+    @_explained
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()``: this rank's slices (unscaled), then publish; the gradients are dropped."""
         if self._engine is None or not self._engine.manages(optimizer):
@@ -509,6 +520,7 @@ class ZeroStrategy(DDPStrategy):
         """Drop every gradient of ``optimizer`` since its last step (ZeRO-held ones too). Call on all ranks."""
         self._training_engine("zero_grad()").zero_grad(optimizer)
 
+    @_explained
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -535,6 +547,7 @@ class ZeroStrategy(DDPStrategy):
             )
         return norm
 
+    @_explained
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_val, clip_val]``."""
         engine = self._training_engine("fabric.clip_gradients()")
@@ -555,7 +568,7 @@ class ZeroStrategy(DDPStrategy):
         if self._lockstep is not None:
             self._lockstep.paused += 1  # a forward in here gathers nothing: one rank alone may run it
         try:
-            with self._engine.gathered_parameters(module, modifier_rank):
+            with self._explaining(), self._engine.gathered_parameters(module, modifier_rank):
                 yield
         finally:
             if self._lockstep is not None:
@@ -563,6 +576,7 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
+    @_explained
     def save_checkpoint(
         self,
         path: _PATH,
@@ -608,6 +622,7 @@ class ZeroStrategy(DDPStrategy):
         if errors:
             raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")
 
+    @_explained
     def load_checkpoint(
         self,
         path: _PATH,
@@ -675,17 +690,7 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None
-        self.precision.attach(None, self.root_device)
-        if self._module is not None:
-            remove_activation_checkpointing(self._module)
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
-        if self._mmap_fixed:
-            memory.restore_mmap_threshold()
-            self._mmap_fixed = False
-        failures.restore_environment(self._environment_before)
-        self._environment_before.clear()
+        self._life.teardown(self.precision, self._module, self.root_device)
         super().teardown()
 
 
@@ -728,8 +733,8 @@ def _inner(obj: Any) -> Any:
     return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
 
 
-def _on_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+#: The name users write (``lightning_zero.fabric.ZeroStrategy``), kept for the class of Fabric's API; tracebacks
+#: and ``type(strategy).__name__`` say ``FabricZeroStrategy``, the Trainer's is ``lightning_zero.ZeroStrategy``.
+ZeroStrategy = FabricZeroStrategy
 
-
-__all__ = ["FabricOffloadPrecision", "ZeroStrategy"]
+__all__ = ["FabricOffloadPrecision", "FabricZeroStrategy", "ZeroStrategy"]

@@ -1,6 +1,6 @@
 """What the Trainer and Fabric strategies share before any process exists: their options and their precision.
 
-:class:`lightning_zero.ZeroStrategy` (Trainer) and :class:`lightning_zero.fabric.ZeroStrategy` (Fabric)
+:class:`lightning_zero.ZeroStrategy` (Trainer) and :class:`lightning_zero.fabric.FabricZeroStrategy` (Fabric)
 take the same ZeRO options; :func:`strategy_config` turns them into the one validated
 :class:`~lightning_zero.config.StrategyConfig` (its signature is the list of options and their
 defaults, documented on the Trainer strategy). :func:`as_offload_precision` converts whatever

@@ -26,8 +26,6 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -39,11 +37,10 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, deepspeed_config, exposure, failures, memory, options, summary, threads
-from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero import comm, deepspeed_config, exposure, options, summary
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
@@ -56,10 +53,10 @@ from lightning_zero.config import (
     FailureConfig,
     LossScaleConfig,
     PipelineConfig,
-    StrategyConfig,
     ZeroConfig,
 )
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.lifecycle import Lifecycle
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
@@ -70,9 +67,7 @@ from lightning_zero.zero.averaging import (
     keep_edits_in_masters,
     shard_averaged_copies,
 )
-from lightning_zero.zero.deferred import Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.swap import check_space as check_nvme_space
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -250,15 +245,10 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
         self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
-        self._checked_group: comm.CheckedGroup | None = None
-        self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
+        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
-        self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
-        self._threads_before: int | None = None  # torch's thread count before setup changed it
-        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
-        self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
         self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
@@ -316,7 +306,8 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
     def data_parallel_group(self) -> comm.ProcessGroup:
         """The group ZeRO shards over (the default group without tensor parallelism), wrapped in a
         :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
-        return self._checked_group if self._checked_group is not None else self._parallel.dp_group
+        checked = self._life.checked_group
+        return checked if checked is not None else self._parallel.dp_group
 
     @property
     def tensor_parallel_group(self) -> comm.ProcessGroup:
@@ -334,21 +325,23 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     def setup_distributed(self) -> None:
-        # NCCL's watchdog default (NCCL only), put back at teardown: the environment is left as found.
-        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
-            self._environment_before.setdefault(name, value)  # the first value seen is the user's
+        self._life.before_process_group(self._get_process_group_backend())
         super().setup_distributed()
-        self.rank_processes = failures.register_rank(
-            self.global_rank, self.world_size, self.failure_config.collective_timeout
-        )
         self._parallel.build_groups(self.world_size, self.root_device.type)
-        if self.failure_config.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(self._parallel.dp_group, self.failure_config.collective_timeout)
+        self._life.after_process_group(self.global_rank, self.world_size, self._parallel.dp_group)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""
         super().on_exception(exception)
-        failures.explain(exception, self)
+        self._life.explain(
+            exception,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            engine=self._engine,
+            breakdown=self.memory_breakdown,
+            registered=list(StrategyRegistry),
+            launcher=self.launcher,
+        )
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -366,32 +359,14 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         stage3 = self.zero_config.stage == 3
-        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-        if on_meta and not stage3:
-            raise ValueError(
-                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
-                f"this strategy runs stage {self.zero_config.stage}. Use stage=3 or build the model on a real device."
-            )
+        on_meta = self._life.check_meta(module)
         if not on_meta:
             self._parallel.split(module)  # pipeline: only this stage's layers go to the device
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
-        # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
-        host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host, stage3)
         precision = self.precision_plugin
-        mmap = self.config.zero.host_mmap_threshold
-        if mmap is not None and (self.root_device.type == "cpu" or precision.offload.offload_optimizer):
-            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
-        if precision.offload.offload_optimizer:
-            # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
-            self._threads_before = torch.get_num_threads()  # put back at teardown
-            threads.apply_threads(self.num_processes)
-        # The precision plugin may carry its own offload options (OffloadPrecision given by the
-        # user): the engine's config takes them, checked against the stage like the strategy's.
-        # (offload_pipeline is the strategy's option: it says how the engine steps, not where tensors live)
-        offload = dataclasses.replace(precision.offload, pipeline=self.config.offload.pipeline)
-        config = dataclasses.replace(self.config, offload=offload)
+        self._life.prepare(module, precision, self.root_device, self.num_processes)  # after the pipeline split
+        config = self._life.engine_config(precision)
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             # Ranks that cannot see a checkpoint directory are found now, not at the first save.
             ckpt_io.check_shared(
@@ -401,32 +376,24 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         if fitting:
             deepspeed_config.apply_to_trainer(self.deepspeed, trainer)
             self.setup_optimizers(trainer)  # creating an optimizer allocates no state yet
-            self._check_nvme_space(config)  # the optimizers say how many bytes their moments take
+        # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
+        optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
+        if fitting:
+            group = self.data_parallel_group
+            self._life.check_space(config, module, precision, group, self.num_processes, optimizers)
         if fitting or stage3:
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
-            self._engine = ZeroEngine(
-                module,
-                # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
-                [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else [],
-                config=config,
-                precision=precision.engine_precision,
-                device=self.root_device,
-                parallel=self._parallel.context(self.data_parallel_group),
-                recordings=self._recordings,
-            )
+            parallel = self._parallel.context(self.data_parallel_group)
+            self._engine = self._life.build_engine(module, optimizers, config, precision, self.root_device, parallel)
         else:
             comm.broadcast_tensors(
                 [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
             )
-        for recording in self._recordings:
-            recording.close()
-        self._recordings.clear()
-        if self._mmap_fixed:
-            memory.trim_heap()  # the parameters' memory before flattening (see trim_heap)
-        if on_meta:
-            self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
-        precision.convert_module(self.model)
-        precision.attach(self._engine if fitting else None, self.root_device, pipelined=self._parallel.pipelined)
+            self._life.close_recordings()
+        engine = self._engine if fitting else None
+        move, cast = self.model_to_device, lambda: precision.convert_module(self.model)
+        pipelined = self._parallel.pipelined
+        self._life.finish(precision, engine, self.root_device, meta=on_meta, move=move, cast=cast, pipelined=pipelined)
         self.setup_precision_plugin()  # re-wraps the optimizers (Lightning's optimizers setter)
         if fitting:
             self._route_lightning_optimizers()
@@ -438,13 +405,6 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
             if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
                 shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
-
-    def _check_nvme_space(self, config: StrategyConfig) -> None:
-        """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
-        assert self.lightning_module is not None
-        dp = comm.world_size(self.data_parallel_group)
-        itemsize = PRECISIONS[self.precision_plugin.engine_precision][0].itemsize
-        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize, self.optimizers)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``
@@ -483,17 +443,7 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             trainer = getattr(self.lightning_module, "_trainer", None)
             finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
             self._engine.close(unshard=finished)
-        self.precision_plugin.attach(None, self.root_device)
-        if self.lightning_module is not None:
-            remove_activation_checkpointing(self.lightning_module)
-        failures.restore_environment(self._environment_before)
-        self._environment_before.clear()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)  # the process's thread count left as found
-            self._threads_before = None
-        if self._mmap_fixed:
-            memory.restore_mmap_threshold()
-            self._mmap_fixed = False
+        self._life.teardown(self.precision_plugin, self.lightning_module, self.root_device)
         super().teardown()
 
     @contextmanager
@@ -503,9 +453,8 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         if self.zero_config.stage != 3:
             yield
             return
-        with Recorder(self.root_device) as recording:
+        with self._life.recording(self.root_device):
             yield
-        self._recordings.append(recording)
 
     @contextmanager
     def gathered_parameters(
