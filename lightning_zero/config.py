@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_zero.ddp_args import DataParallelConfig
+from lightning_zero.option_fields import OMIT, Keyword, option
 from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
 
 #: Precision strings accepted by :class:`~lightning_zero.OffloadPrecision`, with the dtype that
@@ -41,6 +42,33 @@ _PRECISION_ALIASES = {
     "16": "16-mixed",
     16: "16-mixed",
 }
+
+
+def _default_if_none(value: object) -> object:
+    """A keyword whose ``None`` means the field's default (``timeout=None``: 10 minutes)."""
+    return OMIT if value is None else value
+
+
+def _debug_from_env(value: bool | None) -> bool:
+    """``debug_collectives=None``: the ``LIGHTNING_ZERO_DEBUG_COLLECTIVES`` environment variable."""
+    from lightning_zero import debug  # (debug needs comm, which config does not)
+
+    return debug.debug_from_env() if value is None else value
+
+
+def _nvme_field(path: str | None, knobs: Mapping[str, object] | None) -> NvmeConfig | None:
+    """``OffloadConfig.nvme`` from ``nvme_path`` and ``nvme_config``."""
+    return nvme_config(None if path is None else str(path), knobs)
+
+
+_NVME_KNOBS = Keyword(
+    name="nvme_config",
+    accepts="dict[str, Any] | None",
+    given=None,
+    doc="The disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``aio_engine``, ``threads``, "
+    "``buffer_count``, ``param_buffer_count``, ``direct_io``, ``restore_after_fit`` (:class:`NvmeConfig`); "
+    "with ``nvme_path``.",
+)
 
 
 #: ``reduce_dtype`` spellings (YAML strings and torch dtypes) -> the dtype gradients are reduced and kept in
@@ -126,26 +154,26 @@ def _resolved(name: str, value: int | str) -> int:
 class ZeroConfig:
     """What ZeRO shards and how gradients and parameters move between ranks."""
 
-    stage: int = 2
+    stage: int = option(2)
     """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
 
-    reduce_bucket_size: int | str = "auto"
+    reduce_bucket_size: int | str = option("auto", accepts="int | float | str")
     """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
     fewer, more efficient collectives and more transient memory; smaller ones start reducing earlier
     in backward (with one bucket larger than the model nothing overlaps). ``"auto"``: 5M (DeepSpeed's
     default) for models of 80M parameters and more, a sixteenth of the model below that (at least
     262,144): see :meth:`sized_for`."""
 
-    allgather_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = option(50_000_000, accepts="int | float")
     """Most elements of updated-parameter all-gathers in flight at once after the step (stage 1/2).
     Bounds the communication issued back to back; it does not copy through extra buffers."""
 
-    overlap_comm: bool = True
+    overlap_comm: bool = option(True)
     """Stages 2/3: launch a bucket's reduction as soon as it is full, during backward (asynchronously;
     on a GPU on a side stream). False reduces everything after backward: easier to debug, slower.
     Stage 1 always reduces once, at the accumulation boundary."""
 
-    prefetch_bucket_size: int | str = 5_000_000
+    prefetch_bucket_size: int | str = option(5_000_000, accepts="int | float | str")
     """Stage 3: most elements of parameters all-gathered ahead of the module that needs them, along
     the execution order recorded on the previous step. Every prefetched element is resident until
     its module ran: the default keeps about one large layer ahead (DeepSpeed's default, 50M, keeps
@@ -153,14 +181,14 @@ class ZeroConfig:
     ``"auto"`` sizes it as ``reduce_bucket_size``: less memory on small models, less overlap (the
     13.8M benchmark GPT at stage 3: peak RSS 330 -> 317 MiB per rank, step 1.24 -> 1.33x DDP)."""
 
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = option(100_000, accepts="int | float")
     """Stage 3: parameters with at most this many elements stay whole on every rank (sharded only in
     their optimizer states and gradients, as in stage 2): gathering them costs more than they save."""
 
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: int = option(1_000_000_000, accepts="int | float")
     """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
 
-    gather_units: tuple[type | str, ...] = ()
+    gather_units: tuple[type | str, ...] = option((), accepts="Sequence[type | str]", to_field=tuple)
     """Stage 3: modules gathered whole (their subtree's parameters) before their forward, besides the
     default ones (a Hugging Face model's ``_no_split_modules`` blocks, ``nn.MultiheadAttention``, RNN
     modules, PEFT's LoRA layers): module classes, class names, or qualified module names as
@@ -168,7 +196,7 @@ class ZeroConfig:
     ``auto_wrap_policy``, DeepSpeed's ``set_z3_leaf_modules``. A unit's whole subtree is gathered at
     once: the gather window is the largest unit plus ``prefetch_bucket_size`` elements ahead."""
 
-    host_mmap_threshold: int | None = 1 << 20
+    host_mmap_threshold: int | None = option(1 << 20, accepts="int | float | None")
     """CPU training (and host memory under offload), glibc only: host allocations of at least this
     many bytes are served from ``mmap`` and returned to the OS when freed, set at setup and put back
     at teardown (:func:`lightning_zero.memory.fix_mmap_threshold`). Keeps the resident set the OS
@@ -176,7 +204,7 @@ class ZeroConfig:
     growth per rank at stage 3 on 34M fp32 parameters). ``None`` leaves the allocator alone; an
     environment variable ``MALLOC_MMAP_THRESHOLD_`` set by the user also does."""
 
-    reduce_dtype: str | torch.dtype | None = None
+    reduce_dtype: str | torch.dtype | None = option(None)
     """The dtype gradients are collected, reduced and kept in between backward and the step: ``None``
     (the compute dtype: 16 bits under "bf16-mixed" / "16-mixed", the 2 bytes per parameter of the
     ZeRO formula, and half the bytes through the collectives), or "fp32" (FSDP2's
@@ -185,18 +213,18 @@ class ZeroConfig:
     buckets and the reduced slice). "bf16" / "fp16" under "32-true" halve the collective's bytes at
     the cost of rounding each gradient. Torch dtypes are accepted too."""
 
-    on_nonfinite: str = "error"
+    on_nonfinite: str = option("error")
     """Non-finite (inf/NaN) gradients under "32-true", "bf16-mixed" or "bf16-true": "error" raises
     before the weights are touched, naming the step; "skip" skips the step with a warning and a
     counter; "ignore" does not check (saves a scalar all-reduce and a host sync per step). "16-mixed"
     always skips and lowers the loss scale instead."""
 
-    allow_untested_optimizer: bool = False
+    allow_untested_optimizer: bool = option(False)
     """Accept an optimizer class that is not known to be elementwise. ZeRO steps each rank's flat
     slice independently, which is only exact for optimizers whose update of an element depends on
     that element alone (SGD, Adam, AdamW, ...)."""
 
-    absorb_param_edits: bool = True
+    absorb_param_edits: bool = option(True)
     """Parameters edited in place outside the step (weight clipping in a hook, an EMA swapped in by
     a callback) keep the edit, as under DDP: before each step and each checkpoint, elements of this
     rank's whole-parameter slice that differ from the master are written into it. This is a pass
@@ -206,7 +234,7 @@ class ZeroConfig:
     Under the NVMe tier (``offload_optimizer="nvme"``) the masters are on disk between steps and the
     check runs only before a checkpoint."""
 
-    expose_param_grads: bool | None = None
+    expose_param_grads: bool | None = option(None)
     """Give user code DDP's ``param.grad`` where Lightning runs it. ``None`` (default): after each
     ``manual_backward`` in manual optimization (read-only, until the next backward, step or
     ``zero_grad``; an edit there warns; stage 3's sharded parameters hold this rank's piece of the
@@ -359,16 +387,17 @@ class CheckpointConfig:
     DDP and a single process read; it costs rank 0 host memory for the whole checkpoint.
     """
 
-    state_dict_type: str = "sharded"
+    state_dict_type: str = option("sharded")
+    """"sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint file from rank 0)."""
 
-    async_save: bool = False
+    async_save: bool = option(False)
     """Asynchronous save (sharded only): during ``fit`` a save copies this rank's shards into host
     memory and returns; a background thread writes them, and the checkpoint is published (renamed
     into place) at the first step boundary after every rank's writer finished, or at the next save,
     removal or load, or at the end of fit. A failed background write raises on every rank there. Costs
     host memory for one copy of this rank's shards (:mod:`lightning_zero.checkpoint.save`)."""
 
-    node_local_storage: bool = False
+    node_local_storage: bool = option(False)
     """Node-local checkpoints (DeepSpeed's ``use_node_local_storage``), sharded only, local paths only:
     each node writes its own ranks' files under the checkpoint path *as that node resolves it* (a
     node-local disk such as ``/local_ssd/ck``), with ``lightning.pt``, ``metadata.json`` and the tensors
@@ -404,13 +433,25 @@ class CheckpointConfig:
 class FailureConfig:
     """How a run notices a lost or stuck rank (see :mod:`lightning_zero.failures`)."""
 
-    timeout: timedelta | int | float = timedelta(minutes=10)
+    timeout: timedelta | int | float = option(
+        timedelta(minutes=10),
+        accepts="timedelta | float | None",
+        given=None,
+        note="``None``: 10 minutes.",
+        to_field=_default_if_none,
+    )
     """Longest wait in one collective before it fails (a ``timedelta``, or seconds). A rank that dies
     closes its connections and gloo fails at once; the timeout bounds the silent cases (a host that
     vanished, a rank stuck in a loop, NCCL). Lightning's default is 30 minutes; raise this if a step,
     a validation loop or a checkpoint save on one rank can keep the others waiting longer."""
 
-    debug_collectives: bool = False
+    debug_collectives: bool = option(
+        False,
+        accepts="bool | None",
+        given=None,
+        note="``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.",
+        to_field=_debug_from_env,
+    )
     """Compare every collective across ranks before issuing it (:mod:`lightning_zero.debug`)."""
 
     @property
@@ -565,25 +606,32 @@ def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeCon
 class OffloadConfig:
     """What ZeRO-Offload moves from the device to host memory (or, ZeRO-Infinity, to disk)."""
 
-    offload_optimizer: bool | str = False
+    offload_optimizer: bool | str = option(False)
     """fp32 master weights, gradient slices and optimizer states off the device; the optimizer step
     runs on the CPU (``lightning_zero.ops`` kernels) and writes the 16-bit parameters back. ``True``
     or "cpu": in host memory; "nvme": masters and states in files under ``nvme.path``, streamed
     through host memory one sub-group at a time during the step."""
 
-    offload_parameters: bool | str = False
+    offload_parameters: bool | str = option(False)
     """Stage 3 only: parameter shards in host memory too, gathered to the device when a module
     needs them. Requires ``offload_optimizer``. "nvme" (ZeRO-Infinity, with ``offload_optimizer="nvme"``):
     the shards rest in files under ``nvme.path``, read ahead of the gathers that need them and
     written back after the step (:class:`lightning_zero.zero.swap.ParamTier`)."""
 
-    pin_memory: bool = True
+    pin_memory: bool = option(True)
     """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
 
-    nvme: NvmeConfig | None = None
+    nvme: NvmeConfig | None = option(
+        None,
+        name="nvme_path",
+        accepts="str | None",
+        note="``nvme_path``: its directory, on a fast local drive (the knobs: ``nvme_config``).",
+        to_field=_nvme_field,
+        also=(_NVME_KNOBS,),
+    )
     """The disk tier's path and I/O knobs; required when either tier is "nvme"."""
 
-    pipeline: bool = True
+    pipeline: bool = option(True, name="offload_pipeline")
     """DeepSpeed's pipelined offload: when the compiled kernels step the slices, each bucket's 16-bit
     copy-back (on a GPU: its host-to-device copy, on a side stream) and all-gather start as soon as
     it is stepped, while the next bucket steps; False steps every bucket first, then publishes.
@@ -631,12 +679,12 @@ class ActivationCheckpointConfig:
     """Activation checkpointing (see :mod:`lightning_zero.activations`), named like Lightning's
     ``FSDPStrategy(activation_checkpointing_policy=...)``."""
 
-    policy: Any = None
+    policy: Any = option(None, name="activation_checkpointing")
     """Which submodules recompute their forward in backward instead of keeping its activations:
     ``None`` (none), a module class, a set/list/tuple of classes (every instance of them), or a
     callable ``policy(module) -> bool`` asked for every submodule (not the LightningModule itself)."""
 
-    offload: bool = False
+    offload: bool = option(False, name="activation_checkpointing_offload")
     """Keep the checkpointed modules' inputs in host memory until backward (accelerators only)."""
 
     def __post_init__(self) -> None:

@@ -64,7 +64,6 @@ steps them and publishes. What differs from the Trainer:
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import zipfile
 from collections.abc import Callable, Generator
@@ -96,7 +95,14 @@ from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lifecycle import Lifecycle, on_meta
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
+from lightning_zero.options import (
+    STRATEGY_OPTIONS,
+    as_offload_precision,
+    check_signature,
+    new_precision,
+    register_names,
+    strategy_config,
+)
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
@@ -206,8 +212,7 @@ class FabricZeroStrategy(DDPStrategy):
     ) -> None:
         # names that are not options go to DataParallelConfig: torch DDP's arguments (an unknown name is
         # a TypeError there, as DDP's)
-        ours = inspect.signature(strategy_config).parameters
-        extra = {name: value for name, value in options.items() if name not in ours}
+        extra = {name: value for name, value in options.items() if name not in STRATEGY_OPTIONS}
         given = {"stage": stage, "loss_scale": loss_scale, **options, "ddp_kwargs": extra}
         #: The DeepSpeed config (``config=``) read into these options; None without one.
         self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, given, strategy_config)
@@ -732,6 +737,14 @@ def _inner(obj: Any) -> Any:
     """The model itself for what Fabric hands the strategy (its forward module) of stage 3's ``setup_module``."""
     return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
 
+
+# Fabric's own arguments; the options come as keywords (``stage`` explicitly), checked against the table.
+check_signature(
+    FabricZeroStrategy.__init__,
+    ("loss_scale", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
+    + ("process_group_backend", "start_method", "config"),
+    every_option=False,
+)
 
 #: The name users write (``lightning_zero.fabric.ZeroStrategy``), kept for the class of Fabric's API; tracebacks
 #: and ``type(strategy).__name__`` say ``FabricZeroStrategy``, the Trainer's is ``lightning_zero.ZeroStrategy``.

@@ -76,98 +76,16 @@ if TYPE_CHECKING:
 class ZeroStrategy(CheckpointWriting, DDPStrategy):
     """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
+    The ZeRO options (each one a field of the config dataclasses, :data:`lightning_zero.options.OPTIONS`;
+    see the Options page) come first under ``Args``, written into this docstring from their fields
+    when the module is imported.
+
     Args:
-        stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
-        reduce_bucket_size: elements per gradient bucket (one flat buffer, one reduce-scatter);
-            "auto" (the default): 5M from 80M parameters on, a sixteenth of the model below.
-        allgather_bucket_size: most elements of parameter all-gathers in flight after a step.
-        overlap_comm: reduce buckets during backward as they fill (False: after backward).
-        prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order
-            ("auto": as reduce_bucket_size, less memory and less overlap on small models).
-        param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
-        max_live_parameters: stage 3: no prefetching while this many elements are gathered.
-        gather_units: stage 3: modules gathered whole before their forward (classes, class names or
-            module-name patterns), besides the default units (Hugging Face ``_no_split_modules``
-            blocks, ``nn.MultiheadAttention``, RNNs, PEFT LoRA layers).
-        allow_untested_optimizer: accept an optimizer not known to be elementwise (see
-            :func:`lightning_zero.zero.step.check_optimizer`).
-        on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
-            outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
-        absorb_param_edits: in-place edits of whole parameters in hooks and callbacks (weight
-            clipping, an EMA swapped in) reach the fp32 master before the next step and checkpoint,
-            as under DDP (see :class:`~lightning_zero.config.ZeroConfig`).
-        host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
-            bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
-            live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
-        expose_param_grads: ``param.grad`` as under DDP. ``None`` (default): after ``manual_backward``
-            in manual optimization (stage 3's sharded parameters: this rank's piece), during a
-            validation run inside an accumulation window, and in ``on_before_optimizer_step`` /
-            ``configure_gradient_clipping`` when the model overrides either (or a callback the
-            first); ``True``: in those two hooks always; ``False``: never (with a warning when those
-            hooks are overridden). A full exposure costs an all-gather and the full-size gradients
-            (see :class:`~lightning_zero.config.ZeroConfig`).
-        reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
-            mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
-            parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
-        offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
-            memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
-        offload_parameters: stage 3: parameter shards in host memory too.
-            ``offload_optimizer="nvme"`` (ZeRO-Infinity) keeps fp32 masters and Adam moments in files
-            under ``nvme_path`` instead (:mod:`lightning_zero.offload.nvme`); ``True``/"cpu": host memory.
-        nvme_path: the directory for the disk tier (a fast local drive); needed by "nvme".
-        nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
-            ``buffer_count``, ``param_buffer_count``, ``direct_io``, ``restore_after_fit`` (see
-            :class:`~lightning_zero.config.NvmeConfig`).
-        pin_memory: page-lock host buffers on GPU machines.
-        offload_pipeline: DeepSpeed's pipelined offload: each bucket's copy-back and all-gather start
-            while the next bucket is stepped (False: step all, then publish; same numbers).
         loss_scale: dynamic loss-scaling options for "16-mixed".
-        timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
-            rank that dies is noticed at once on gloo; see :mod:`lightning_zero.failures`.
-        debug_collectives: compare every collective across ranks before issuing it and raise on a
-            mismatch (:mod:`lightning_zero.debug`); ``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.
-        tensor_parallel_size: T, ranks that split each layer Megatron-style (stages 1 and 2); ZeRO then
-            shards over the world / T data-parallel ranks (:mod:`lightning_zero.layout`).
-        pipeline_parallel_size: P, pipeline stages of consecutive layers (stages 1 and 2); the
-            LightningModule defines ``configure_pipeline()`` (:mod:`lightning_zero.parallel.pipeline`)
-            and the strategy runs the schedule in place of ``training_step``/``validation_step``.
-        pipeline_micro_batches: m, micro-batches per batch (default P); the bubble is (P-1)/(m+P-1).
-        pipeline_schedule: "1f1b" (default) or "gpipe".
-        pipeline_partition: "parameters" (default), "uniform" or "type:<regex>" (see
-            :class:`~lightning_zero.config.PipelineConfig`).
-        pipeline_chunks: v, chunks of layers per stage; above 1 the interleaved 1F1B schedule.
-        sequence_parallel: Megatron sequence parallelism between the tensor-parallel layers (LayerNorm,
-            dropout and residual activations hold seq / T positions); needs a plan with the
-            "sequence_scatter" and "sequence" styles (:mod:`lightning_zero.parallel.sequence`).
-        tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
-            to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
-            takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
-        state_dict_type: "sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint
-            file from rank 0); see :class:`~lightning_zero.config.CheckpointConfig`.
-        activation_checkpointing: submodules that recompute their forward in backward instead of keeping
-            its activations: a module class, a set of classes, or a callable ``module -> bool`` (Lightning's
-            ``FSDPStrategy(activation_checkpointing_policy=...)``); stages 1-3, tensor and pipeline
-            parallelism; see :mod:`lightning_zero.activations`.
-        activation_checkpointing_offload: keep the checkpointed modules' inputs in host memory until
-            backward (on an accelerator; nothing changes on a CPU-only run).
-        async_save: during ``fit``, write sharded checkpoints from a background thread; the training
-            loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
-        node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
-            resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
         config: a DeepSpeed config (a path to its JSON file, or a dict), as Lightning's
             ``DeepSpeedStrategy(config=...)``: each key becomes the option, precision, Trainer check,
             optimizer or scheduler it maps to (:mod:`lightning_zero.deepspeed_config`); an option given
             here with a value other than its default overrides the config's.
-        broadcast_buffers: as DDP's default, rank 0's buffers (BatchNorm statistics) are broadcast
-            before the forward of each step that ends an accumulation window; False keeps each rank's own.
-        find_unused_parameters: accepted at any value (ZeRO reduces parameters without a gradient anyway).
-        static_graph: accepted at any value (a DDP scheduling hint).
-        gradient_as_bucket_view: accepted at any value (ZeRO's gradients always live in its buckets).
-        bucket_cap_mb: DDP's bucket size in MiB, turned into ``reduce_bucket_size`` elements.
-        ddp_comm_state: refused unless None (DDP communication hooks act on DDP's buckets).
-        ddp_comm_hook: refused unless None; for compressed gradients use ``reduce_dtype``.
-        ddp_comm_wrapper: refused unless None.
-        model_averaging_period: refused unless None (post-local SGD averages full replicas).
         **ddp_kwargs: torch ``DistributedDataParallel``'s other arguments, each accepted with its ZeRO
             meaning or refused with a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
 
@@ -235,7 +153,7 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         model_averaging_period: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        arguments = locals()  # strategy_config's parameters are ours, by name and default (a test checks it)
+        arguments = locals()  # the options are ours, by name and default (checked at import, below)
         named = {name: arguments[name] for name in options.STRATEGY_OPTIONS}
         #: The DeepSpeed config (``config=``) read into these options; None without one.
         self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, arguments, strategy_config)
@@ -724,3 +642,21 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+#: The Trainer strategy's arguments that are not ZeRO options: Lightning's ``DDPStrategy``'s, the loss
+#: scale (the precision plugin's) and a DeepSpeed config.
+LIGHTNING_ARGUMENTS = (
+    "loss_scale",
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "start_method",
+    "config",
+)
+# The signature stays explicit (LightningCLI and jsonargparse read it); it must be the options' own.
+options.check_signature(ZeroStrategy.__init__, LIGHTNING_ARGUMENTS)
+ZeroStrategy.__doc__ = options.document(ZeroStrategy.__doc__)
