@@ -63,35 +63,34 @@ steps them and publishes. What differs from the Trainer:
 
 from __future__ import annotations
 
-import functools
 import itertools
-import zipfile
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from lightning_zero import comm, deepspeed_config
 from lightning_zero.checkpoint import fabric_state
-from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.fabric_plugins import (
+    BuildOnFirstForward,
+    FabricOffloadPrecision,
+    ZeroBackwardSync,
+    explained,
+    inner,
+    load_file,
+)
 from lightning_zero.lifecycle import Lifecycle, on_meta
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.memory import memory_breakdown
@@ -103,72 +102,8 @@ from lightning_zero.options import (
     register_names,
     strategy_config,
 )
-from lightning_zero.precision import OffloadPrecision
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
-
-
-# (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
-class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ignore[override]
-    """:class:`~lightning_zero.OffloadPrecision` as Fabric calls it.
-
-    Fabric casts the model before the strategy sets it up; ZeRO builds its fp32 masters from the
-    values the user built, so the cast waits for the engine (the strategy calls
-    :meth:`cast_module`). Outputs return in the default dtype, as from Fabric's own precision plugins.
-    Fabric's ``HalfPrecision`` is a base only so that Fabric's ``ThroughputMonitor`` reads the compute
-    dtype (``_desired_input_dtype``), as the Trainer's does through ``OffloadPrecision``; every method
-    it defines is overridden.
-    """
-
-    #: Set by the strategy: the context that explains a failed collective (see ``FabricZeroStrategy``).
-    explain_failures: Callable[[], AbstractContextManager] | None = None
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return module  # cast_module, after the engine has taken the masters
-
-    def cast_module(self, module: nn.Module) -> nn.Module:
-        return super().convert_module(module)
-
-    def forward_context(self) -> AbstractContextManager:  # type: ignore[override]  # as OffloadPrecision
-        return self._forward_context()
-
-    @contextmanager
-    def _forward_context(self) -> Generator[None, None, None]:
-        # _FabricModule runs every forward in here: stage 3's gathers are collectives that name a lost rank
-        explain = self.explain_failures() if self.explain_failures is not None else nullcontext()
-        with explain, super().forward_context():
-            yield
-
-    def convert_output(self, data: Any) -> Any:
-        if self.compute_dtype == torch.get_default_dtype():
-            return data
-        dtype = torch.get_default_dtype()
-        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _explained(method: _Method) -> _Method:
-    """A strategy method that communicates: a failure in it is explained (``FabricZeroStrategy._explaining``)."""
-
-    @functools.wraps(method)
-    def explained(self: FabricZeroStrategy, *args: Any, **kwargs: Any) -> Any:
-        with self._explaining():
-            return method(self, *args, **kwargs)
-
-    return cast(_Method, explained)
-
-
-class _ZeroBackwardSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: ZeRO's gradients have nothing to skip (see the module docstring);
-    buffers are broadcast as around DDP's ``no_sync`` (:class:`~lightning_zero.ddp_args.BufferSync`)."""
-
-    def __init__(self, buffers: BufferSync) -> None:
-        self.buffers = buffers
-
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self.buffers.blocking() if enabled else nullcontext()
 
 
 class FabricZeroStrategy(DDPStrategy):
@@ -255,7 +190,7 @@ class FabricZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
-        self._backward_sync_control = _ZeroBackwardSync(self._buffer_sync)
+        self._backward_sync_control = ZeroBackwardSync(self._buffer_sync)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -329,7 +264,7 @@ class FabricZeroStrategy(DDPStrategy):
         if not on_meta(module):  # stage 3 materializes a recorded model in setup
             module.to(self.root_device)
 
-    @_explained
+    @explained
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
@@ -338,7 +273,7 @@ class FabricZeroStrategy(DDPStrategy):
         self._build(module, optimizers)
         return module, optimizers, scheduler
 
-    @_explained
+    @explained
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
         """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
         ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
@@ -354,7 +289,7 @@ class FabricZeroStrategy(DDPStrategy):
             return module
         if self.config.zero.stage == 3:
             self._deferred = True
-            return _BuildOnFirstForward(module, self._ensure_built)
+            return BuildOnFirstForward(module, self._ensure_built)
         self._life.check_meta(module)
         comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
         return module
@@ -366,7 +301,7 @@ class FabricZeroStrategy(DDPStrategy):
             self._deferred = False
             self._build(self._module, [])
 
-    @_explained
+    @explained
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
         if self._module is None:
@@ -477,7 +412,7 @@ class FabricZeroStrategy(DDPStrategy):
         if self._lockstep is not None:
             self._lockstep.before_forward(type(module).__name__)
 
-    @_explained
+    @explained
     def barrier(self, name: str | None = None) -> None:
         """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
         forward this rank does not (:mod:`lightning_zero.lockstep`) instead of hanging."""
@@ -501,7 +436,7 @@ class FabricZeroStrategy(DDPStrategy):
 
     # -- backward and step ---------------------------------------------------------------------------
 
-    @_explained
+    @explained
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Scale ("16-mixed"), backward (the engine's hooks reduce into buckets), complete the reductions."""
         engine = self._training_engine("fabric.backward()")
@@ -510,7 +445,7 @@ class FabricZeroStrategy(DDPStrategy):
         scaled.backward(*args, **kwargs)
         engine.backward_done()
 
-    @_explained
+    @explained
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()``: this rank's slices (unscaled), then publish; the gradients are dropped."""
         if self._engine is None or not self._engine.manages(optimizer):
@@ -525,7 +460,7 @@ class FabricZeroStrategy(DDPStrategy):
         """Drop every gradient of ``optimizer`` since its last step (ZeRO-held ones too). Call on all ranks."""
         self._training_engine("zero_grad()").zero_grad(optimizer)
 
-    @_explained
+    @explained
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -552,7 +487,7 @@ class FabricZeroStrategy(DDPStrategy):
             )
         return norm
 
-    @_explained
+    @explained
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_val, clip_val]``."""
         engine = self._training_engine("fabric.clip_gradients()")
@@ -581,7 +516,7 @@ class FabricZeroStrategy(DDPStrategy):
 
     # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
-    @_explained
+    @explained
     def save_checkpoint(
         self,
         path: _PATH,
@@ -596,38 +531,13 @@ class FabricZeroStrategy(DDPStrategy):
                 "format holds every parameter piece of every rank; save without them."
             )
         self._ensure_built()
-        state = {k: _inner(v) for k, v in state.items()}
-        keys = fabric_state.split_state(state, self._module, self._optimizers)
-        stage, precision = self.config.zero.stage, self.precision
-        module = self._saved_module()
-        checkpoint = fabric_state.to_checkpoint(state, keys, module, self._engine, stage, precision.state_dict())
-        optimizers = [state[k] for k in keys.optimizers]
-        if self.config.checkpoint.state_dict_type == "sharded":
-            ckpt_save.save_sharded(checkpoint, path, module, self._engine, optimizers, precision.precision)
-            return
-        where = ckpt_io.location(path)
-        if not where.local:
-            raise ValueError(
-                f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
-                "default, which writes to object stores too) or a local or shared path."
-            )
-        # A sharded save beside the file (every rank its pieces), which rank 0 turns into the one file.
-        target = where.as_path()
-        staging = target.with_name(f".{target.name}.zero-full-staging")
-        ckpt_save.save_sharded(checkpoint, staging, module, self._engine, optimizers, precision.precision)
-        error = None
-        if self.global_rank == 0:
-            try:
-                fabric_state.to_fabric_file(staging, target)
-            except Exception as exc:  # reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                ckpt_save.remove_sharded(staging)
-        errors = [e for e in comm.all_gather_object(error, None) if e]
-        if errors:
-            raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")
+        state = {k: inner(v) for k, v in state.items()}
+        module, engine, stage = self._saved_module(), self._engine, self.config.zero.stage
+        full = self.config.checkpoint.state_dict_type == "full"
+        args = (path, state, module, engine, self._optimizers, self.precision)
+        fabric_state.save(*args, stage=stage, full=full, rank=self.global_rank)
 
-    @_explained
+    @explained
     def load_checkpoint(
         self,
         path: _PATH,
@@ -638,17 +548,17 @@ class FabricZeroStrategy(DDPStrategy):
         """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
         (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
         checkpoint = ckpt_load.load_checkpoint(
-            path, weights_only, self.global_rank, lambda p: _load_file(p, weights_only)
+            path, weights_only, self.global_rank, lambda p: load_file(p, weights_only)
         )
         if not state:
             return checkpoint
         self._ensure_built()
         if isinstance(state, dict):
-            unwrapped = {k: _inner(v) for k, v in state.items()}
+            unwrapped = {k: inner(v) for k, v in state.items()}
             remainder = self._load_state(checkpoint, unwrapped, strict)
             state.update({k: v for k, v in unwrapped.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))})
             return remainder
-        state = _inner(state)
+        state = inner(state)
         if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
             self._adopt(state)
             ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
@@ -699,43 +609,7 @@ class FabricZeroStrategy(DDPStrategy):
         super().teardown()
 
 
-class _BuildOnFirstForward(nn.Module):
-    """What stage 3's ``setup_module`` returns for Fabric to call: the model, whose engine is built
-    (without an optimizer) at the first forward when ``setup_optimizers`` did not build it before.
-    A module of its own so that the engine's gather hooks, registered by the build, are in place
-    before the model's own ``__call__`` runs them."""
-
-    def __init__(self, module: nn.Module, build: Callable[[], None]) -> None:
-        super().__init__()
-        self.module = module
-        self._build = build
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _build_now(self._build)
-        return self.module(*args, **kwargs)
-
-
-@torch.compiler.disable
-def _build_now(build: Callable[[], None]) -> None:
-    build()
-
-
-def _load_file(path: Any, weights_only: bool | None) -> Any:
-    """A plain checkpoint file. A local one in torch's zip format is memory-mapped: each rank then
-    reads only the bytes of its own pieces (``load_raw`` of a whole model streams it), and ranks on
-    one host share the page cache. Anything else (a remote path, the legacy format) as Fabric reads it."""
-    local = Path(str(path))
-    if local.is_file() and zipfile.is_zipfile(local):
-        return torch.load(local, map_location="cpu", mmap=True, weights_only=bool(weights_only))
-    return pl_load(Path(path), weights_only=weights_only)
-
-
 _RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank
-
-
-def _inner(obj: Any) -> Any:
-    """The model itself for what Fabric hands the strategy (its forward module) of stage 3's ``setup_module``."""
-    return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
 
 
 # Fabric's own arguments; the options come as keywords (``stage`` explicitly), checked against the table.

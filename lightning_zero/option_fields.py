@@ -13,6 +13,7 @@ keyword's value becomes the field's. :mod:`lightning_zero.options` collects them
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -66,3 +67,11 @@ def option(
     first = Keyword(name=name, accepts=accepts, given=given, doc=note)
     spec = OptionField(keywords=(first, *also), to_field=to_field)
     return dataclasses.field(default=default, metadata={"option": spec})
+
+
+def integral(config: object, name: str) -> None:
+    """Replace a float option that holds a whole number (``5e8``, ``1e5``) by the integer (frozen
+    dataclass: set once here); anything else is left for the option's own check to refuse."""
+    value = getattr(config, name)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        object.__setattr__(config, name, int(value))

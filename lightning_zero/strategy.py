@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -43,11 +43,11 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_zero import comm, deepspeed_config, exposure, options, summary
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.checkpoint.trainer_saves import CheckpointWriting
+from lightning_zero.checkpoint.trainer_state import CheckpointState
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
@@ -63,7 +63,6 @@ from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
 from lightning_zero.zero.averaging import (
-    current_model_source,
     keep_edits_in_masters,
     shard_averaged_copies,
 )
@@ -73,7 +72,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ZeroStrategy(CheckpointWriting, DDPStrategy):
+class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
     """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
     The ZeRO options (each one a field of the config dataclasses, :data:`lightning_zero.options.OPTIONS`;
@@ -568,37 +567,6 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         # checkpoint.load.replay_callback_restores for the one that acts there on its restored state.
         return True
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
-        so callbacks that keep it (an EMA callback moves it to ``current_model_state``) have every
-        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers); with
-        ``state_dict_type="full"`` on rank 0 the whole one too, the partitioned parameters gathered
-        one flat buffer at a time into its host memory (as FSDP's full state dict; a collective).
-        ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
-        values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
-        assert self.lightning_module is not None
-        full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
-        out = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
-        if self.zero_config.stage == 3 and not full:
-            self._module_state_out = out  # see _complete_moved_module_state
-        return out
-
-    def _complete_moved_module_state(self, checkpoint: dict[str, Any]) -> None:
-        """Stage 3, sharded format: a callback that kept the module state under another key of the
-        checkpoint (EMA's ``current_model_state``, with its averaged weights in ``state_dict``) gets
-        the partitioned parameters there too, gathered into rank 0's host memory (only then: this
-        is the whole model, which the checkpoint then stores beside the shards, as DDP's does).
-        Call on all ranks (every rank runs the same callbacks)."""
-        returned, self._module_state_out = self._module_state_out, None
-        if returned is None or self._engine is None or self.zero_config.stage < 3 or not comm.initialized():
-            return
-        moved = [k for k, v in checkpoint.items() if k != "state_dict" and v is returned]
-        if moved:
-            assert self.lightning_module is not None
-            full = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, 3, full=True)
-            for key in moved:
-                checkpoint[key] = full
-
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
         if self._engine is None or not self._engine.manages(optimizer):
@@ -615,27 +583,6 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         )
         self._resume_rng = checkpoint.get(ckpt_load.RESUME_KEY, {}).get("rng")
         return checkpoint
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        module, source = self.lightning_module, None
-        if self._engine is not None and self.zero_config.stage == 3 and module._trainer is not None:
-            # WeightAveraging's checkpoint: the model's own weights are in current_model_state (the
-            # callback loads them into the model after this, which must then find them in place)
-            source = current_model_source(checkpoint, getattr(module.trainer, "callbacks", []))
-        ckpt_load.load_model(source or checkpoint, module, self._engine, self.optimizers, strict, self._parallel.layout)
-        # (the callback then loads current_model_state into the model once more: whole tensors, which
-        # the model's FullStateDictHooks write into each rank's shards)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
-        ckpt_load.replay_callback_restores(self.lightning_module)
-        ckpt_load.load_optimizers(
-            checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
-        )
-        ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
-        for optimizer in self.optimizers:
-            _optimizer_to_device(optimizer, self.root_device)
 
     # -- registration -------------------------------------------------------------------------------
 
