@@ -55,7 +55,11 @@ class Option:
 def _field_docs(cls: type) -> dict[str, str]:
     """The docstrings written under the fields of dataclass ``cls`` (read from its source)."""
     docs: dict[str, str] = {}
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source shipped (a frozen application): the options stay undocumented
+        return docs
+    body = ast.parse(textwrap.dedent(source)).body[0]
     assert isinstance(body, ast.ClassDef)
     for node, after in itertools.pairwise(body.body):
         is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
