@@ -2,7 +2,8 @@
 
 Importing the package registers the strategy names ``zero1``, ``zero2``, ``zero3``, ``zero2_offload``
 and ``zero3_offload`` with Lightning's ``StrategyRegistry`` (the Trainer's :class:`ZeroStrategy`) and with
-Fabric's ``STRATEGY_REGISTRY`` (:class:`lightning_zero.fabric.ZeroStrategy`).
+Fabric's ``STRATEGY_REGISTRY`` (:class:`lightning_zero.fabric.FabricZeroStrategy`,
+also importable as ``lightning_zero.fabric.ZeroStrategy``).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -18,7 +19,7 @@ from lightning_zero.strategy import ZeroStrategy
 from lightning_zero.sync_batchnorm import SyncBatchNorm
 
 ZeroStrategy.register_strategies(StrategyRegistry)
-fabric.ZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+fabric.FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "LoadResult",

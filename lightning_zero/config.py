@@ -11,7 +11,6 @@ passed down whole; nothing unpacks them into long argument lists.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -19,6 +18,14 @@ from typing import Any
 import torch
 
 from lightning_zero.ddp_args import DataParallelConfig
+
+# the offload section lives in offload_config.py; these names stay importable from here
+from lightning_zero.offload_config import AIO_ENGINES as AIO_ENGINES
+from lightning_zero.offload_config import OFFLOAD_TIERS as OFFLOAD_TIERS
+from lightning_zero.offload_config import NvmeConfig as NvmeConfig
+from lightning_zero.offload_config import OffloadConfig
+from lightning_zero.offload_config import nvme_config as nvme_config
+from lightning_zero.option_fields import OMIT, integral, option
 from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
 
 #: Precision strings accepted by :class:`~lightning_zero.OffloadPrecision`, with the dtype that
@@ -41,6 +48,18 @@ _PRECISION_ALIASES = {
     "16": "16-mixed",
     16: "16-mixed",
 }
+
+
+def _default_if_none(value: object) -> object:
+    """A keyword whose ``None`` means the field's default (``timeout=None``: 10 minutes)."""
+    return OMIT if value is None else value
+
+
+def _debug_from_env(value: bool | None) -> bool:
+    """``debug_collectives=None``: the ``LIGHTNING_ZERO_DEBUG_COLLECTIVES`` environment variable."""
+    from lightning_zero import debug  # (debug needs comm, which config does not)
+
+    return debug.debug_from_env() if value is None else value
 
 
 #: ``reduce_dtype`` spellings (YAML strings and torch dtypes) -> the dtype gradients are reduced and kept in
@@ -106,14 +125,6 @@ ELEMENT_COUNTS = (
 )
 
 
-def _integral(config: object, name: str) -> None:
-    """Replace a float option that holds a whole number (``5e8``, ``1e5``) by the integer (frozen
-    dataclass: set once here); anything else is left for the option's own check to refuse."""
-    value = getattr(config, name)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        object.__setattr__(config, name, int(value))
-
-
 def _resolved(name: str, value: int | str) -> int:
     if isinstance(value, str):
         raise RuntimeError(
@@ -126,26 +137,26 @@ def _resolved(name: str, value: int | str) -> int:
 class ZeroConfig:
     """What ZeRO shards and how gradients and parameters move between ranks."""
 
-    stage: int = 2
+    stage: int = option(2)
     """1: shard fp32 master weights and optimizer states; 2: also gradients; 3: also parameters."""
 
-    reduce_bucket_size: int | str = "auto"
+    reduce_bucket_size: int | str = option("auto", accepts="int | float | str")
     """Elements per gradient bucket (one flat buffer, one reduce-scatter). Larger buckets mean
     fewer, more efficient collectives and more transient memory; smaller ones start reducing earlier
     in backward (with one bucket larger than the model nothing overlaps). ``"auto"``: 5M (DeepSpeed's
     default) for models of 80M parameters and more, a sixteenth of the model below that (at least
     262,144): see :meth:`sized_for`."""
 
-    allgather_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = option(50_000_000, accepts="int | float")
     """Most elements of updated-parameter all-gathers in flight at once after the step (stage 1/2).
     Bounds the communication issued back to back; it does not copy through extra buffers."""
 
-    overlap_comm: bool = True
+    overlap_comm: bool = option(True)
     """Stages 2/3: launch a bucket's reduction as soon as it is full, during backward (asynchronously;
     on a GPU on a side stream). False reduces everything after backward: easier to debug, slower.
     Stage 1 always reduces once, at the accumulation boundary."""
 
-    prefetch_bucket_size: int | str = 5_000_000
+    prefetch_bucket_size: int | str = option(5_000_000, accepts="int | float | str")
     """Stage 3: most elements of parameters all-gathered ahead of the module that needs them, along
     the execution order recorded on the previous step. Every prefetched element is resident until
     its module ran: the default keeps about one large layer ahead (DeepSpeed's default, 50M, keeps
@@ -153,14 +164,14 @@ class ZeroConfig:
     ``"auto"`` sizes it as ``reduce_bucket_size``: less memory on small models, less overlap (the
     13.8M benchmark GPT at stage 3: peak RSS 330 -> 317 MiB per rank, step 1.24 -> 1.33x DDP)."""
 
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = option(100_000, accepts="int | float")
     """Stage 3: parameters with at most this many elements stay whole on every rank (sharded only in
     their optimizer states and gradients, as in stage 2): gathering them costs more than they save."""
 
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: int = option(1_000_000_000, accepts="int | float")
     """Stage 3: prefetching stops while this many elements of full parameters are gathered."""
 
-    gather_units: tuple[type | str, ...] = ()
+    gather_units: tuple[type | str, ...] = option((), accepts="Sequence[type | str]", to_field=tuple)
     """Stage 3: modules gathered whole (their subtree's parameters) before their forward, besides the
     default ones (a Hugging Face model's ``_no_split_modules`` blocks, ``nn.MultiheadAttention``, RNN
     modules, PEFT's LoRA layers): module classes, class names, or qualified module names as
@@ -168,7 +179,7 @@ class ZeroConfig:
     ``auto_wrap_policy``, DeepSpeed's ``set_z3_leaf_modules``. A unit's whole subtree is gathered at
     once: the gather window is the largest unit plus ``prefetch_bucket_size`` elements ahead."""
 
-    host_mmap_threshold: int | None = 1 << 20
+    host_mmap_threshold: int | None = option(1 << 20, accepts="int | float | None")
     """CPU training (and host memory under offload), glibc only: host allocations of at least this
     many bytes are served from ``mmap`` and returned to the OS when freed, set at setup and put back
     at teardown (:func:`lightning_zero.memory.fix_mmap_threshold`). Keeps the resident set the OS
@@ -176,7 +187,7 @@ class ZeroConfig:
     growth per rank at stage 3 on 34M fp32 parameters). ``None`` leaves the allocator alone; an
     environment variable ``MALLOC_MMAP_THRESHOLD_`` set by the user also does."""
 
-    reduce_dtype: str | torch.dtype | None = None
+    reduce_dtype: str | torch.dtype | None = option(None)
     """The dtype gradients are collected, reduced and kept in between backward and the step: ``None``
     (the compute dtype: 16 bits under "bf16-mixed" / "16-mixed", the 2 bytes per parameter of the
     ZeRO formula, and half the bytes through the collectives), or "fp32" (FSDP2's
@@ -185,18 +196,18 @@ class ZeroConfig:
     buckets and the reduced slice). "bf16" / "fp16" under "32-true" halve the collective's bytes at
     the cost of rounding each gradient. Torch dtypes are accepted too."""
 
-    on_nonfinite: str = "error"
+    on_nonfinite: str = option("error")
     """Non-finite (inf/NaN) gradients under "32-true", "bf16-mixed" or "bf16-true": "error" raises
     before the weights are touched, naming the step; "skip" skips the step with a warning and a
     counter; "ignore" does not check (saves a scalar all-reduce and a host sync per step). "16-mixed"
     always skips and lowers the loss scale instead."""
 
-    allow_untested_optimizer: bool = False
+    allow_untested_optimizer: bool = option(False)
     """Accept an optimizer class that is not known to be elementwise. ZeRO steps each rank's flat
     slice independently, which is only exact for optimizers whose update of an element depends on
     that element alone (SGD, Adam, AdamW, ...)."""
 
-    absorb_param_edits: bool = True
+    absorb_param_edits: bool = option(True)
     """Parameters edited in place outside the step (weight clipping in a hook, an EMA swapped in by
     a callback) keep the edit, as under DDP: before each step and each checkpoint, elements of this
     rank's whole-parameter slice that differ from the master are written into it. This is a pass
@@ -206,7 +217,7 @@ class ZeroConfig:
     Under the NVMe tier (``offload_optimizer="nvme"``) the masters are on disk between steps and the
     check runs only before a checkpoint."""
 
-    expose_param_grads: bool | None = None
+    expose_param_grads: bool | None = option(None)
     """Give user code DDP's ``param.grad`` where Lightning runs it. ``None`` (default): after each
     ``manual_backward`` in manual optimization (read-only, until the next backward, step or
     ``zero_grad``; an edit there warns; stage 3's sharded parameters hold this rank's piece of the
@@ -228,7 +239,7 @@ class ZeroConfig:
         if type(self.stage) is not int or self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; choose 1, 2 or 3.")
         for name in ELEMENT_COUNTS:
-            _integral(self, name)  # 5e8, as DeepSpeed configs and YAML files write sizes
+            integral(self, name)  # 5e8, as DeepSpeed configs and YAML files write sizes
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters"):
             value = getattr(self, name)
             if value == "auto" and name in AUTO_SIZED:
@@ -359,16 +370,17 @@ class CheckpointConfig:
     DDP and a single process read; it costs rank 0 host memory for the whole checkpoint.
     """
 
-    state_dict_type: str = "sharded"
+    state_dict_type: str = option("sharded")
+    """"sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint file from rank 0)."""
 
-    async_save: bool = False
+    async_save: bool = option(False)
     """Asynchronous save (sharded only): during ``fit`` a save copies this rank's shards into host
     memory and returns; a background thread writes them, and the checkpoint is published (renamed
     into place) at the first step boundary after every rank's writer finished, or at the next save,
     removal or load, or at the end of fit. A failed background write raises on every rank there. Costs
     host memory for one copy of this rank's shards (:mod:`lightning_zero.checkpoint.save`)."""
 
-    node_local_storage: bool = False
+    node_local_storage: bool = option(False)
     """Node-local checkpoints (DeepSpeed's ``use_node_local_storage``), sharded only, local paths only:
     each node writes its own ranks' files under the checkpoint path *as that node resolves it* (a
     node-local disk such as ``/local_ssd/ck``), with ``lightning.pt``, ``metadata.json`` and the tensors
@@ -404,13 +416,25 @@ class CheckpointConfig:
 class FailureConfig:
     """How a run notices a lost or stuck rank (see :mod:`lightning_zero.failures`)."""
 
-    timeout: timedelta | int | float = timedelta(minutes=10)
+    timeout: timedelta | int | float = option(
+        timedelta(minutes=10),
+        accepts="timedelta | float | None",
+        given=None,
+        note="``None``: 10 minutes.",
+        to_field=_default_if_none,
+    )
     """Longest wait in one collective before it fails (a ``timedelta``, or seconds). A rank that dies
     closes its connections and gloo fails at once; the timeout bounds the silent cases (a host that
     vanished, a rank stuck in a loop, NCCL). Lightning's default is 30 minutes; raise this if a step,
     a validation loop or a checkpoint save on one rank can keep the others waiting longer."""
 
-    debug_collectives: bool = False
+    debug_collectives: bool = option(
+        False,
+        accepts="bool | None",
+        given=None,
+        note="``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.",
+        to_field=_debug_from_env,
+    )
     """Compare every collective across ranks before issuing it (:mod:`lightning_zero.debug`)."""
 
     @property
@@ -434,209 +458,17 @@ class FailureConfig:
             raise ValueError(f"debug_collectives={self.debug_collectives!r} must be True or False.")
 
 
-OFFLOAD_TIERS = ("cpu", "nvme")
-"""Where offloaded tensors live: host memory, or files under ``NvmeConfig.path`` (ZeRO-Infinity)."""
-
-
-def _tier(name: str, value: bool | str) -> str | None:
-    """``False`` -> None, ``True``/"cpu" -> "cpu", "nvme" -> "nvme"; anything else is a ValueError."""
-    if isinstance(value, bool):
-        return "cpu" if value else None
-    if value in OFFLOAD_TIERS:
-        return value
-    raise ValueError(f"{name}={value!r} must be True/False, 'cpu' (host memory, as True) or 'nvme' (files).")
-
-
-def _positive_int(name: str, value: object, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"nvme {name}={value!r} must be an integer from {low} to {high}.")
-
-
-AIO_ENGINES = ("auto", "io_uring", "threads", "python")
-"""The values of :attr:`NvmeConfig.aio_engine`."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class NvmeConfig:
-    """ZeRO-Infinity's disk tier (:mod:`lightning_zero.offload.nvme`), DeepSpeed's ``offload_*`` /
-    ``aio`` knobs in one place. Each rank keeps its files in ``<path>/lightning_zero-rank<r>``."""
-
-    path: str
-    """A directory on a fast local disk (an NVMe drive); created if missing."""
-
-    block_size: int = 1 << 20
-    """Bytes per read/write request (DeepSpeed ``aio.block_size``); a power of two, 4 KiB to 64 MiB
-    (O_DIRECT needs multiples of the 4 KiB logical block)."""
-
-    queue_depth: int = 32
-    """Requests in flight per file operation (DeepSpeed ``aio.queue_depth``), 1 to 1024: the depth
-    of the io_uring engine's ring (the thread-pool engines have ``threads`` requests in flight).
-    32 with ``threads`` 4 (DeepSpeed's defaults are 8 and 1): the 3.3B capacity step (docs/benchmarks.md, "NVMe offload") took
-    51 s against 62-66 s with 8 and 2 on the same virtio disk, which reads ~1.6x faster with
-    several requests in flight than one at a time (as NVMe drives do)."""
-
-    aio_engine: str = "auto"
-    """The I/O engine (:mod:`lightning_zero.offload.nvme`): "io_uring" (compiled, ``queue_depth``
-    requests in flight from one thread), "threads" (compiled, ``threads`` threads with
-    pread/pwrite), "python" (the readable reference: Python threads, page cache), or "auto" (the
-    first of these that works here). An engine that is not available falls back to the next with
-    a one-time warning, never an error (containers often block io_uring)."""
-
-    threads: int = 4
-    """I/O threads (DeepSpeed ``aio.thread_count`` / ``intra_op_parallelism``), 1 to 64: the
-    store's workers per direction (reads and writes each have this many), each moving one tensor
-    (and, under the "threads" engine, this many C++ threads per tensor); they wait on the disk, not
-    on the CPU."""
-
-    buffer_count: int = 3
-    """The step's depth of I/O per direction (DeepSpeed ``buffer_count``), 2 to 64: the sub-groups
-    read ``buffer_count - 1`` ahead of the one being stepped and as many written behind it, so up
-    to ``2 * buffer_count - 1`` sub-groups' masters and moments are in memory at once (and up to
-    ``buffer_count`` gradient slices being written in backward). 3 (was 2): the 3.3B capacity step
-    on this project's 2-core machine took 30.6-32.3 s against 33.3-38.9 s, its optimizer phase at
-    0.94 of what the disk moves with reads and writes in flight together, for ~0.8 GiB more peak
-    RSS (docs/benchmarks.md, "NVMe offload")."""
-
-    param_buffer_count: int = 4
-    """Stage-3 parameter shards in memory at once under ``offload_parameters="nvme"`` (DeepSpeed
-    ``offload_param.buffer_count``): the shards read ahead of the gathers that need them, 1 to 64
-    (plus the one being gathered and, during the step, the one being written behind)."""
-
-    direct_io: bool = True
-    """O_DIRECT (bypass the page cache) in the compiled engine where the file system allows it (the
-    Python fallback always goes through the page cache)."""
-
-    restore_after_fit: bool | None = None
-    """What the end of a finished fit brings back into host memory before the files are removed.
-    True: the optimizer states (so ``trainer.save_checkpoint`` after fit still works) and, at stage
-    3, the whole model (each parameter gathered for good, usable after fit). False: nothing; the
-    files are removed unread, stage-3 parameters stay released (empty tensors, or this rank's piece)
-    and saving after fit is a ValueError: a model whose training state does not fit in RAM, the
-    reason for the disk tier, saves its checkpoints during fit (``ModelCheckpoint``) and gets its
-    weights from them (``lightning_zero.checkpoint.consolidate``). None (default): False when the
-    parameters are on disk (``offload_parameters="nvme"``: gathering the whole model at the end of
-    fit would need the RAM the tier exists to avoid), else True."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"nvme_path={self.path!r} must be a directory path (a string), e.g. '/local_nvme'.")
-        for name in ("block_size", "queue_depth", "threads", "buffer_count", "param_buffer_count"):
-            _integral(self, name)  # 1.048576e6 from a YAML file is the integer
-        _positive_int("block_size", self.block_size, 4096, 64 << 20)
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"nvme block_size={self.block_size} must be a power of two (O_DIRECT alignment), e.g. {1 << 20}."
-            )
-        _positive_int("queue_depth", self.queue_depth, 1, 1024)
-        _positive_int("threads", self.threads, 1, 64)
-        _positive_int("buffer_count", self.buffer_count, 2, 64)
-        _positive_int("param_buffer_count", self.param_buffer_count, 1, 64)
-        if self.aio_engine not in AIO_ENGINES:
-            raise ValueError(f"nvme aio_engine={self.aio_engine!r} must be one of {list(AIO_ENGINES)}.")
-        if not isinstance(self.direct_io, bool):
-            raise ValueError(f"nvme direct_io={self.direct_io!r} must be True or False.")
-        if self.restore_after_fit is not None and not isinstance(self.restore_after_fit, bool):
-            raise ValueError(f"nvme restore_after_fit={self.restore_after_fit!r} must be True, False or None (auto).")
-
-
-def nvme_config(path: str | None, knobs: Mapping[str, object] | None) -> NvmeConfig | None:
-    """The :class:`NvmeConfig` of ``ZeroStrategy(nvme_path=..., nvme_config={...})``; None without a path."""
-    if path is None:
-        if knobs:
-            raise ValueError(f"nvme_config={dict(knobs)!r} was given without nvme_path; set nvme_path to a directory.")
-        return None
-    allowed = (
-        "block_size",
-        "queue_depth",
-        "threads",
-        "buffer_count",
-        "param_buffer_count",
-        "direct_io",
-        "restore_after_fit",
-        "aio_engine",
-    )
-    unknown = sorted(set(knobs or {}) - set(allowed))
-    if unknown:
-        raise ValueError(f"nvme_config has unknown keys {unknown}; the knobs are {list(allowed)}.")
-    return NvmeConfig(path=str(path), **dict(knobs or {}))  # type: ignore[arg-type]  # each knob is checked in __post_init__
-
-
-@dataclass(frozen=True, kw_only=True)
-class OffloadConfig:
-    """What ZeRO-Offload moves from the device to host memory (or, ZeRO-Infinity, to disk)."""
-
-    offload_optimizer: bool | str = False
-    """fp32 master weights, gradient slices and optimizer states off the device; the optimizer step
-    runs on the CPU (``lightning_zero.ops`` kernels) and writes the 16-bit parameters back. ``True``
-    or "cpu": in host memory; "nvme": masters and states in files under ``nvme.path``, streamed
-    through host memory one sub-group at a time during the step."""
-
-    offload_parameters: bool | str = False
-    """Stage 3 only: parameter shards in host memory too, gathered to the device when a module
-    needs them. Requires ``offload_optimizer``. "nvme" (ZeRO-Infinity, with ``offload_optimizer="nvme"``):
-    the shards rest in files under ``nvme.path``, read ahead of the gathers that need them and
-    written back after the step (:class:`lightning_zero.zero.swap.ParamTier`)."""
-
-    pin_memory: bool = True
-    """Page-lock host buffers when the device is a GPU, so copies run asynchronously at full speed."""
-
-    nvme: NvmeConfig | None = None
-    """The disk tier's path and I/O knobs; required when either tier is "nvme"."""
-
-    pipeline: bool = True
-    """DeepSpeed's pipelined offload: when the compiled kernels step the slices, each bucket's 16-bit
-    copy-back (on a GPU: its host-to-device copy, on a side stream) and all-gather start as soon as
-    it is stepped, while the next bucket steps; False steps every bucket first, then publishes.
-    Same numbers either way (bitwise)."""
-
-    def __post_init__(self) -> None:
-        optimizer_tier = _tier("offload_optimizer", self.offload_optimizer)
-        parameter_tier = _tier("offload_parameters", self.offload_parameters)
-        if not isinstance(self.pin_memory, bool):
-            raise ValueError(f"pin_memory={self.pin_memory!r} must be True or False.")
-        if not isinstance(self.pipeline, bool):
-            raise ValueError(f"offload_pipeline={self.pipeline!r} must be True or False.")
-        if parameter_tier and not optimizer_tier:
-            raise ValueError(
-                f"offload_parameters={self.offload_parameters!r} needs offload_optimizer=True: parameter shards off "
-                "the device are updated by the CPU optimizer step. Set both (as DeepSpeed's zero3_offload does)."
-            )
-        if parameter_tier == "nvme" and optimizer_tier != "nvme":
-            raise ValueError(
-                f"offload_parameters='nvme' with offload_optimizer={self.offload_optimizer!r}: parameter shards on "
-                "disk are stepped from disk too; set offload_optimizer='nvme'."
-            )
-        uses_nvme = "nvme" in (optimizer_tier, parameter_tier)
-        if uses_nvme and self.nvme is None:
-            raise ValueError(
-                "offload_optimizer='nvme' / offload_parameters='nvme' need nvme_path: the directory (on a fast local "
-                "disk) where each rank keeps its swap files, e.g. ZeroStrategy(..., nvme_path='/local_nvme')."
-            )
-        if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
-            raise ValueError(f"nvme={self.nvme!r} must be a lightning_zero.config.NvmeConfig or None.")
-
-    @property
-    def optimizer_tier(self) -> str | None:
-        """None (on the device), "cpu" or "nvme"."""
-        return _tier("offload_optimizer", self.offload_optimizer)
-
-    @property
-    def parameter_tier(self) -> str | None:
-        """None (on the device), "cpu" or "nvme"."""
-        return _tier("offload_parameters", self.offload_parameters)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointConfig:
     """Activation checkpointing (see :mod:`lightning_zero.activations`), named like Lightning's
     ``FSDPStrategy(activation_checkpointing_policy=...)``."""
 
-    policy: Any = None
+    policy: Any = option(None, name="activation_checkpointing")
     """Which submodules recompute their forward in backward instead of keeping its activations:
     ``None`` (none), a module class, a set/list/tuple of classes (every instance of them), or a
     callable ``policy(module) -> bool`` asked for every submodule (not the LightningModule itself)."""
 
-    offload: bool = False
+    offload: bool = option(False, name="activation_checkpointing_offload")
     """Keep the checkpointed modules' inputs in host memory until backward (accelerators only)."""
 
     def __post_init__(self) -> None:

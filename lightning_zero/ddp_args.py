@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.option_fields import option
 
 #: torch DDP's keyword arguments that ZeRO accepts at any value: what it already does, or a DDP
 #: optimization whose numbers are the same without it.
@@ -63,39 +64,39 @@ def _flag(name: str, value: object) -> None:
 class DataParallelConfig:
     """The arguments of Lightning's ``DDPStrategy`` and torch's ``DistributedDataParallel`` under ZeRO."""
 
-    broadcast_buffers: bool = True
+    broadcast_buffers: bool = option(True)
     """As DDP's default: before the forward of every training step that ends an accumulation window
     (where DDP synchronizes), rank 0's buffers (BatchNorm running statistics, ...) are broadcast to
     every rank, one collective per dtype. ``False``: each rank keeps its own buffers after setup
     (setup always broadcasts them once). torch's ``forward_sync_buffers`` is the same switch."""
 
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = option(False)
     """Accepted at any value: ZeRO handles parameters that get no gradient in a step without it
     (their bucket slots stay zero and are reduced with the rest)."""
 
-    static_graph: bool = False
+    static_graph: bool = option(False)
     """Accepted at any value: a DDP scheduling hint; ZeRO's numbers do not depend on it."""
 
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = option(False)
     """Accepted at any value: DDP's memory saving; ZeRO's gradients always go straight into its
     buckets (``param.grad`` stays ``None``, see ``expose_param_grads``)."""
 
-    bucket_cap_mb: float | None = None
+    bucket_cap_mb: float | None = option(None)
     """DDP's bucket size in MiB: sets ``reduce_bucket_size`` to as many elements of the gradient
     dtype (the compute dtype unless ``reduce_dtype``) as fit in it. Give it or ``reduce_bucket_size``."""
 
-    ddp_comm_state: object | None = None
+    ddp_comm_state: object | None = option(None)
     """Refused unless ``None``: see ``ddp_comm_hook``."""
 
-    ddp_comm_hook: Any = None
+    ddp_comm_hook: Any = option(None, accepts="Callable | None")
     """Refused unless ``None``: DDP communication hooks (fp16 compression, PowerSGD) act on DDP's
     ``GradBucket``; ZeRO reduce-scatters its own flat buckets. For compressed gradients use
     ``reduce_dtype="bf16"`` / ``"fp16"``."""
 
-    ddp_comm_wrapper: Any = None
+    ddp_comm_wrapper: Any = option(None, accepts="Callable | None")
     """Refused unless ``None``: see ``ddp_comm_hook``."""
 
-    model_averaging_period: int | None = None
+    model_averaging_period: int | None = option(None)
     """Refused unless ``None``: post-local SGD averages full replicas every few steps; ZeRO keeps one
     sharded copy of the optimizer states. Use Lightning's ``DDPStrategy`` for local SGD."""
 

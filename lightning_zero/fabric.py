@@ -63,81 +63,50 @@ steps them and publishes. What differs from the Trainer:
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import itertools
-import zipfile
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from lightning_zero import comm, debug, deepspeed_config, failures, memory, threads
-from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero import comm, deepspeed_config
 from lightning_zero.checkpoint import fabric_state
-from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.fabric_plugins import (
+    BuildOnFirstForward,
+    FabricOffloadPrecision,
+    ZeroBackwardSync,
+    explained,
+    inner,
+    load_file,
+)
+from lightning_zero.lifecycle import Lifecycle, on_meta
 from lightning_zero.lockstep import Lockstep
-from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
-from lightning_zero.precision import OffloadPrecision
-from lightning_zero.zero import ModelParallelContext, Recorder, Recording, ZeroEngine, check_nvme_space
+from lightning_zero.memory import memory_breakdown
+from lightning_zero.options import (
+    STRATEGY_OPTIONS,
+    as_offload_precision,
+    check_signature,
+    new_precision,
+    register_names,
+    strategy_config,
+)
+from lightning_zero.zero import ModelParallelContext, ZeroEngine
 
 
-# (mypy: Fabric's HalfPrecision sets _desired_input_dtype as an attribute; OffloadPrecision derives it.)
-class FabricOffloadPrecision(OffloadPrecision, FabricHalfPrecision):  # type: ignore[override]
-    """:class:`~lightning_zero.OffloadPrecision` as Fabric calls it.
-
-    Fabric casts the model before the strategy sets it up; ZeRO builds its fp32 masters from the
-    values the user built, so the cast waits for the engine (the strategy calls
-    :meth:`cast_module`). Outputs return in the default dtype, as from Fabric's own precision plugins.
-    Fabric's ``HalfPrecision`` is a base only so that Fabric's ``ThroughputMonitor`` reads the compute
-    dtype (``_desired_input_dtype``), as the Trainer's does through ``OffloadPrecision``; every method
-    it defines is overridden.
-    """
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        return module  # cast_module, after the engine has taken the masters
-
-    def cast_module(self, module: nn.Module) -> nn.Module:
-        return super().convert_module(module)
-
-    def convert_output(self, data: Any) -> Any:
-        if self.compute_dtype == torch.get_default_dtype():
-            return data
-        dtype = torch.get_default_dtype()
-        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-class _ZeroBackwardSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: ZeRO's gradients have nothing to skip (see the module docstring);
-    buffers are broadcast as around DDP's ``no_sync`` (:class:`~lightning_zero.ddp_args.BufferSync`)."""
-
-    def __init__(self, buffers: BufferSync) -> None:
-        self.buffers = buffers
-
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return self.buffers.blocking() if enabled else nullcontext()
-
-
-class ZeroStrategy(DDPStrategy):
-    """ZeRO stage 1, 2 or 3 over Fabric's ranks.
+class FabricZeroStrategy(DDPStrategy):
+    """ZeRO stage 1, 2 or 3 over Fabric's ranks (also importable as ``lightning_zero.fabric.ZeroStrategy``).
 
     ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``,
     ``process_group_backend`` and ``start_method`` are as for Fabric's ``DDPStrategy``.
@@ -177,8 +146,7 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         # names that are not options go to DataParallelConfig: torch DDP's arguments (an unknown name is
         # a TypeError there, as DDP's)
-        ours = inspect.signature(strategy_config).parameters
-        extra = {name: value for name, value in options.items() if name not in ours}
+        extra = {name: value for name, value in options.items() if name not in STRATEGY_OPTIONS}
         given = {"stage": stage, "loss_scale": loss_scale, **options, "ddp_kwargs": extra}
         #: The DeepSpeed config (``config=``) read into these options; None without one.
         self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, given, strategy_config)
@@ -202,17 +170,13 @@ class ZeroStrategy(DDPStrategy):
         self._engine: ZeroEngine | None = None
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back (lifecycle.py)
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
         self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
         self._watch_hook: Any = None
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._buffers_hooks: list[Any] = []  # broadcast_buffers: around the model's forward, as DDP's
-        self._checked_group: comm.CheckedGroup | None = None
-        self._threads_before: int | None = None
-        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
-        self._environment_before: dict[str, str | None] = {}  # what _setup_distributed changed, for teardown
         self._steps = 0  # optimizer steps taken, for the messages
         super().__init__(
             accelerator=accelerator,
@@ -225,7 +189,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
-        self._backward_sync_control = _ZeroBackwardSync(self._buffer_sync)
+        self._backward_sync_control = ZeroBackwardSync(self._buffer_sync)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -251,16 +215,35 @@ class ZeroStrategy(DDPStrategy):
     @property
     def data_parallel_group(self) -> comm.ProcessGroup:
         """The group ZeRO shards over (the default group; checked when ``debug_collectives`` is on)."""
-        return self._checked_group
+        return self._life.checked_group
 
     def _setup_distributed(self) -> None:
-        # NCCL's watchdog defaults (NCCL only), as under the Trainer; put back at teardown.
-        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
-            self._environment_before.setdefault(name, value)  # the first value seen is the user's
+        self._life.before_process_group(self._get_process_group_backend())
         super()._setup_distributed()
-        failures.register_rank(self.global_rank, self.world_size, self.config.failure.collective_timeout)
-        if self.config.failure.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(None, self.config.failure.collective_timeout)
+        self._life.after_process_group(self.global_rank, self.world_size, None)
+
+    @contextmanager
+    def _explaining(self) -> Generator[None, None, None]:
+        """Around what Fabric calls that communicates (setup, forward, backward, step, clipping, barrier,
+        save, load): a failed collective names the lost rank, an out-of-memory error gets this rank's
+        memory, as the Trainer strategy's ``on_exception`` does (:meth:`lightning_zero.lifecycle.Lifecycle.explain`)."""
+        try:
+            yield
+        except Exception as error:
+            self._life.explain(
+                error,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                engine=self._engine,
+                breakdown=self.memory_breakdown,
+                registered=list(STRATEGY_REGISTRY),
+                launcher=self.launcher,
+            )
+            raise
+
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes by category (see :func:`lightning_zero.memory.memory_breakdown`)."""
+        return memory_breakdown(self._saved_module(), self._engine, self.root_device)
 
     # -- model and optimizers -------------------------------------------------------------------------
 
@@ -273,14 +256,14 @@ class ZeroStrategy(DDPStrategy):
             with super().module_init_context(empty_init):
                 yield
             return
-        with self.precision.module_init_context(), Recorder(self.root_device) as recording:
+        with self.precision.module_init_context(), self._life.recording(self.root_device):
             yield
-        self._recordings.append(recording)
 
     def module_to_device(self, module: nn.Module) -> None:
-        if not _on_meta(module):  # stage 3 materializes a recorded model in setup
+        if not on_meta(module):  # stage 3 materializes a recorded model in setup
             module.to(self.root_device)
 
+    @explained
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
@@ -289,6 +272,7 @@ class ZeroStrategy(DDPStrategy):
         self._build(module, optimizers)
         return module, optimizers, scheduler
 
+    @explained
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
         """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
         ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
@@ -297,15 +281,15 @@ class ZeroStrategy(DDPStrategy):
         now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
         Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
         self._adopt(module)
-        if self.config.zero.stage == 3 and _on_meta(module):
+        if self.config.zero.stage == 3 and on_meta(module):
             # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
             # this build, and setup_optimizers rebuilds the engine for it (see _rebuild_for).
             self._build(module, [])
             return module
         if self.config.zero.stage == 3:
             self._deferred = True
-            return _BuildOnFirstForward(module, self._ensure_built)
-        self._check_not_meta(module)
+            return BuildOnFirstForward(module, self._ensure_built)
+        self._life.check_meta(module)
         comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
         return module
 
@@ -316,6 +300,7 @@ class ZeroStrategy(DDPStrategy):
             self._deferred = False
             self._build(self._module, [])
 
+    @explained
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
         if self._module is None:
@@ -367,13 +352,7 @@ class ZeroStrategy(DDPStrategy):
                 "one nn.Module (with one optimizer per part if needed) and call fabric.setup once."
             )
         self._module = module
-
-    def _check_not_meta(self, module: nn.Module) -> None:
-        if _on_meta(module):
-            raise ValueError(
-                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
-                f"this strategy runs stage {self.config.zero.stage}. Use stage=3 or build the model on a real device."
-            )
+        self.precision.explain_failures = self._explaining  # around each forward (stage 3 gathers)
 
     def _check_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         """Every parameter of every optimizer belongs to ``module``: ZeRO partitions the model's parameters."""
@@ -390,52 +369,23 @@ class ZeroStrategy(DDPStrategy):
                 )
 
     def _build(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """What the Trainer strategy's ``setup`` does, for a model and optimizers given by the user."""
+        """The Trainer strategy's ``setup`` (:class:`~lightning_zero.lifecycle.Lifecycle`), for a model and
+        optimizers given by the user."""
         stage3 = self.config.zero.stage == 3
-        on_meta = _on_meta(module)
-        if not stage3:
-            self._check_not_meta(module)
+        meta = self._life.check_meta(module)
         self._check_optimizers(module, optimizers)
         precision = self.precision
-        # An OffloadPrecision given as a plugin carries its own offload options, checked as the strategy's.
-        config = dataclasses.replace(self.config, offload=precision.offload)
+        config = self._life.engine_config(precision)
+        group, device = self.data_parallel_group, self.root_device
         if optimizers:
-            check_nvme_space(
-                config.offload,
-                module,
-                comm.world_size(self.data_parallel_group),
-                self.num_processes,
-                optimizers=list(optimizers),
-            )
-        host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host, self.config.zero.stage == 3)
-        mmap = self.config.zero.host_mmap_threshold
-        on_host = self.root_device.type == "cpu" or precision.offload.offload_optimizer
-        if mmap is not None and not self._mmap_fixed and on_host:
-            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
-        if precision.offload.offload_optimizer and self._threads_before is None:
-            self._threads_before = torch.get_num_threads()  # put back at teardown
-            threads.apply_threads(self.num_processes)
-        self._engine = ZeroEngine(
-            module,
-            optimizers,
-            config=config,
-            precision=precision.engine_precision,
-            device=self.root_device,
-            parallel=ModelParallelContext(data=self.data_parallel_group),
-            recordings=self._recordings,
-        )
+            self._life.check_space(config, module, precision, group, self.num_processes, list(optimizers))
+        self._life.prepare(module, precision, device, self.num_processes)
+        parallel = ModelParallelContext(data=group)
+        self._engine = self._life.build_engine(module, optimizers, config, precision, device, parallel)
         self._optimizers = list(optimizers)
-        if self._mmap_fixed:
-            memory.trim_heap()  # the parameters' memory before flattening (see memory.trim_heap)
-        for recording in self._recordings:
-            recording.close()
-        self._recordings.clear()
-        if on_meta:
-            module.to(self.root_device)  # what stage 3 left whole (buffers, small frozen parameters)
-        precision.cast_module(module)
-        precision.attach(self._engine if optimizers else None, self.root_device)
-        _optimizers_to_device(optimizers, self.root_device)
+        move, cast = (lambda: module.to(device)), (lambda: precision.cast_module(module))
+        self._life.finish(precision, self._engine if optimizers else None, device, meta=meta, move=move, cast=cast)
+        _optimizers_to_device(optimizers, device)
         if stage3:
             # The model's forward is Fabric's step: it may read any parameter (gathered on use).
             self._engine.step_on_root_forward()
@@ -461,6 +411,7 @@ class ZeroStrategy(DDPStrategy):
         if self._lockstep is not None:
             self._lockstep.before_forward(type(module).__name__)
 
+    @explained
     def barrier(self, name: str | None = None) -> None:
         """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
         forward this rank does not (:mod:`lightning_zero.lockstep`) instead of hanging."""
@@ -484,6 +435,7 @@ class ZeroStrategy(DDPStrategy):
 
     # -- backward and step ---------------------------------------------------------------------------
 
+    @explained
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Scale ("16-mixed"), backward (the engine's hooks reduce into buckets), complete the reductions."""
         engine = self._training_engine("fabric.backward()")
@@ -492,6 +444,7 @@ class ZeroStrategy(DDPStrategy):
         scaled.backward(*args, **kwargs)
         engine.backward_done()
 
+    @explained
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()``: this rank's slices (unscaled), then publish; the gradients are dropped."""
         if self._engine is None or not self._engine.manages(optimizer):
@@ -506,6 +459,7 @@ class ZeroStrategy(DDPStrategy):
         """Drop every gradient of ``optimizer`` since its last step (ZeRO-held ones too). Call on all ranks."""
         self._training_engine("zero_grad()").zero_grad(optimizer)
 
+    @explained
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -532,6 +486,7 @@ class ZeroStrategy(DDPStrategy):
             )
         return norm
 
+    @explained
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
         """Clamp every gradient element of this rank's slices to ``[-clip_val, clip_val]``."""
         engine = self._training_engine("fabric.clip_gradients()")
@@ -552,7 +507,7 @@ class ZeroStrategy(DDPStrategy):
         if self._lockstep is not None:
             self._lockstep.paused += 1  # a forward in here gathers nothing: one rank alone may run it
         try:
-            with self._engine.gathered_parameters(module, modifier_rank):
+            with self._explaining(), self._engine.gathered_parameters(module, modifier_rank):
                 yield
         finally:
             if self._lockstep is not None:
@@ -560,6 +515,7 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
 
+    @explained
     def save_checkpoint(
         self,
         path: _PATH,
@@ -574,37 +530,13 @@ class ZeroStrategy(DDPStrategy):
                 "format holds every parameter piece of every rank; save without them."
             )
         self._ensure_built()
-        state = {k: _inner(v) for k, v in state.items()}
-        keys = fabric_state.split_state(state, self._module, self._optimizers)
-        stage, precision = self.config.zero.stage, self.precision
-        module = self._saved_module()
-        checkpoint = fabric_state.to_checkpoint(state, keys, module, self._engine, stage, precision.state_dict())
-        optimizers = [state[k] for k in keys.optimizers]
-        if self.config.checkpoint.state_dict_type == "sharded":
-            ckpt_save.save_sharded(checkpoint, path, module, self._engine, optimizers, precision.precision)
-            return
-        where = ckpt_io.location(path)
-        if not where.local:
-            raise ValueError(
-                f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
-                "default, which writes to object stores too) or a local or shared path."
-            )
-        # A sharded save beside the file (every rank its pieces), which rank 0 turns into the one file.
-        target = where.as_path()
-        staging = target.with_name(f".{target.name}.zero-full-staging")
-        ckpt_save.save_sharded(checkpoint, staging, module, self._engine, optimizers, precision.precision)
-        error = None
-        if self.global_rank == 0:
-            try:
-                fabric_state.to_fabric_file(staging, target)
-            except Exception as exc:  # reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                ckpt_save.remove_sharded(staging)
-        errors = [e for e in comm.all_gather_object(error, None) if e]
-        if errors:
-            raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")
+        state = {k: inner(v) for k, v in state.items()}
+        module, engine, stage = self._saved_module(), self._engine, self.config.zero.stage
+        full = self.config.checkpoint.state_dict_type == "full"
+        args = (path, state, module, engine, self._optimizers, self.precision)
+        fabric_state.save(*args, stage=stage, full=full, rank=self.global_rank)
 
+    @explained
     def load_checkpoint(
         self,
         path: _PATH,
@@ -615,17 +547,17 @@ class ZeroStrategy(DDPStrategy):
         """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
         (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
         checkpoint = ckpt_load.load_checkpoint(
-            path, weights_only, self.global_rank, lambda p: _load_file(p, weights_only)
+            path, weights_only, self.global_rank, lambda p: load_file(p, weights_only)
         )
         if not state:
             return checkpoint
         self._ensure_built()
         if isinstance(state, dict):
-            unwrapped = {k: _inner(v) for k, v in state.items()}
+            unwrapped = {k: inner(v) for k, v in state.items()}
             remainder = self._load_state(checkpoint, unwrapped, strict)
             state.update({k: v for k, v in unwrapped.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))})
             return remainder
-        state = _inner(state)
+        state = inner(state)
         if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
             self._adopt(state)
             ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
@@ -672,61 +604,23 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.close(unshard=True)
             self._engine = None
-        self.precision.attach(None, self.root_device)
-        if self._module is not None:
-            remove_activation_checkpointing(self._module)
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
-        if self._mmap_fixed:
-            memory.restore_mmap_threshold()
-            self._mmap_fixed = False
-        failures.restore_environment(self._environment_before)
-        self._environment_before.clear()
+        self._life.teardown(self.precision, self._module, self.root_device)
         super().teardown()
-
-
-class _BuildOnFirstForward(nn.Module):
-    """What stage 3's ``setup_module`` returns for Fabric to call: the model, whose engine is built
-    (without an optimizer) at the first forward when ``setup_optimizers`` did not build it before.
-    A module of its own so that the engine's gather hooks, registered by the build, are in place
-    before the model's own ``__call__`` runs them."""
-
-    def __init__(self, module: nn.Module, build: Callable[[], None]) -> None:
-        super().__init__()
-        self.module = module
-        self._build = build
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _build_now(self._build)
-        return self.module(*args, **kwargs)
-
-
-@torch.compiler.disable
-def _build_now(build: Callable[[], None]) -> None:
-    build()
-
-
-def _load_file(path: Any, weights_only: bool | None) -> Any:
-    """A plain checkpoint file. A local one in torch's zip format is memory-mapped: each rank then
-    reads only the bytes of its own pieces (``load_raw`` of a whole model streams it), and ranks on
-    one host share the page cache. Anything else (a remote path, the legacy format) as Fabric reads it."""
-    local = Path(str(path))
-    if local.is_file() and zipfile.is_zipfile(local):
-        return torch.load(local, map_location="cpu", mmap=True, weights_only=bool(weights_only))
-    return pl_load(Path(path), weights_only=weights_only)
 
 
 _RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank
 
 
-def _inner(obj: Any) -> Any:
-    """The model itself for what Fabric hands the strategy (its forward module) of stage 3's ``setup_module``."""
-    return obj.module if isinstance(obj, _BuildOnFirstForward) else obj
+# Fabric's own arguments; the options come as keywords (``stage`` explicitly), checked against the table.
+check_signature(
+    FabricZeroStrategy.__init__,
+    ("loss_scale", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision")
+    + ("process_group_backend", "start_method", "config"),
+    every_option=False,
+)
 
+#: The name users write (``lightning_zero.fabric.ZeroStrategy``), kept for the class of Fabric's API; tracebacks
+#: and ``type(strategy).__name__`` say ``FabricZeroStrategy``, the Trainer's is ``lightning_zero.ZeroStrategy``.
+ZeroStrategy = FabricZeroStrategy
 
-def _on_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-__all__ = ["FabricOffloadPrecision", "ZeroStrategy"]
+__all__ = ["FabricOffloadPrecision", "FabricZeroStrategy", "ZeroStrategy"]

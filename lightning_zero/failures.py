@@ -29,15 +29,12 @@ import socket
 import subprocess
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
-
-if TYPE_CHECKING:
-    from lightning_zero.zero import ZeroEngine
 
 _RANK_KEY = "lightning_zero/rank/{}"
 _ANSWER_KEY = "lightning_zero/answered/{}"
@@ -279,7 +276,7 @@ def oom_message(
     return "\n".join(lines)
 
 
-def _replace_message(error: BaseException, text: str) -> None:
+def replace_message(error: BaseException, text: str) -> None:
     """Put ``text`` in front of ``error``'s message, in place: Lightning re-raises the same object."""
     original = str(error)
     error.args = (f"{text}\n{type(error).__name__}: {original}" if original else text, *error.args[1:])
@@ -304,45 +301,3 @@ def reap_children_at_exit(launcher: Any, grace: float = 5.0) -> None:
                 proc.wait()
 
     atexit.register(reap)
-
-
-class FailedRun(Protocol):
-    """What :func:`explain` reads of the strategy that failed (the strategies import this module:
-    naming their classes here would tie the two into a cycle)."""
-
-    @property
-    def global_rank(self) -> int: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def rank_processes(self) -> Processes: ...
-    @property
-    def launcher(self) -> Any: ...
-    @property
-    def _engine(self) -> ZeroEngine | None: ...
-    @property
-    def zero_config(self) -> ZeroConfig: ...
-    def memory_breakdown(self) -> dict[str, dict[str, int]]: ...
-
-
-def explain(error: BaseException, strategy: FailedRun) -> None:
-    """``ZeroStrategy.on_exception``: name the lost rank of a failed collective, or add this rank's
-    memory and the settings to try to an out-of-memory error; make sure no rank outlives the run."""
-    try:
-        if is_out_of_memory(error):
-            from lightning.pytorch.strategies import StrategyRegistry
-
-            try:
-                breakdown = strategy.memory_breakdown()
-            except Exception:  # noqa: BLE001 - no model or engine yet: the advice alone still helps
-                breakdown = None
-            text: str | None = oom_message(error, breakdown, strategy.zero_config, list(StrategyRegistry))
-        else:
-            engine = strategy._engine
-            last = engine.last_gathered() if engine is not None else None
-            text = lost_rank_message(error, strategy.global_rank, strategy.world_size, strategy.rank_processes, last)
-        if text is not None:
-            _replace_message(error, text)
-    except Exception:  # noqa: BLE001 - explaining must never hide the error being explained
-        pass
-    reap_children_at_exit(strategy.launcher)

@@ -1,161 +1,189 @@
 """What the Trainer and Fabric strategies share before any process exists: their options and their precision.
 
-:class:`lightning_zero.ZeroStrategy` (Trainer) and :class:`lightning_zero.fabric.ZeroStrategy` (Fabric)
-take the same ZeRO options; :func:`strategy_config` turns them into the one validated
-:class:`~lightning_zero.config.StrategyConfig` (its signature is the list of options and their
-defaults, documented on the Trainer strategy). :func:`as_offload_precision` converts whatever
-precision plugin Lightning or Fabric assigns a strategy chosen by name into an
-:class:`~lightning_zero.OffloadPrecision` with the same precision string.
+Every option is written once, as a field of a frozen config dataclass declared with
+:func:`lightning_zero.option_fields.option` (its type, default and docstring are the field's; the
+declaration says where the keyword differs: its name, what it accepts, a default that means "decide
+at construction"). :data:`OPTIONS` collects them, in the order of :class:`~lightning_zero.config.StrategyConfig`'s
+sections. From that one table:
+
+* :func:`strategy_config` turns the keywords into the one validated :class:`~lightning_zero.config.StrategyConfig`
+  (its signature is derived from the table);
+* :func:`check_signature` compares a strategy's explicit signature (which LightningCLI and jsonargparse
+  read: :class:`lightning_zero.ZeroStrategy`) with the table when the strategy's module is imported,
+  and raises ``TypeError`` naming the difference;
+* :func:`document` writes the options into a strategy's docstring (``Args:``), which LightningCLI's help reads.
+
+:func:`as_offload_precision` converts whatever precision plugin Lightning or Fabric assigns a strategy
+chosen by name into an :class:`~lightning_zero.OffloadPrecision` with the same precision string.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+import itertools
+import textwrap
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 
-from lightning_zero import debug
-from lightning_zero.config import (
-    ActivationCheckpointConfig,
-    CheckpointConfig,
-    FailureConfig,
-    LossScaleConfig,
-    OffloadConfig,
-    PipelineConfig,
-    StrategyConfig,
-    TensorParallelConfig,
-    ZeroConfig,
-    normalize_precision,
-)
-from lightning_zero.config import nvme_config as nvme_config_from
-from lightning_zero.ddp_args import DataParallelConfig
+from lightning_zero.config import LossScaleConfig, StrategyConfig, normalize_precision
+from lightning_zero.option_fields import FIELD_DEFAULT, OMIT, OptionField
 from lightning_zero.precision import OffloadPrecision
 
 
-def strategy_config(
-    stage: int = 2,
-    reduce_bucket_size: int | float | str = "auto",
-    allgather_bucket_size: int | float = 50_000_000,
-    overlap_comm: bool = True,
-    prefetch_bucket_size: int | float | str = 5_000_000,
-    param_persistence_threshold: int | float = 100_000,
-    max_live_parameters: int | float = 1_000_000_000,
-    gather_units: Sequence[type | str] = (),
-    allow_untested_optimizer: bool = False,
-    on_nonfinite: str = "error",
-    absorb_param_edits: bool = True,
-    host_mmap_threshold: int | float | None = 1 << 20,
-    expose_param_grads: bool | None = None,
-    reduce_dtype: str | torch.dtype | None = None,
-    offload_optimizer: bool | str = False,
-    offload_parameters: bool | str = False,
-    pin_memory: bool = True,
-    offload_pipeline: bool = True,
-    nvme_path: str | None = None,
-    nvme_config: dict[str, Any] | None = None,
-    timeout: timedelta | float | None = None,
-    debug_collectives: bool | None = None,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_plan: dict[str, str] | None = None,
-    pipeline_micro_batches: int | None = None,
-    pipeline_schedule: str = "1f1b",
-    pipeline_partition: str = "parameters",
-    pipeline_chunks: int = 1,
-    sequence_parallel: bool = False,
-    state_dict_type: str = "sharded",
-    activation_checkpointing: Any = None,
-    activation_checkpointing_offload: bool = False,
-    async_save: bool = False,
-    node_local_storage: bool = False,
-    # DDPStrategy's arguments, each with its ZeRO meaning (lightning_zero.ddp_args)
-    broadcast_buffers: bool = True,
-    find_unused_parameters: bool = False,
-    static_graph: bool = False,
-    gradient_as_bucket_view: bool = False,
-    bucket_cap_mb: float | None = None,
-    ddp_comm_state: object | None = None,
-    ddp_comm_hook: Callable | None = None,
-    ddp_comm_wrapper: Callable | None = None,
-    model_averaging_period: int | None = None,
-    **ddp_kwargs: Any,
-) -> StrategyConfig:
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One keyword of the strategies, as its config field declares it."""
+
+    name: str
+    """The keyword."""
+    annotation: str
+    """Its annotation, as the strategies' signatures write it."""
+    default: Any
+    """Its default in the strategies' signatures."""
+    doc: str
+    """Its documentation: the field's docstring (and the declaration's note)."""
+    section: str
+    """The :class:`~lightning_zero.config.StrategyConfig` field (section) it goes into."""
+    field: str
+    """The section's field it makes."""
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under the fields of dataclass ``cls`` (read from its source)."""
+    docs: dict[str, str] = {}
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):  # no source shipped (a frozen application): the options stay undocumented
+        return docs
+    body = ast.parse(textwrap.dedent(source)).body[0]
+    assert isinstance(body, ast.ClassDef)
+    for node, after in itertools.pairwise(body.body):
+        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+# A section's class and its declared fields: (field name, declaration, the keywords' names)
+_Declared = list[tuple[str, OptionField, tuple[str, ...]]]
+
+
+def _collect() -> tuple[tuple[Option, ...], dict[str, tuple[type, _Declared]]]:
+    options: list[Option] = []
+    sections: dict[str, tuple[type, _Declared]] = {}
+    for section in dataclasses.fields(StrategyConfig):
+        cls = section.default_factory
+        assert isinstance(cls, type)
+        docs, declared = _field_docs(cls), []
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get("option")
+            if spec is None:
+                continue
+            names = tuple(keyword.name or f.name for keyword in spec.keywords)
+            declared.append((f.name, spec, names))
+            for keyword in spec.keywords:
+                default = f.default if keyword.given is FIELD_DEFAULT else keyword.given
+                doc = keyword.doc if keyword is not spec.keywords[0] else f"{docs.get(f.name, '')} {keyword.doc}"
+                annotation = keyword.accepts or str(f.type)
+                name = keyword.name or f.name
+                options.append(Option(name, annotation, default, doc.strip(), section.name, f.name))
+        sections[section.name] = (cls, declared)
+    return tuple(options), sections
+
+
+#: Every option of the strategies, by section of :class:`~lightning_zero.config.StrategyConfig`.
+OPTIONS, _SECTIONS = _collect()
+#: The options' names (the Trainer strategy passes its own on by these names).
+STRATEGY_OPTIONS = tuple(option.name for option in OPTIONS)
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def strategy_config(**given: Any) -> StrategyConfig:
     """Every ZeRO option of a strategy, validated once (``ValueError`` naming the bad value and the fix).
 
-    The arguments are those of :class:`lightning_zero.ZeroStrategy` (see its docstring) without
-    Lightning's own (accelerator, devices, cluster environment, precision plugin, ...) and ``loss_scale``
-    (which belongs to the precision plugin). ``ddp_kwargs``: the other keyword arguments of torch's
-    ``DistributedDataParallel`` (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
-    """
-    # sizes in elements or bytes: integral floats (5e8) are taken as integers by ZeroConfig
-    sizes: dict[str, Any] = dict(
-        reduce_bucket_size=reduce_bucket_size,
-        allgather_bucket_size=allgather_bucket_size,
-        prefetch_bucket_size=prefetch_bucket_size,
-        param_persistence_threshold=param_persistence_threshold,
-        max_live_parameters=max_live_parameters,
-        host_mmap_threshold=host_mmap_threshold,
-    )
-    return StrategyConfig(
-        zero=ZeroConfig(
-            stage=stage,
-            overlap_comm=overlap_comm,
-            gather_units=tuple(gather_units),
-            allow_untested_optimizer=allow_untested_optimizer,
-            on_nonfinite=on_nonfinite,
-            absorb_param_edits=absorb_param_edits,
-            expose_param_grads=expose_param_grads,
-            reduce_dtype=reduce_dtype,
-            **sizes,
-        ),
-        offload=OffloadConfig(
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            pin_memory=pin_memory,
-            pipeline=offload_pipeline,
-            nvme=nvme_config_from(None if nvme_path is None else str(nvme_path), nvme_config),
-        ),
-        tensor=TensorParallelConfig(
-            size=tensor_parallel_size, plan=tensor_parallel_plan, sequence_parallel=sequence_parallel
-        ),
-        pipeline=PipelineConfig(
-            stages=pipeline_parallel_size,
-            micro_batches=pipeline_micro_batches,
-            schedule=pipeline_schedule,
-            partition=pipeline_partition,
-            chunks=pipeline_chunks,
-        ),
-        failure=FailureConfig(
-            **({} if timeout is None else {"timeout": timeout}),
-            debug_collectives=debug.debug_from_env() if debug_collectives is None else debug_collectives,
-        ),
-        checkpoint=CheckpointConfig(
-            state_dict_type=state_dict_type, async_save=async_save, node_local_storage=node_local_storage
-        ),
-        activations=ActivationCheckpointConfig(
-            policy=activation_checkpointing, offload=activation_checkpointing_offload
-        ),
-        data_parallel=DataParallelConfig(
-            broadcast_buffers=broadcast_buffers,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=bucket_cap_mb,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            model_averaging_period=model_averaging_period,
-            torch_kwargs=ddp_kwargs,
-        ),
-    )
+    The keywords are :data:`OPTIONS` (those of :class:`lightning_zero.ZeroStrategy` without Lightning's
+    own and ``loss_scale``, which belongs to the precision plugin); any other keyword is one of torch
+    ``DistributedDataParallel``'s (:class:`~lightning_zero.ddp_args.DataParallelConfig`: accepted with
+    its ZeRO meaning, refused, or a ``TypeError``)."""
+    torch_kwargs = {name: value for name, value in given.items() if name not in _BY_NAME}
+    built: dict[str, Any] = {}
+    for section, (cls, declared) in _SECTIONS.items():
+        values: dict[str, Any] = {}
+        for field_name, spec, names in declared:
+            args = [given.get(name, _BY_NAME[name].default) for name in names]
+            value = spec.to_field(*args) if spec.to_field is not None else args[0]
+            if value is not OMIT:
+                values[field_name] = value
+        if section == "data_parallel":
+            values["torch_kwargs"] = torch_kwargs
+        built[section] = cls(**values)
+    return StrategyConfig(**built)
 
 
-#: the options of :func:`strategy_config` by name (the Trainer strategy passes its own on by these names)
-STRATEGY_OPTIONS = tuple(name for name in inspect.signature(strategy_config).parameters if name != "ddp_kwargs")
+strategy_config.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.annotation)
+        for o in OPTIONS
+    ]
+    + [inspect.Parameter("ddp_kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any")],
+    return_annotation="StrategyConfig",
+)
+
+
+def check_signature(function: Callable[..., Any], own: Iterable[str], every_option: bool = True) -> None:
+    """``TypeError`` unless ``function``'s parameters are the options of :data:`OPTIONS` (each with the
+    table's default and annotation) and the names in ``own`` (the API's own arguments). With
+    ``every_option=False`` the options it names explicitly are checked (the rest come through ``**options``).
+    Called when a strategy's module is imported, so that a signature out of step with the table fails
+    at once."""
+    where = getattr(function, "__qualname__", repr(function))
+    parameters = {
+        name: p
+        for name, p in inspect.signature(function).parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    own = set(own)
+    problems = [
+        f"{name!r} is neither an option nor one of its own arguments"
+        for name in parameters
+        if name not in _BY_NAME and name not in own
+    ]
+    for option in OPTIONS:
+        parameter = parameters.get(option.name)
+        if parameter is None:
+            if every_option:
+                problems.append(f"option {option.name!r} is missing")
+            continue
+        if parameter.default is not option.default and parameter.default != option.default:
+            problems.append(f"{option.name}={parameter.default!r}, but the option's default is {option.default!r}")
+        if str(parameter.annotation) != option.annotation:
+            problems.append(f"{option.name}: {parameter.annotation}, but the option is {option.annotation}")
+    if problems:
+        raise TypeError(
+            f"{where}'s signature is out of step with the options (lightning_zero.options.OPTIONS, declared on the "
+            f"config dataclasses): {'; '.join(problems)}. Change the signature or the field's option(...)."
+        )
+
+
+def document(docstring: str | None, names: Iterable[str] | None = None) -> str:
+    """``docstring`` with the options (``names``, default all of :data:`OPTIONS`) added to its ``Args:``
+    section, in Google style, one entry each from its field's docstring."""
+    chosen = OPTIONS if names is None else tuple(_BY_NAME[n] for n in names)
+    text = inspect.cleandoc(docstring or "")
+    entries = []
+    for option in chosen:
+        lines = textwrap.wrap(
+            f"{option.name}: {option.doc}", width=100, initial_indent="    ", subsequent_indent="        "
+        )
+        entries.extend(lines)
+    if "\nArgs:\n" not in text:
+        return f"{text}\n\nArgs:\n" + "\n".join(entries)
+    return text.replace("\nArgs:\n", "\nArgs:\n" + "\n".join(entries) + "\n", 1)
 
 
 def new_precision(

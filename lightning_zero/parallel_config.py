@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lightning_zero.option_fields import option
+
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 """Pipeline schedules by name (:mod:`lightning_zero.parallel.schedules` builds their actions)."""
 
@@ -17,23 +19,23 @@ PIPELINE_PARTITIONS = ("parameters", "uniform")
 class PipelineConfig:
     """Pipeline parallelism (see :mod:`lightning_zero.parallel.pipeline`)."""
 
-    stages: int = 1
+    stages: int = option(1, name="pipeline_parallel_size")
     """P, the number of pipeline stages (``pipeline_parallel_size``); 1 turns pipelining off."""
 
-    micro_batches: int | None = None
+    micro_batches: int | None = option(None, name="pipeline_micro_batches")
     """m, the micro-batches each training batch is split into (default: P). The idle fraction of
     each stage is (P - 1) / (m + P - 1), so m of 4P or more keeps the bubble under ~20%. A batch
     that m does not divide is cut into pieces whose sizes differ by one (losses weighted by rows)."""
 
-    schedule: str = "1f1b"
+    schedule: str = option("1f1b", name="pipeline_schedule")
     """"1f1b" (at most P - s micro-batches' activations alive on stage s) or "gpipe" (all m)."""
 
-    chunks: int = 1
+    chunks: int = option(1, name="pipeline_chunks")
     """v, chunks of layers per stage: above 1 the interleaved 1F1B schedule (virtual stage k on
     stage k % P) divides the bubble by about v for v times the messages; m must then be a
     multiple of P."""
 
-    partition: str = "parameters"
+    partition: str = option("parameters", name="pipeline_partition")
     """How layers are spread over stages: "parameters" (balance parameter counts), "uniform"
     (balance layer counts) or "type:<regex>" (balance the layers whose class name matches, e.g.
     "type:Block"; parameter counts break ties)."""
@@ -76,14 +78,14 @@ class PipelineConfig:
 class TensorParallelConfig:
     """Tensor (and sequence) parallelism (see :mod:`lightning_zero.parallel.tensor`)."""
 
-    size: int = 1
+    size: int = option(1, name="tensor_parallel_size")
     """T, the ranks that split each layer Megatron-style (``tensor_parallel_size``); 1 turns it off."""
 
-    plan: Mapping[str, str] | None = None
+    plan: Mapping[str, str] | None = option(None, name="tensor_parallel_plan", accepts="dict[str, str] | None")
     """Module-name pattern -> "column" | "row" | "vocab" | "replicate" | "sequence" | ...; ``None``
     takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute)."""
 
-    sequence_parallel: bool = False
+    sequence_parallel: bool = option(False)
     """Megatron sequence parallelism between the tensor-parallel layers (:mod:`lightning_zero.parallel.sequence`)."""
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ from torch import nn
 from lightning_zero.config import PRECISIONS, LossScaleConfig, NvmeConfig, OffloadConfig, normalize_precision
 from lightning_zero.exposure import reads_step_grads
 from lightning_zero.hardware import warn_if_slow_bf16
-from lightning_zero.zero.build import fp32_norm_params
+from lightning_zero.zero import fp32_norm_params
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -26,154 +26,61 @@ parallel and that load into any world size or stage (see :mod:`lightning_zero.ch
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import threading
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
-from lightning_zero import comm, debug, deepspeed_config, exposure, failures, memory, options, summary, threads
-from lightning_zero.activations import apply_activation_checkpointing, remove_activation_checkpointing
+from lightning_zero import comm, deepspeed_config, exposure, options, summary
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import pieces as ckpt_pieces
 from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.load import current_model_source
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.checkpoint.trainer_saves import CheckpointWriting
+from lightning_zero.checkpoint.trainer_state import CheckpointState
 from lightning_zero.config import (
     PRECISIONS,
     FailureConfig,
     LossScaleConfig,
     PipelineConfig,
-    StrategyConfig,
     ZeroConfig,
 )
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.lifecycle import Lifecycle
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
-from lightning_zero.zero import (
-    Recorder,
-    Recording,
-    ZeroEngine,
-    check_nvme_space,
-    keep_edits_in_masters,
-    shard_averaged_copies,
-)
+from lightning_zero.zero import ZeroEngine, keep_edits_in_masters, shard_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ZeroStrategy(CheckpointWriting, DDPStrategy):
+class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
     """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
+    The ZeRO options (each one a field of the config dataclasses, :data:`lightning_zero.options.OPTIONS`;
+    see the Options page) come first under ``Args``, written into this docstring from their fields
+    when the module is imported.
+
     Args:
-        stage: 1 shards fp32 master weights and optimizer states; 2 also gradients; 3 also parameters.
-        reduce_bucket_size: elements per gradient bucket (one flat buffer, one reduce-scatter);
-            "auto" (the default): 5M from 80M parameters on, a sixteenth of the model below.
-        allgather_bucket_size: most elements of parameter all-gathers in flight after a step.
-        overlap_comm: reduce buckets during backward as they fill (False: after backward).
-        prefetch_bucket_size: stage 3: elements gathered ahead along the recorded module order
-            ("auto": as reduce_bucket_size, less memory and less overlap on small models).
-        param_persistence_threshold: stage 3: parameters this small stay whole on every rank.
-        max_live_parameters: stage 3: no prefetching while this many elements are gathered.
-        gather_units: stage 3: modules gathered whole before their forward (classes, class names or
-            module-name patterns), besides the default units (Hugging Face ``_no_split_modules``
-            blocks, ``nn.MultiheadAttention``, RNNs, PEFT LoRA layers).
-        allow_untested_optimizer: accept an optimizer not known to be elementwise (see
-            :func:`lightning_zero.zero.step.check_optimizer`).
-        on_nonfinite: "error" (default), "skip" or "ignore": what a step with inf/NaN gradients does
-            outside "16-mixed" (see :class:`~lightning_zero.config.ZeroConfig`).
-        absorb_param_edits: in-place edits of whole parameters in hooks and callbacks (weight
-            clipping, an EMA swapped in) reach the fp32 master before the next step and checkpoint,
-            as under DDP (see :class:`~lightning_zero.config.ZeroConfig`).
-        host_mmap_threshold: CPU training or offload, glibc: host allocations of at least this many
-            bytes (default 1 MiB) go back to the OS when freed, so the resident set stays near the
-            live bytes; ``None`` leaves the allocator alone (see :mod:`lightning_zero.memory`).
-        expose_param_grads: ``param.grad`` as under DDP. ``None`` (default): after ``manual_backward``
-            in manual optimization (stage 3's sharded parameters: this rank's piece), during a
-            validation run inside an accumulation window, and in ``on_before_optimizer_step`` /
-            ``configure_gradient_clipping`` when the model overrides either (or a callback the
-            first); ``True``: in those two hooks always; ``False``: never (with a warning when those
-            hooks are overridden). A full exposure costs an all-gather and the full-size gradients
-            (see :class:`~lightning_zero.config.ZeroConfig`).
-        reduce_dtype: ``None`` (default: gradients reduced and kept in the compute dtype, 16 bits under
-            mixed precision) or "fp32" (as FSDP2's ``reduce_dtype``: sums in fp32, 4 bytes per
-            parameter of buckets and reduced slice); see :class:`~lightning_zero.config.ZeroConfig`.
-        offload_optimizer: ZeRO-Offload: fp32 master weights, gradient slices and optimizer states in host
-            memory and the optimizer step on the CPU (Adam/AdamW/LAMB kernels of ``lightning_zero.ops``).
-        offload_parameters: stage 3: parameter shards in host memory too.
-            ``offload_optimizer="nvme"`` (ZeRO-Infinity) keeps fp32 masters and Adam moments in files
-            under ``nvme_path`` instead (:mod:`lightning_zero.offload.nvme`); ``True``/"cpu": host memory.
-        nvme_path: the directory for the disk tier (a fast local drive); needed by "nvme".
-        nvme_config: the disk tier's I/O knobs, a dict of ``block_size``, ``queue_depth``, ``threads``,
-            ``buffer_count``, ``param_buffer_count``, ``direct_io``, ``restore_after_fit`` (see
-            :class:`~lightning_zero.config.NvmeConfig`).
-        pin_memory: page-lock host buffers on GPU machines.
-        offload_pipeline: DeepSpeed's pipelined offload: each bucket's copy-back and all-gather start
-            while the next bucket is stepped (False: step all, then publish; same numbers).
         loss_scale: dynamic loss-scaling options for "16-mixed".
-        timeout: longest wait in one collective (``timedelta`` or seconds; default 10 minutes). A
-            rank that dies is noticed at once on gloo; see :mod:`lightning_zero.failures`.
-        debug_collectives: compare every collective across ranks before issuing it and raise on a
-            mismatch (:mod:`lightning_zero.debug`); ``None`` reads ``LIGHTNING_ZERO_DEBUG_COLLECTIVES``.
-        tensor_parallel_size: T, ranks that split each layer Megatron-style (stages 1 and 2); ZeRO then
-            shards over the world / T data-parallel ranks (:mod:`lightning_zero.layout`).
-        pipeline_parallel_size: P, pipeline stages of consecutive layers (stages 1 and 2); the
-            LightningModule defines ``configure_pipeline()`` (:mod:`lightning_zero.parallel.pipeline`)
-            and the strategy runs the schedule in place of ``training_step``/``validation_step``.
-        pipeline_micro_batches: m, micro-batches per batch (default P); the bubble is (P-1)/(m+P-1).
-        pipeline_schedule: "1f1b" (default) or "gpipe".
-        pipeline_partition: "parameters" (default), "uniform" or "type:<regex>" (see
-            :class:`~lightning_zero.config.PipelineConfig`).
-        pipeline_chunks: v, chunks of layers per stage; above 1 the interleaved 1F1B schedule.
-        sequence_parallel: Megatron sequence parallelism between the tensor-parallel layers (LayerNorm,
-            dropout and residual activations hold seq / T positions); needs a plan with the
-            "sequence_scatter" and "sequence" styles (:mod:`lightning_zero.parallel.sequence`).
-        tensor_parallel_plan: module-name pattern -> "column" | "row" | "vocab" | "replicate", relative
-            to the LightningModule (:func:`lightning_zero.parallel.apply_tensor_parallel`); ``None``
-            takes the LightningModule's ``tensor_parallel_plan`` (a method or an attribute).
-        state_dict_type: "sharded" (a directory of per-rank shards) or "full" (one Lightning checkpoint
-            file from rank 0); see :class:`~lightning_zero.config.CheckpointConfig`.
-        activation_checkpointing: submodules that recompute their forward in backward instead of keeping
-            its activations: a module class, a set of classes, or a callable ``module -> bool`` (Lightning's
-            ``FSDPStrategy(activation_checkpointing_policy=...)``); stages 1-3, tensor and pipeline
-            parallelism; see :mod:`lightning_zero.activations`.
-        activation_checkpointing_offload: keep the checkpointed modules' inputs in host memory until
-            backward (on an accelerator; nothing changes on a CPU-only run).
-        async_save: during ``fit``, write sharded checkpoints from a background thread; the training
-            loop waits only for the copy into host memory (see :class:`~lightning_zero.config.CheckpointConfig`).
-        node_local_storage: each node writes its own ranks' checkpoint files under the path as that node
-            resolves it (a node-local disk); see :class:`~lightning_zero.config.CheckpointConfig`.
         config: a DeepSpeed config (a path to its JSON file, or a dict), as Lightning's
             ``DeepSpeedStrategy(config=...)``: each key becomes the option, precision, Trainer check,
             optimizer or scheduler it maps to (:mod:`lightning_zero.deepspeed_config`); an option given
             here with a value other than its default overrides the config's.
-        broadcast_buffers: as DDP's default, rank 0's buffers (BatchNorm statistics) are broadcast
-            before the forward of each step that ends an accumulation window; False keeps each rank's own.
-        find_unused_parameters: accepted at any value (ZeRO reduces parameters without a gradient anyway).
-        static_graph: accepted at any value (a DDP scheduling hint).
-        gradient_as_bucket_view: accepted at any value (ZeRO's gradients always live in its buckets).
-        bucket_cap_mb: DDP's bucket size in MiB, turned into ``reduce_bucket_size`` elements.
-        ddp_comm_state: refused unless None (DDP communication hooks act on DDP's buckets).
-        ddp_comm_hook: refused unless None; for compressed gradients use ``reduce_dtype``.
-        ddp_comm_wrapper: refused unless None.
-        model_averaging_period: refused unless None (post-local SGD averages full replicas).
         **ddp_kwargs: torch ``DistributedDataParallel``'s other arguments, each accepted with its ZeRO
             meaning or refused with a ValueError (:class:`~lightning_zero.ddp_args.DataParallelConfig`).
 
@@ -241,7 +148,7 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         model_averaging_period: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        arguments = locals()  # strategy_config's parameters are ours, by name and default (a test checks it)
+        arguments = locals()  # the options are ours, by name and default (checked at import, below)
         named = {name: arguments[name] for name in options.STRATEGY_OPTIONS}
         #: The DeepSpeed config (``config=``) read into these options; None without one.
         self.deepspeed, from_deepspeed, loss_scale = deepspeed_config.resolve(config, arguments, strategy_config)
@@ -251,15 +158,10 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
         self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
-        self._checked_group: comm.CheckedGroup | None = None
-        self.rank_processes: failures.Processes = {}  # host and pid of every rank, to name a lost one
+        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
-        self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
-        self._threads_before: int | None = None  # torch's thread count before setup changed it
-        self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
-        self._recordings: list[Recording] = []  # configure_model under stage 3, until setup replays it
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
         self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
@@ -317,7 +219,8 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
     def data_parallel_group(self) -> comm.ProcessGroup:
         """The group ZeRO shards over (the default group without tensor parallelism), wrapped in a
         :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
-        return self._checked_group if self._checked_group is not None else self._parallel.dp_group
+        checked = self._life.checked_group
+        return checked if checked is not None else self._parallel.dp_group
 
     @property
     def tensor_parallel_group(self) -> comm.ProcessGroup:
@@ -335,21 +238,23 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
 
     def setup_distributed(self) -> None:
-        # NCCL's watchdog default (NCCL only), put back at teardown: the environment is left as found.
-        for name, value in failures.set_nccl_defaults(self._get_process_group_backend()).items():
-            self._environment_before.setdefault(name, value)  # the first value seen is the user's
+        self._life.before_process_group(self._get_process_group_backend())
         super().setup_distributed()
-        self.rank_processes = failures.register_rank(
-            self.global_rank, self.world_size, self.failure_config.collective_timeout
-        )
         self._parallel.build_groups(self.world_size, self.root_device.type)
-        if self.failure_config.debug_collectives and self._checked_group is None:
-            self._checked_group = debug.checked_group(self._parallel.dp_group, self.failure_config.collective_timeout)
+        self._life.after_process_group(self.global_rank, self.world_size, self._parallel.dp_group)
 
     def on_exception(self, exception: BaseException) -> None:
         """Name the lost rank of a failed collective; add memory and settings to an out-of-memory error."""
         super().on_exception(exception)
-        failures.explain(exception, self)
+        self._life.explain(
+            exception,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            engine=self._engine,
+            breakdown=self.memory_breakdown,
+            registered=list(StrategyRegistry),
+            launcher=self.launcher,
+        )
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -367,32 +272,14 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         stage3 = self.zero_config.stage == 3
-        on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-        if on_meta and not stage3:
-            raise ValueError(
-                f"the model has tensors on the meta device, which only stage 3 materializes (shard by shard); "
-                f"this strategy runs stage {self.zero_config.stage}. Use stage=3 or build the model on a real device."
-            )
+        on_meta = self._life.check_meta(module)
         if not on_meta:
             self._parallel.split(module)  # pipeline: only this stage's layers go to the device
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
-        # After the pipeline split (this stage's layers only); the forward wrapping touches no parameter.
-        host = torch.device("cpu") if self.root_device.type != "cpu" else None
-        apply_activation_checkpointing(module, self.config.activations, host, stage3)
         precision = self.precision_plugin
-        mmap = self.config.zero.host_mmap_threshold
-        if mmap is not None and (self.root_device.type == "cpu" or precision.offload.offload_optimizer):
-            self._mmap_fixed = memory.fix_mmap_threshold(mmap)
-        if precision.offload.offload_optimizer:
-            # The host step's kernels run on torch's OpenMP pool: ranks on one machine share its cores.
-            self._threads_before = torch.get_num_threads()  # put back at teardown
-            threads.apply_threads(self.num_processes)
-        # The precision plugin may carry its own offload options (OffloadPrecision given by the
-        # user): the engine's config takes them, checked against the stage like the strategy's.
-        # (offload_pipeline is the strategy's option: it says how the engine steps, not where tensors live)
-        offload = dataclasses.replace(precision.offload, pipeline=self.config.offload.pipeline)
-        config = dataclasses.replace(self.config, offload=offload)
+        self._life.prepare(module, precision, self.root_device, self.num_processes)  # after the pipeline split
+        config = self._life.engine_config(precision)
         if fitting := trainer.state.fn == TrainerFn.FITTING:
             # Ranks that cannot see a checkpoint directory are found now, not at the first save.
             ckpt_io.check_shared(
@@ -402,32 +289,24 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         if fitting:
             deepspeed_config.apply_to_trainer(self.deepspeed, trainer)
             self.setup_optimizers(trainer)  # creating an optimizer allocates no state yet
-            self._check_nvme_space(config)  # the optimizers say how many bytes their moments take
+        # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
+        optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
+        if fitting:
+            group = self.data_parallel_group
+            self._life.check_space(config, module, precision, group, self.num_processes, optimizers)
         if fitting or stage3:
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
-            self._engine = ZeroEngine(
-                module,
-                # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
-                [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else [],
-                config=config,
-                precision=precision.engine_precision,
-                device=self.root_device,
-                parallel=self._parallel.context(self.data_parallel_group),
-                recordings=self._recordings,
-            )
+            parallel = self._parallel.context(self.data_parallel_group)
+            self._engine = self._life.build_engine(module, optimizers, config, precision, self.root_device, parallel)
         else:
             comm.broadcast_tensors(
                 [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
             )
-        for recording in self._recordings:
-            recording.close()
-        self._recordings.clear()
-        if self._mmap_fixed:
-            memory.trim_heap()  # the parameters' memory before flattening (see trim_heap)
-        if on_meta:
-            self.model_to_device()  # what stage 3 left whole (buffers, small frozen parameters)
-        precision.convert_module(self.model)
-        precision.attach(self._engine if fitting else None, self.root_device, pipelined=self._parallel.pipelined)
+            self._life.close_recordings()
+        engine = self._engine if fitting else None
+        move, cast = self.model_to_device, lambda: precision.convert_module(self.model)
+        pipelined = self._parallel.pipelined
+        self._life.finish(precision, engine, self.root_device, meta=on_meta, move=move, cast=cast, pipelined=pipelined)
         self.setup_precision_plugin()  # re-wraps the optimizers (Lightning's optimizers setter)
         if fitting:
             self._route_lightning_optimizers()
@@ -439,13 +318,6 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
             if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
                 shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
-
-    def _check_nvme_space(self, config: StrategyConfig) -> None:
-        """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
-        assert self.lightning_module is not None
-        dp = comm.world_size(self.data_parallel_group)
-        itemsize = PRECISIONS[self.precision_plugin.engine_precision][0].itemsize
-        check_nvme_space(config.offload, self.lightning_module, dp, self.num_processes, itemsize, self.optimizers)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``
@@ -484,17 +356,7 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             trainer = getattr(self.lightning_module, "_trainer", None)
             finished = trainer is not None and trainer.state.status != TrainerStatus.INTERRUPTED
             self._engine.close(unshard=finished)
-        self.precision_plugin.attach(None, self.root_device)
-        if self.lightning_module is not None:
-            remove_activation_checkpointing(self.lightning_module)
-        failures.restore_environment(self._environment_before)
-        self._environment_before.clear()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)  # the process's thread count left as found
-            self._threads_before = None
-        if self._mmap_fixed:
-            memory.restore_mmap_threshold()
-            self._mmap_fixed = False
+        self._life.teardown(self.precision_plugin, self.lightning_module, self.root_device)
         super().teardown()
 
     @contextmanager
@@ -504,9 +366,8 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         if self.zero_config.stage != 3:
             yield
             return
-        with Recorder(self.root_device) as recording:
+        with self._life.recording(self.root_device):
             yield
-        self._recordings.append(recording)
 
     @contextmanager
     def gathered_parameters(
@@ -702,37 +563,6 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         # checkpoint.load.replay_callback_restores for the one that acts there on its restored state.
         return True
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
-        so callbacks that keep it (an EMA callback moves it to ``current_model_state``) have every
-        key. Stage 3: only the tensors ZeRO does not partition (frozen parameters, buffers); with
-        ``state_dict_type="full"`` on rank 0 the whole one too, the partitioned parameters gathered
-        one flat buffer at a time into its host memory (as FSDP's full state dict; a collective).
-        ``save_checkpoint`` writes the partitioned parameters from every rank's own slices, or the
-        values a hook or callback put in their place (:func:`lightning_zero.checkpoint.pieces.overrides`)."""
-        assert self.lightning_module is not None
-        full = self.config.checkpoint.state_dict_type == "full" and comm.initialized()
-        out = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, self.zero_config.stage, full=full)
-        if self.zero_config.stage == 3 and not full:
-            self._module_state_out = out  # see _complete_moved_module_state
-        return out
-
-    def _complete_moved_module_state(self, checkpoint: dict[str, Any]) -> None:
-        """Stage 3, sharded format: a callback that kept the module state under another key of the
-        checkpoint (EMA's ``current_model_state``, with its averaged weights in ``state_dict``) gets
-        the partitioned parameters there too, gathered into rank 0's host memory (only then: this
-        is the whole model, which the checkpoint then stores beside the shards, as DDP's does).
-        Call on all ranks (every rank runs the same callbacks)."""
-        returned, self._module_state_out = self._module_state_out, None
-        if returned is None or self._engine is None or self.zero_config.stage < 3 or not comm.initialized():
-            return
-        moved = [k for k, v in checkpoint.items() if k != "state_dict" and v is returned]
-        if moved:
-            assert self.lightning_module is not None
-            full = ckpt_pieces.module_state_dict(self.lightning_module, self._engine, 3, full=True)
-            for key in moved:
-                checkpoint[key] = full
-
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a ZeRO optimizer only its parameter groups (the states go into the rank files)."""
         if self._engine is None or not self._engine.manages(optimizer):
@@ -750,29 +580,26 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         self._resume_rng = checkpoint.get(ckpt_load.RESUME_KEY, {}).get("rng")
         return checkpoint
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        module, source = self.lightning_module, None
-        if self._engine is not None and self.zero_config.stage == 3 and module._trainer is not None:
-            # WeightAveraging's checkpoint: the model's own weights are in current_model_state (the
-            # callback loads them into the model after this, which must then find them in place)
-            source = current_model_source(checkpoint, getattr(module.trainer, "callbacks", []))
-        ckpt_load.load_model(source or checkpoint, module, self._engine, self.optimizers, strict, self._parallel.layout)
-        # (the callback then loads current_model_state into the model once more: whole tensors, which
-        # the model's FullStateDictHooks write into each rank's shards)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.lightning_module is not None
-        ckpt_load.replay_callback_restores(self.lightning_module)
-        ckpt_load.load_optimizers(
-            checkpoint, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
-        )
-        ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
-        for optimizer in self.optimizers:
-            _optimizer_to_device(optimizer, self.root_device)
-
     # -- registration -------------------------------------------------------------------------------
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+#: The Trainer strategy's arguments that are not ZeRO options: Lightning's ``DDPStrategy``'s, the loss
+#: scale (the precision plugin's) and a DeepSpeed config.
+LIGHTNING_ARGUMENTS = (
+    "loss_scale",
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "start_method",
+    "config",
+)
+# The signature stays explicit (LightningCLI and jsonargparse read it); it must be the options' own.
+options.check_signature(ZeroStrategy.__init__, LIGHTNING_ARGUMENTS)
+ZeroStrategy.__doc__ = options.document(ZeroStrategy.__doc__)

@@ -28,6 +28,8 @@ from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_zero import comm
+from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.consolidate import full_checkpoint, write_file
@@ -205,3 +207,46 @@ def _saved_states(
             "give as many, in the order of the run that saved it."
         )
     return list(saved)
+
+
+def save(
+    path: Any,
+    state: dict[str, Any],
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    set_up: list[torch.optim.Optimizer],
+    precision: OffloadPrecision,
+    *,
+    stage: int,
+    full: bool,
+    rank: int,
+) -> None:
+    """``fabric.save(path, state)``: the Trainer strategy's sharded directory, or with ``full`` one file
+    from rank 0 (:func:`to_fabric_file`). ``set_up``: the optimizers set up with the model. Call on all ranks."""
+    keys = split_state(state, module, set_up)
+    checkpoint = to_checkpoint(state, keys, module, engine, stage, precision.state_dict())
+    optimizers = [state[k] for k in keys.optimizers]
+    if not full:
+        ckpt_save.save_sharded(checkpoint, path, module, engine, optimizers, precision.precision)
+        return
+    where = ckpt_io.location(path)
+    if not where.local:
+        raise ValueError(
+            f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
+            "default, which writes to object stores too) or a local or shared path."
+        )
+    # A sharded save beside the file (every rank its pieces), which rank 0 turns into the one file.
+    target = where.as_path()
+    staging = target.with_name(f".{target.name}.zero-full-staging")
+    ckpt_save.save_sharded(checkpoint, staging, module, engine, optimizers, precision.precision)
+    error = None
+    if rank == 0:
+        try:
+            to_fabric_file(staging, target)
+        except Exception as exc:  # reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            ckpt_save.remove_sharded(staging)
+    errors = [e for e in comm.all_gather_object(error, None) if e]
+    if errors:
+        raise RuntimeError(f"writing the full checkpoint {target} failed on rank 0: {errors[0]}")

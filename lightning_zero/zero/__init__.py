@@ -14,7 +14,8 @@ Its modules are private to it: ``tests/unit/test_import_contract.py`` fails when
 * :class:`ZeroEngine` and the records it takes and returns (:mod:`~lightning_zero.zero.surface`).
 * Sharded construction: :class:`Recorder` records ``configure_model`` on the meta device into
   :class:`Recording` s that the engine replays into the shards; :func:`active_recording`.
-* Before the engine exists: :func:`check_nvme_space` (the disk tier's files fit).
+* Before the engine exists: :func:`check_nvme_space` (the disk tier's files fit);
+  :func:`fp32_norm_params` (the parameters mixed precision keeps in fp32, for the precision plugin).
 * Checkpoint support: :func:`placeholders_allowed` / :func:`placeholders_ok` (``state_dict()`` of a
   sharded model), :func:`exact_storage` (a tensor saved with exactly its bytes).
 * Activation checkpointing: :func:`recompute_contexts` (the ``context_fn`` that gathers for recompute).
@@ -22,6 +23,7 @@ Its modules are private to it: ``tests/unit/test_import_contract.py`` fails when
 """
 
 from lightning_zero.zero.averaging import keep_edits_in_masters, shard_averaged_copies
+from lightning_zero.zero.build import fp32_norm_params
 from lightning_zero.zero.deferred import Recorder, Recording, active_recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.engine_checkpoint import exact_storage
@@ -53,6 +55,7 @@ __all__ = [
     "active_recording",
     "check_nvme_space",
     "exact_storage",
+    "fp32_norm_params",
     "keep_edits_in_masters",
     "placeholders_allowed",
     "placeholders_ok",

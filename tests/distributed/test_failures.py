@@ -63,6 +63,34 @@ if __name__ == "__main__":
     trainer.fit(Model(), DataLoader(data, batch_size=4))
 """
 
+# The same run under Fabric, at stage 3 (its forward gathers too: a lost rank may stop the survivor
+# in the forward, the backward or the step, and every one of them must name it).
+FABRIC_SCRIPT = """
+import os, signal, sys
+import torch
+from lightning.fabric import Fabric
+import lightning_zero
+
+PIDS, VICTIM = sys.argv[1], int(sys.argv[2])
+
+if __name__ == "__main__":
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="zero3")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    with open(os.path.join(PIDS, str(fabric.global_rank)), "w") as f:
+        f.write(str(os.getpid()))
+    for step in range(12):
+        if step == 3 and fabric.global_rank == VICTIM:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-run, as the kernel's OOM killer would
+        x, y = torch.randn(4, 7), torch.randn(4, 1)
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -72,9 +100,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_killed(tmp_path: Path, launcher: list[str], victim: int) -> tuple[int, str, float]:
+def _run_killed(tmp_path: Path, launcher: list[str], victim: int, code: str = SCRIPT) -> tuple[int, str, float]:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script.write_text(code)
     pids = tmp_path / "pids"
     pids.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[2]))
@@ -101,6 +129,17 @@ def _run_killed(tmp_path: Path, launcher: list[str], victim: int) -> tuple[int, 
 @pytest.mark.parametrize("victim", [1, 0], ids=["child-rank-killed", "launching-rank-killed"])
 def test_killed_rank_under_lightning_launcher(tmp_path, victim):
     code, output, took = _run_killed(tmp_path, [sys.executable], victim)
+    assert code != 0
+    assert took < BOUND_S
+    survivor = 1 - victim
+    assert f"rank {victim} of 2 is gone" in output, output[-3000:]
+    assert f"failed on rank {survivor}" in output
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["child-rank-killed", "launching-rank-killed"])
+def test_killed_rank_under_fabric(tmp_path, victim):
+    """Fabric runs name the lost rank as the Trainer's do (lifecycle.Lifecycle.explain)."""
+    code, output, took = _run_killed(tmp_path, [sys.executable], victim, FABRIC_SCRIPT)
     assert code != 0
     assert took < BOUND_S
     survivor = 1 - victim

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import docstring_parser
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -12,8 +13,10 @@ from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
 
 import lightning_zero
 from lightning_zero import OffloadPrecision
+from lightning_zero.config import StrategyConfig
 from lightning_zero.fabric import FabricOffloadPrecision, ZeroStrategy
-from lightning_zero.options import REGISTERED_NAMES, strategy_config
+from lightning_zero.options import OPTIONS, REGISTERED_NAMES, STRATEGY_OPTIONS, check_signature, strategy_config
+from lightning_zero.strategy import LIGHTNING_ARGUMENTS
 
 
 @pytest.mark.parametrize("name", sorted(REGISTERED_NAMES))
@@ -27,17 +30,52 @@ def test_fabric_finds_the_registered_names(name):
     assert bool(strategy.config.offload.offload_parameters) == expected.get("offload_parameters", False)
 
 
-def test_options_are_the_trainer_strategys():
-    """Every option of strategy_config (which Fabric's strategy takes as keywords) is one of the
-    Trainer strategy's, with the same default: one list of options, documented once."""
-    shared = inspect.signature(strategy_config).parameters
+def test_options_are_written_once():
+    """The options are the config fields declared with option(): strategy_config's signature is
+    derived from them, the Trainer strategy's explicit one was checked against them at import, and its
+    docstring (read by LightningCLI's help) has one entry per option from the field's docstring."""
+    names = [option.name for option in OPTIONS]
+    assert len(names) == len(set(names)) == len(STRATEGY_OPTIONS)
+    assert list(inspect.signature(strategy_config).parameters) == [*names, "ddp_kwargs"]
     trainer = inspect.signature(lightning_zero.ZeroStrategy.__init__).parameters
-    for name, parameter in shared.items():
-        assert name in trainer, name
-        assert trainer[name].default == parameter.default, name
-    lightnings_own = {"self", "loss_scale", "accelerator", "parallel_devices", "cluster_environment"}
-    lightnings_own |= {"checkpoint_io", "precision_plugin", "process_group_backend", "start_method", "config"}
-    assert set(trainer) - set(shared) == lightnings_own
+    assert set(trainer) - set(names) == {"self", "ddp_kwargs", *LIGHTNING_ARGUMENTS}
+    documented = {p.arg_name for p in docstring_parser.parse(lightning_zero.ZeroStrategy.__doc__ or "").params}
+    assert set(names) <= documented
+    assert all(option.doc for option in OPTIONS), [o.name for o in OPTIONS if not o.doc]
+    # the defaults build the defaults of every section (None-valued keywords decide at construction)
+    assert strategy_config() == StrategyConfig()
+
+
+def _signature(stage: int = 2, reduce_bucket_size: int | float | str = "auto", *, loss_scale=None, **options):
+    """A strategy signature with two options, as Fabric's takes them (the rest through ``**options``)."""
+
+
+def _wrong_default(stage: int = 3, *, loss_scale=None, **options):
+    """``stage`` with another default than its field's."""
+
+
+def _wrong_type(stage: float = 2, *, loss_scale=None, **options):
+    """``stage`` annotated otherwise."""
+
+
+def _unknown(stage: int = 2, *, stages=None, **options):
+    """a name that is neither an option nor the strategy's own."""
+
+
+@pytest.mark.parametrize(
+    "function,match",
+    [
+        (_wrong_default, r"stage=3, but the option's default is 2"),
+        (_wrong_type, r"stage: float, but the option is int"),
+        (_unknown, r"'stages' is neither an option nor one of its own arguments"),
+    ],
+)
+def test_a_signature_out_of_step_raises(function, match):
+    check_signature(_signature, ["loss_scale"], every_option=False)  # in step
+    with pytest.raises(TypeError, match=match):
+        check_signature(function, ["loss_scale"], every_option=False)
+    with pytest.raises(TypeError, match="option 'allgather_bucket_size' is missing"):
+        check_signature(_signature, ["loss_scale"])  # the Trainer's must name every option
 
 
 @pytest.mark.parametrize(
