@@ -217,6 +217,7 @@ class ZeroStrategy(DDPStrategy):
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
         self._environment_before: dict[str, str | None] = {}  # what _setup_distributed changed, for teardown
         self._steps = 0  # optimizer steps taken, for the messages
+        self._optimizer_states_loaded = False  # then setup_optimizers can no longer rebuild the engine
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -320,36 +321,44 @@ class ZeroStrategy(DDPStrategy):
             self._build(self._module, [])
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
+        """``fabric.setup_optimizers(opt1, opt2, ...)`` after ``setup_module``: Fabric hands them over one
+        at a time, so each one after the first rebuilds the engine for all of them (:meth:`_rebuild_for`);
+        allowed until the first step or optimizer-state load."""
         if self._module is None:
             raise ValueError(
                 "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
                 "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
             )
-        if self._engine is not None and (self._optimizers or self._steps):
+        if any(optimizer is o for o in self._optimizers):
+            raise ValueError(f"{type(optimizer).__name__} was already set up with this model; set it up once.")
+        if self._engine is not None and (self._steps or self._optimizer_states_loaded):
             raise ValueError(
-                f"fabric.setup_optimizers() after the engine was built (stage {self.config.zero.stage}, "
-                f"{len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model once, for all of its "
-                "optimizers; pass them together: fabric.setup(model, optimizer1, optimizer2)."
+                f"fabric.setup_optimizers() after {self._steps} optimizer step(s)"
+                f"{' and a load of optimizer states' if self._optimizer_states_loaded else ''} (stage "
+                f"{self.config.zero.stage}, {len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model "
+                "once for all of its optimizers and keeps their states in its shards; set every optimizer up before "
+                "the first step and the first fabric.load: fabric.setup_optimizers(optimizer1, optimizer2)."
             )
         self._deferred = False
         if self._engine is not None:
-            self._rebuild_for(self._module, optimizer)
+            self._rebuild_for(self._module, [*self._optimizers, optimizer])
         else:
             self._build(self._module, [optimizer])
         return optimizer
 
-    def _rebuild_for(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Stage 3, ``setup_optimizers`` after the engine was built without an optimizer (a forward,
-        save or load came between ``setup_module`` and it): the engine is rebuilt for ``optimizer``
-        from the weights it holds. Without a separate master (fp32, "bf16-true") the result equals
-        ``fabric.setup(model, optimizer)``; under mixed precision the weights start from their
-        compute-dtype values (an engine without optimizer keeps no fp32 master). Costs the whole
-        model on every rank for the rebuild. Call on all ranks."""
+    def _rebuild_for(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``setup_optimizers`` after the engine was built without ``optimizers[-1]`` (stage 3: a forward,
+        save or load came between ``setup_module`` and it, or the model was built under ``init_module``;
+        any stage: an earlier optimizer of the same ``setup_optimizers`` call): the engine is rebuilt for
+        all of ``optimizers`` from the weights it holds, the fp32 masters where it keeps them, so the
+        result equals ``fabric.setup(model, *optimizers)`` (under mixed precision a stage-3 engine built
+        without an optimizer keeps no fp32 master: the weights then start from their compute-dtype
+        values). Costs the whole model on every rank for the rebuild. Call on all ranks."""
         assert self._engine is not None
-        if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        new = optimizers[-1]
+        if any(new.state.get(p) for g in new.param_groups for p in g["params"]):
             raise ValueError(
-                f"{type(optimizer).__name__} already has state (it stepped before fabric.setup_optimizers); "
+                f"{type(new).__name__} already has state (it stepped before fabric.setup_optimizers); "
                 "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
             )
         whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
@@ -361,7 +370,7 @@ class ZeroStrategy(DDPStrategy):
                 if id(param) in whole:
                     param.data = whole[id(param)].to(self.root_device)
         del whole
-        self._build(module, [optimizer])
+        self._build(module, optimizers)
 
     def _adopt(self, module: nn.Module) -> None:
         if self._module is not None and self._module is not module:
@@ -643,6 +652,7 @@ class ZeroStrategy(DDPStrategy):
     def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         module = self._saved_module()
+        self._optimizer_states_loaded |= bool(keys.optimizers)
         return fabric_state.restore(
             checkpoint, state, keys, module, self._engine, self._optimizers, self.precision, strict
         )
