@@ -27,9 +27,12 @@ into buckets) and completes the reductions; ``optimizer.step()`` exposes this ra
 steps them and publishes. What differs from the Trainer:
 
 * The engine is built for the model and all its optimizers at once: ``fabric.setup(model, opt1, opt2)``,
-  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)``. Stage 3 shards the model
-  in ``setup_module`` (for evaluation) and, when an optimizer follows, builds the engine again for it
-  from the weights it holds (the whole model on every rank for the moment of the rebuild).
+  or ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(opt1, opt2)``: Fabric hands those
+  over one at a time, and each after the first (and at stage 3 the first too, when ``setup_module``
+  already sharded the model) rebuilds the engine for all of them from the weights it holds (the whole
+  model on every rank for the moment of the rebuild), until the first step.
+* Stage 3 ``init_module``: what the program does to the meta model between the block and ``setup``
+  (``reset_parameters()``, an init loop) is recorded too (:class:`~lightning_zero.zero.deferred.Continuation`).
 * ``fabric.no_backward_sync`` is accepted and changes nothing: ZeRO accumulates the window in its own
   buffers (stage 1 reduces once, at the step; stages 2 and 3 reduce-scatter each micro-batch into the
   gradient shard, which is what keeps their gradients sharded), so there is no synchronization to skip.
@@ -80,6 +83,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import _load as pl_load
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -97,7 +101,7 @@ from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.precision import OffloadPrecision
-from lightning_zero.zero.deferred import Recorder, Recording
+from lightning_zero.zero.deferred import Continuation, Recorder, Recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.surface import ModelParallelContext
 from lightning_zero.zero.swap import check_space as check_nvme_space
@@ -206,6 +210,7 @@ class ZeroStrategy(DDPStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._recordings: list[Recording] = []  # init_module under stage 3, until setup replays it
+        self._continuation: Continuation | None = None  # recording what runs on the meta model until setup
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
         self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
@@ -277,9 +282,19 @@ class ZeroStrategy(DDPStrategy):
             with super().module_init_context(empty_init):
                 yield
             return
-        with self.precision.module_init_context(), Recorder(self.root_device) as recording:
+        self._end_continuation()
+        skip = bool(empty_init)  # torch.nn.init does nothing, as under Fabric's DDP and FSDP
+        with self.precision.module_init_context(), _EmptyInit(enabled=skip), Recorder(self.root_device, skip) as rec:
             yield
-        self._recordings.append(recording)
+        self._recordings.append(rec)
+        # what the program does to the meta model before setup (reset_parameters(), an init loop) is
+        # part of its build: recorded too (Continuation), until setup ends it
+        self._continuation = Continuation(rec).start()
+
+    def _end_continuation(self) -> None:
+        if self._continuation is not None:
+            self._continuation.end()
+            self._continuation = None
 
     def module_to_device(self, module: nn.Module) -> None:
         if not _on_meta(module):  # stage 3 materializes a recorded model in setup
@@ -289,6 +304,7 @@ class ZeroStrategy(DDPStrategy):
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         """``fabric.setup(model, *optimizers)``: one engine for the model and every optimizer."""
+        self._end_continuation()
         self._adopt(module)
         self._build(module, optimizers)
         return module, optimizers, scheduler
@@ -300,6 +316,7 @@ class ZeroStrategy(DDPStrategy):
         ``gathered_parameters``. A model built under ``fabric.init_module()`` is built into its shards
         now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
         Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
+        self._end_continuation()
         self._adopt(module)
         if self.config.zero.stage == 3 and _on_meta(module):
             # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
@@ -681,6 +698,7 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
+        self._end_continuation()
         self._remove_hooks()
         if self._engine is not None:
             self._engine.close(unshard=True)

@@ -60,6 +60,7 @@ from lightning_zero.config import (
     ZeroConfig,
 )
 from lightning_zero.ddp_args import BufferSync
+from lightning_zero.lockstep import StepLockstep, watch_trainer_steps
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
@@ -255,6 +256,7 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
+        self._steplock: StepLockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
         self._environment_before: dict[str, str | None] = {}  # what setup_distributed changed, for teardown
         self._threads_before: int | None = None  # torch's thread count before setup changed it
         self._mmap_fixed = False  # glibc's mmap threshold set at setup (put back at teardown)
@@ -438,6 +440,9 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
             if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
                 shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
+            if stage3 and not self._parallel.pipelined:  # the pipeline schedule runs forwards outside steps
+                group, timeout = self.data_parallel_group, self.failure_config.collective_timeout
+                self._steplock = watch_trainer_steps(self._engine, group, timeout)
 
     def _check_nvme_space(self, config: StrategyConfig) -> None:
         """Before anything is allocated: the disk tier's files must fit (:func:`~lightning_zero.zero.swap.check_space`)."""
@@ -521,6 +526,13 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         assert module is not None
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
+
+    def barrier(self, name: str | None = None) -> None:
+        """Counted first under stage 3, so that a rank running a forward alone raises instead of
+        hanging (:class:`~lightning_zero.lockstep.StepLockstep`)."""
+        if self._steplock is not None:
+            self._steplock.before_barrier()
+        super().barrier(name)
 
     def _step_scope(self) -> contextlib.AbstractContextManager[None]:
         """Stage 3: the step may read any parameter (gathered on use, the root unit around it)."""

@@ -183,8 +183,8 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
     """Give a module's own meta tensors real values on ``device``: the values the unsharded build
     gives, replayed from the recording of ``configure_model`` (:mod:`lightning_zero.zero.deferred`).
     A tensor no recorded op ever wrote (``torch.empty`` left as it is; or built on meta outside the
-    recorder) is initialized by the module's ``reset_parameters()``, as FSDP does; without one, a
-    ValueError names it. Parameter objects keep their identity (optimizers and ties hold them)."""
+    recorder) is initialized by the module's ``reset_parameters()``, as FSDP does (the module's
+    recorded tensors keep their values); without one, a ValueError names it. Parameter objects keep their identity (optimizers and ties hold them)."""
     metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
     meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
     if not metas and not meta_buffers:
@@ -228,8 +228,13 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
             "reset_parameters() to initialize them. Initialize them where they are created (e.g. torch.zeros "
             "instead of torch.empty), or give the module a reset_parameters()."
         )
+    # reset_parameters() initializes the whole module: the tensors the recording wrote keep those values
+    written = {n: t.detach().clone() for n, t in [*module._parameters.items(), *module._buffers.items()]
+               if t is not None and n not in unset}  # fmt: skip
     with torch.no_grad():
         reset()
+        for tensor_name, value in written.items():
+            getattr(module, tensor_name).copy_(value)
 
 
 def build_sharded(

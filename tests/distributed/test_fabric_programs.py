@@ -17,6 +17,7 @@ import contextlib
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from models import ParityModel, make_loader
@@ -398,3 +399,41 @@ def test_litgpt_like_program_matches_ddp(tmp_path) -> None:
     for name, spec in GPT_CASES:
         if spec.get("state_dict_type") == "full":  # one file, as Fabric's DDP writes it
             _close(name, torch.load(tmp_path / name / "final.pth", weights_only=True)["model"], ddp_final)
+
+
+class _SoloCallback(pl.Callback):
+    """At batch 0 every rank runs a forward outside the steps (fine); at batch 1 rank 0 alone does,
+    while rank 1 goes on into its next batch or into ``strategy.barrier()``."""
+
+    def __init__(self, then: str) -> None:
+        self.then = then
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # a short wait for the case no counter shows (rank 1 in Lightning's per-batch broadcast)
+        trainer.strategy._steplock.wait_s = 5.0
+        if batch_idx == 0 or (batch_idx == 1 and trainer.is_global_zero):
+            with torch.no_grad():
+                pl_module(batch[0][:2])
+        if batch_idx == 1 and self.then == "barrier":
+            trainer.strategy.barrier()
+
+
+def _trainer_solo_worker(rank: int, then: str) -> str:
+    from models import fit
+
+    try:
+        fit(ZERO3, max_steps=3, trainer_kwargs={"callbacks": [_SoloCallback(then)]})
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("then", ["next_batch", "barrier"])
+def test_trainer_forward_on_one_rank_is_an_error_not_a_hang(then: str) -> None:
+    messages = run_ranks(_trainer_solo_worker, then, timeout=240)
+    # rank 0 names the module and what rank 1 did instead; rank 1's wait ends with rank 0's exit
+    assert "ParityModel" in messages[0] and "outside the Trainer's steps" in messages[0], messages
+    if then == "barrier":
+        assert "strategy.barrier()" in messages[0], messages
+    assert messages[1] != "no error", messages
