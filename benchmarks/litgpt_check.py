@@ -14,11 +14,17 @@ swapped the same way; frozen base, ``setup_module`` then ``setup_optimizers`` of
 all parameters, a final LoRA save through ``model.state_dict()``, then LitGPT's ``merge_lora``). It
 prints each run's losses (LitGPT's CSV log), their largest relative difference from DDP's, and the
 largest difference of the final weights (``final/lit_model.pth`` or ``lit_model.pth.lora``, one file
-``torch.load`` reads).
+``torch.load`` reads). ``--script pretrain`` runs ``litgpt/pretrain.py`` (its ``FSDPStrategy``
+swapped the same way): ``init_module(empty_init=True)`` then LitGPT's ``initialize_weights`` on the
+model before setup, ``torch.compile``, ``fabric.setup(model)`` then ``setup_optimizers``,
+``clip_gradients``, a ``TextFiles`` data set made here (litdata's ``StreamingDataLoader``, whose state
+goes into every checkpoint), 4 steps of 2 accumulated iterations, checkpoints every 2 steps; then a
+resume from step 2 to the end (the later checkpoints removed). Needs ``pip install --no-deps litdata``.
 
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py            # stages 1, 2, 3
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3 --offload   # offload_optimizer="cpu"
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script lora          # finetune/lora.py (no resume)
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script pretrain      # pretrain.py (+ resume)
 
 Takes about a minute per stage on 2 CPU cores. Not part of the test suite (LitGPT is not a test
 dependency); ``tests/distributed/test_fabric_programs.py`` holds a LitGPT-like program that is.
