@@ -143,12 +143,18 @@ class StepLockstep:
         #: longest wait for the other ranks at a forward outside the steps
         self.wait_s = min(_UNSCOPED_WAIT_S, timeout.total_seconds())
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled or deep-copied trainer or model (an averaged copy) carries no store: the copy watches nothing.
+        return {**self.__dict__, "store": None}
+
     def _total(self, key: str) -> int:
         return int(self.store.add(key, 0))
 
     def before_step(self) -> None:
         """A step starts on this rank; raise if another rank runs a forward outside the steps that
         this rank has not run."""
+        if self.store is None:
+            return
         self.steps += 1
         self.store.add(self._steps_key, 1)
         if self._total(self._unscoped_key) > self.unscoped * self.world_size:
@@ -160,12 +166,16 @@ class StepLockstep:
 
     def before_barrier(self) -> None:
         """``strategy.barrier()`` on this rank (counted before it waits)."""
+        if self.store is None:
+            return
         self.barriers += 1
         self.store.add(self._barriers_key, 1)
 
     def before_unscoped(self, name: str) -> None:
         """A forward of ``name`` outside the steps, with parameters to gather: wait for every rank to
         reach it, raising if another rank went on into a step or a barrier instead."""
+        if self.store is None:
+            return
         self.unscoped += 1
         self.store.add(self._unscoped_key, 1)
         deadline = time.monotonic() + self.wait_s

@@ -221,6 +221,12 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
     if not unset:
         return
     reset = getattr(module, "reset_parameters", None)
+    if not callable(reset) and any(r.empty_init for r in recordings):
+        # init_module(empty_init=True): uninitialized memory under DDP, which the program overwrites (a
+        # load after setup); zeros here, so that every rank holds the same
+        for tensor_name in unset:
+            getattr(module, tensor_name).data.zero_()
+        return
     if not callable(reset):
         raise ValueError(
             f"{', '.join(unset)} of module {name or '<root>'} ({type(module).__name__}) were built on the meta device "

@@ -76,6 +76,8 @@ class Recording:
     """The ops of one ``configure_model`` under :class:`Recorder`; see the module docstring."""
 
     device: torch.device
+    #: built under ``init_module(empty_init=True)``: a tensor nothing wrote may stay uninitialized
+    empty_init: bool = False
     ops: list[_Op] = field(default_factory=list)
     # Keeps storages (and so their keys) alive. The storage, not the tensor: a tensor would keep its
     # autograd graph alive too, and with it references to the parameters it was computed from
@@ -321,6 +323,7 @@ class Recorder(TorchDispatchMode):
         self._patched: list[tuple[Any, str, Any]] = []  # (namespace, key, original)
         #: ``init_module(empty_init=True)``: torch.nn.init calls do nothing, as under Fabric's ``_EmptyInit``
         self.skip_init = skip_init
+        self.recording.empty_init = skip_init
 
     def __enter__(self) -> Recording:  # yields the recording, not the mode
         self._patch()
