@@ -14,11 +14,17 @@ swapped the same way; frozen base, ``setup_module`` then ``setup_optimizers`` of
 all parameters, a final LoRA save through ``model.state_dict()``, then LitGPT's ``merge_lora``). It
 prints each run's losses (LitGPT's CSV log), their largest relative difference from DDP's, and the
 largest difference of the final weights (``final/lit_model.pth`` or ``lit_model.pth.lora``, one file
-``torch.load`` reads).
+``torch.load`` reads). ``--script pretrain`` runs ``litgpt/pretrain.py`` (its ``FSDPStrategy``
+swapped the same way): ``init_module(empty_init=True)`` then LitGPT's ``initialize_weights`` on the
+model before setup, ``torch.compile``, ``fabric.setup(model)`` then ``setup_optimizers``,
+``clip_gradients``, a ``TextFiles`` data set made here (litdata's ``StreamingDataLoader``, whose state
+goes into every checkpoint), 4 steps of 2 accumulated iterations, checkpoints every 2 steps; then a
+resume from step 2 to the end (the later checkpoints removed). Needs ``pip install --no-deps litdata``.
 
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py            # stages 1, 2, 3
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py --stages 3 --offload   # offload_optimizer="cpu"
     PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script lora          # finetune/lora.py (no resume)
+    PYTHONPATH=$PWD python benchmarks/litgpt_check.py --script pretrain      # pretrain.py (+ resume)
 
 Takes about a minute per stage on 2 CPU cores. Not part of the test suite (LitGPT is not a test
 dependency); ``tests/distributed/test_fabric_programs.py`` holds a LitGPT-like program that is.
@@ -168,7 +174,90 @@ def _run(
     )
 
 
+def _make_text(root: Path) -> Path:
+    """Plain-text files for LitGPT's ``TextFiles`` data module (its first file is the validation split)."""
+    text = root / "text"
+    text.mkdir()
+    generator = torch.Generator().manual_seed(2)
+    for index in range(4):
+        pick = torch.randint(0, len(WORDS), (400,), generator=generator).tolist()
+        (text / f"part{index}.txt").write_text(" ".join(WORDS[i] for i in pick))
+    return text
+
+
+def _run_pretrain(rank: int, root: str, name: str, stage: int | None, resume: bool, offload: bool) -> None:
+    import sys
+
+    import litgpt.pretrain as pretrain
+    from litgpt import Config
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import TextFiles
+
+    from lightning_zero.fabric import ZeroStrategy
+
+    class Swapped:  # instead of LitGPT's FSDPStrategy for devices > 1 (a class: LitGPT checks isinstance)
+        def __new__(cls, **_: Any) -> Any:
+            if stage is None:
+                return "ddp"
+            options = {"offload_optimizer": "cpu"} if offload else {}
+            return ZeroStrategy(stage=stage, state_dict_type="full", **options)
+
+    pretrain.FSDPStrategy = Swapped
+    sys.argv = [sys.argv[0], "tiny-llama"]  # LitGPT saves its hyperparameters by parsing its command line
+    checkpoint = Path(root) / "checkpoint"
+    # 8 iterations of 1 sequence of 32 tokens per rank, 2 accumulated per step (global batch 4): 4 steps,
+    # a checkpoint every 2; the resume starts from step 2 (its data loader state) after the later ones
+    # are removed.
+    pretrain.setup(
+        "tiny-llama",
+        model_config=Config.from_file(checkpoint / "model_config.yaml"),
+        out_dir=Path(root) / name,
+        precision="32-true",
+        resume=resume,
+        data=TextFiles(train_data_path=Path(root) / "text", num_workers=0),
+        train=TrainArgs(
+            save_interval=2,
+            log_interval=1,
+            global_batch_size=4,
+            micro_batch_size=1,
+            max_tokens=2 * 8 * 32,
+            max_norm=1.0,
+            min_lr=1e-5,
+            lr_warmup_steps=1,
+            max_seq_length=32,
+        ),
+        eval=EvalArgs(interval=1000, max_iters=1, initial_validation=False, final_validation=False),
+        devices=2,
+        tokenizer_dir=checkpoint,
+        logger_name="csv",
+        seed=1337,
+    )
+
+
+def _pretrain_and_resume(root: Path, name: str, stage: int | None, offload: bool) -> None:
+    """The whole pretraining run, then a resume from its step-2 checkpoint to the end (the later
+    checkpoints and the first run's log removed: the losses compared are the resumed run's)."""
+    import shutil
+
+    if not (root / "text").exists():
+        _make_text(root)
+    run_ranks(_run_pretrain, str(root), name, stage, False, offload, timeout=900)
+    out = root / name
+    first = torch.load(out / "final" / "lit_model.pth", weights_only=True)["model"]
+    losses = _losses(out)
+    shutil.rmtree(out / "step-00000004")
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "logs")
+    run_ranks(_run_pretrain, str(root), name, stage, True, offload, timeout=900)
+    resumed = torch.load(out / "final" / "lit_model.pth", weights_only=True)["model"]
+    (out / "losses.json").write_text(json.dumps(losses + _losses(out)))
+    gap = max((resumed[k] - v).abs().max().item() for k, v in first.items())
+    print(f"{name}: final weights of the resumed run vs the uninterrupted one: max diff {gap:.2e}")
+
+
 def _losses(out: Path) -> list[float]:
+    if (out / "losses.json").exists():  # pretrain: the first run's, then the resumed run's
+        return [float(x) for x in json.loads((out / "losses.json").read_text())]
     rows: list[dict[str, Any]] = []
     for path in sorted(out.glob("logs/csv/**/metrics.csv")):
         with path.open() as f:
@@ -179,15 +268,18 @@ def _losses(out: Path) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--script", choices=["full", "lora"], default="full")
+    parser.add_argument("--script", choices=["full", "lora", "pretrain"], default="full")
     parser.add_argument("--offload", action="store_true", help='ZeroStrategy(offload_optimizer="cpu")')
     args = parser.parse_args()
-    final = "lit_model.pth" if args.script == "full" else "lit_model.pth.lora"
+    final = "lit_model.pth.lora" if args.script == "lora" else "lit_model.pth"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _make_checkpoint(root)
         runs: list[tuple[str, int | None]] = [("ddp", None)] + [(f"zero{s}", s) for s in args.stages]
         for name, stage in runs:
+            if args.script == "pretrain":
+                _pretrain_and_resume(root, name, stage, args.offload)
+                continue
             run_ranks(_run, str(root), name, stage, False, args.script, args.offload, timeout=900)
             if args.script == "full":  # resume from step-000002
                 run_ranks(_run, str(root), name, stage, True, args.script, args.offload, timeout=900)

@@ -27,9 +27,12 @@ into buckets) and completes the reductions; ``optimizer.step()`` exposes this ra
 steps them and publishes. What differs from the Trainer:
 
 * The engine is built for the model and all its optimizers at once: ``fabric.setup(model, opt1, opt2)``,
-  or ``fabric.setup_module(model)`` then one ``fabric.setup_optimizers(opt)``. Stage 3 shards the model
-  in ``setup_module`` (for evaluation) and, when an optimizer follows, builds the engine again for it
-  from the weights it holds (the whole model on every rank for the moment of the rebuild).
+  or ``fabric.setup_module(model)`` then ``fabric.setup_optimizers(opt1, opt2)``: Fabric hands those
+  over one at a time, and each after the first (and at stage 3 the first too, when ``setup_module``
+  already sharded the model) rebuilds the engine for all of them from the weights it holds (the whole
+  model on every rank for the moment of the rebuild), until the first step.
+* Stage 3 ``init_module``: what the program does to the meta model between the block and ``setup``
+  (``reset_parameters()``, an init loop) is recorded too (:class:`~lightning_zero.zero.deferred.Continuation`).
 * ``fabric.no_backward_sync`` is accepted and changes nothing: ZeRO accumulates the window in its own
   buffers (stage 1 reduces once, at the step; stages 2 and 3 reduce-scatter each micro-batch into the
   gradient shard, which is what keeps their gradients sharded), so there is no synchronization to skip.
@@ -73,6 +76,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
@@ -102,7 +106,7 @@ from lightning_zero.options import (
     register_names,
     strategy_config,
 )
-from lightning_zero.zero import ModelParallelContext, ZeroEngine
+from lightning_zero.zero import Continuation, ModelParallelContext, ZeroEngine
 
 
 class FabricZeroStrategy(DDPStrategy):
@@ -171,6 +175,7 @@ class FabricZeroStrategy(DDPStrategy):
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._life = Lifecycle(self.config)  # what a run changes in this process and puts back (lifecycle.py)
+        self._continuation: Continuation | None = None  # recording what runs on the meta model until setup
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
         self._lockstep: Lockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
@@ -178,6 +183,7 @@ class FabricZeroStrategy(DDPStrategy):
         self._eval_hook: Any = None  # stage 3: ends a forward-only pass (no backward ends it)
         self._buffers_hooks: list[Any] = []  # broadcast_buffers: around the model's forward, as DDP's
         self._steps = 0  # optimizer steps taken, for the messages
+        self._optimizer_states_loaded = False  # then setup_optimizers can no longer rebuild the engine
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -256,8 +262,22 @@ class FabricZeroStrategy(DDPStrategy):
             with super().module_init_context(empty_init):
                 yield
             return
-        with self.precision.module_init_context(), self._life.recording(self.root_device):
+        self._end_continuation()
+        skip = bool(empty_init)  # torch.nn.init does nothing, as under Fabric's DDP and FSDP
+        with (
+            self.precision.module_init_context(),
+            _EmptyInit(enabled=skip),
+            self._life.recording(self.root_device, skip) as rec,
+        ):
             yield
+        # what the program does to the meta model before setup (reset_parameters(), an init loop) is
+        # part of its build: recorded too (Continuation), until setup ends it
+        self._continuation = Continuation(rec).start()
+
+    def _end_continuation(self) -> None:
+        if self._continuation is not None:
+            self._continuation.end()
+            self._continuation = None
 
     def module_to_device(self, module: nn.Module) -> None:
         if not on_meta(module):  # stage 3 materializes a recorded model in setup
@@ -268,6 +288,7 @@ class FabricZeroStrategy(DDPStrategy):
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         """``fabric.setup(model, *optimizers)``: one engine for the model and every optimizer."""
+        self._end_continuation()
         self._adopt(module)
         self._build(module, optimizers)
         return module, optimizers, scheduler
@@ -280,6 +301,7 @@ class FabricZeroStrategy(DDPStrategy):
         ``gathered_parameters``. A model built under ``fabric.init_module()`` is built into its shards
         now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
         Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
+        self._end_continuation()
         self._adopt(module)
         if self.config.zero.stage == 3 and on_meta(module):
             # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
@@ -302,36 +324,44 @@ class FabricZeroStrategy(DDPStrategy):
 
     @explained
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``fabric.setup_optimizers(optimizer)`` after ``setup_module`` (stages 1/2, one optimizer)."""
+        """``fabric.setup_optimizers(opt1, opt2, ...)`` after ``setup_module``: Fabric hands them over one
+        at a time, so each one after the first rebuilds the engine for all of them (:meth:`_rebuild_for`);
+        allowed until the first step or optimizer-state load."""
         if self._module is None:
             raise ValueError(
                 "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
                 "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
             )
-        if self._engine is not None and (self._optimizers or self._steps):
+        if any(optimizer is o for o in self._optimizers):
+            raise ValueError(f"{type(optimizer).__name__} was already set up with this model; set it up once.")
+        if self._engine is not None and (self._steps or self._optimizer_states_loaded):
             raise ValueError(
-                f"fabric.setup_optimizers() after the engine was built (stage {self.config.zero.stage}, "
-                f"{len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model once, for all of its "
-                "optimizers; pass them together: fabric.setup(model, optimizer1, optimizer2)."
+                f"fabric.setup_optimizers() after {self._steps} optimizer step(s)"
+                f"{' and a load of optimizer states' if self._optimizer_states_loaded else ''} (stage "
+                f"{self.config.zero.stage}, {len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model "
+                "once for all of its optimizers and keeps their states in its shards; set every optimizer up before "
+                "the first step and the first fabric.load: fabric.setup_optimizers(optimizer1, optimizer2)."
             )
         self._deferred = False
         if self._engine is not None:
-            self._rebuild_for(self._module, optimizer)
+            self._rebuild_for(self._module, [*self._optimizers, optimizer])
         else:
             self._build(self._module, [optimizer])
         return optimizer
 
-    def _rebuild_for(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Stage 3, ``setup_optimizers`` after the engine was built without an optimizer (a forward,
-        save or load came between ``setup_module`` and it): the engine is rebuilt for ``optimizer``
-        from the weights it holds. Without a separate master (fp32, "bf16-true") the result equals
-        ``fabric.setup(model, optimizer)``; under mixed precision the weights start from their
-        compute-dtype values (an engine without optimizer keeps no fp32 master). Costs the whole
-        model on every rank for the rebuild. Call on all ranks."""
+    def _rebuild_for(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """``setup_optimizers`` after the engine was built without ``optimizers[-1]`` (stage 3: a forward,
+        save or load came between ``setup_module`` and it, or the model was built under ``init_module``;
+        any stage: an earlier optimizer of the same ``setup_optimizers`` call): the engine is rebuilt for
+        all of ``optimizers`` from the weights it holds, the fp32 masters where it keeps them, so the
+        result equals ``fabric.setup(model, *optimizers)`` (under mixed precision a stage-3 engine built
+        without an optimizer keeps no fp32 master: the weights then start from their compute-dtype
+        values). Costs the whole model on every rank for the rebuild. Call on all ranks."""
         assert self._engine is not None
-        if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        new = optimizers[-1]
+        if any(new.state.get(p) for g in new.param_groups for p in g["params"]):
             raise ValueError(
-                f"{type(optimizer).__name__} already has state (it stepped before fabric.setup_optimizers); "
+                f"{type(new).__name__} already has state (it stepped before fabric.setup_optimizers); "
                 "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
             )
         whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
@@ -343,7 +373,7 @@ class FabricZeroStrategy(DDPStrategy):
                 if id(param) in whole:
                     param.data = whole[id(param)].to(self.root_device)
         del whole
-        self._build(module, [optimizer])
+        self._build(module, optimizers)
 
     def _adopt(self, module: nn.Module) -> None:
         if self._module is not None and self._module is not module:
@@ -572,6 +602,7 @@ class FabricZeroStrategy(DDPStrategy):
     def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
         keys = fabric_state.split_state(state, self._module, self._optimizers)
         module = self._saved_module()
+        self._optimizer_states_loaded |= bool(keys.optimizers)
         return fabric_state.restore(
             checkpoint, state, keys, module, self._engine, self._optimizers, self.precision, strict
         )
@@ -600,6 +631,7 @@ class FabricZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
         nvme ``restore_after_fit`` resolves to False (the default with parameters on disk)."""
+        self._end_continuation()
         self._remove_hooks()
         if self._engine is not None:
             self._engine.close(unshard=True)

@@ -84,11 +84,12 @@ class Lifecycle:
     # -- setup ----------------------------------------------------------------------------------------
 
     @contextmanager
-    def recording(self, device: torch.device) -> Generator[None, None, None]:
+    def recording(self, device: torch.device, skip_init: bool = False) -> Generator[Recording, None, None]:
         """Stage 3: a model built inside is made on the meta device and recorded; :meth:`build_engine`
-        replays it into each rank's shards (:mod:`lightning_zero.zero.deferred`)."""
-        with Recorder(device) as recording:
-            yield
+        replays it into each rank's shards (:mod:`lightning_zero.zero.deferred`). ``skip_init``: the
+        recorded ``torch.nn.init`` calls are not replayed (Fabric's ``init_module(empty_init=True)``)."""
+        with Recorder(device, skip_init) as recording:
+            yield recording
         self.recordings.append(recording)
 
     def check_meta(self, module: nn.Module) -> bool:

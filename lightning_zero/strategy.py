@@ -57,6 +57,7 @@ from lightning_zero.config import (
 )
 from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lifecycle import Lifecycle
+from lightning_zero.lockstep import StepLockstep, watch_trainer_steps
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
 from lightning_zero.parallel.setup import ParallelSetup
@@ -162,6 +163,7 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
+        self._steplock: StepLockstep | None = None  # stage 3: a forward some ranks skip raises (lockstep.py)
         self._module_state_out: dict[str, Any] | None = None  # the last lightning_module_state_dict()
         self._buffer_sync = BufferSync()  # broadcast_buffers (DDP's default)
         self._parallel = ParallelSetup(tensor=self.config.tensor, pipeline=self.config.pipeline)
@@ -318,6 +320,9 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
             self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=False)
             if stage3:  # the EMA/SWA callbacks made their copies (whole) in their setup
                 shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
+            if stage3 and not self._parallel.pipelined:  # the pipeline schedule runs forwards outside steps
+                group, timeout = self.data_parallel_group, self.failure_config.collective_timeout
+                self._steplock = watch_trainer_steps(self._engine, group, timeout)
 
     def _route_lightning_optimizers(self) -> None:
         """``self.optimizers()`` (manual optimization) returns Lightning's wrappers, whose ``zero_grad``
@@ -383,6 +388,13 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         assert module is not None
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
+
+    def barrier(self, name: str | None = None) -> None:
+        """Counted first under stage 3, so that a rank running a forward alone raises instead of
+        hanging (:class:`~lightning_zero.lockstep.StepLockstep`)."""
+        if self._steplock is not None:
+            self._steplock.before_barrier()
+        super().barrier(name)
 
     def _step_scope(self) -> contextlib.AbstractContextManager[None]:
         """Stage 3: the step may read any parameter (gathered on use, the root unit around it)."""

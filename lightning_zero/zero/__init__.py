@@ -13,7 +13,8 @@ Its modules are private to it: ``tests/unit/test_import_contract.py`` fails when
 
 * :class:`ZeroEngine` and the records it takes and returns (:mod:`~lightning_zero.zero.surface`).
 * Sharded construction: :class:`Recorder` records ``configure_model`` on the meta device into
-  :class:`Recording` s that the engine replays into the shards; :func:`active_recording`.
+  :class:`Recording` s that the engine replays into the shards; :func:`active_recording`;
+  :class:`Continuation` records what a program does to the meta model after it was built, until setup.
 * Before the engine exists: :func:`check_nvme_space` (the disk tier's files fit);
   :func:`fp32_norm_params` (the parameters mixed precision keeps in fp32, for the precision plugin).
 * Checkpoint support: :func:`placeholders_allowed` / :func:`placeholders_ok` (``state_dict()`` of a
@@ -24,7 +25,7 @@ Its modules are private to it: ``tests/unit/test_import_contract.py`` fails when
 
 from lightning_zero.zero.averaging import keep_edits_in_masters, shard_averaged_copies
 from lightning_zero.zero.build import fp32_norm_params
-from lightning_zero.zero.deferred import Recorder, Recording, active_recording
+from lightning_zero.zero.deferred import Continuation, Recorder, Recording, active_recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.engine_checkpoint import exact_storage
 from lightning_zero.zero.gather import placeholders_allowed, placeholders_ok, recompute_contexts
@@ -41,6 +42,7 @@ from lightning_zero.zero.surface import (
 from lightning_zero.zero.swap import check_space as check_nvme_space
 
 __all__ = [
+    "Continuation",
     "HeldParam",
     "LocalPiece",
     "ModelParallelContext",

@@ -66,7 +66,7 @@ class BuildContext:
     """"32-true": every parameter keeps its own dtype, as under DDP (a ``.double()`` sub-module stays
     float64, in flat buffers of its own); otherwise every floating parameter gets ``dtype``."""
     fp32_params: frozenset[int] = frozenset()
-    """``id``\ s of parameters kept in fp32 under mixed precision (:func:`fp32_norm_params`)."""
+    """Ids of the parameters kept in fp32 under mixed precision (:func:`fp32_norm_params`)."""
 
     def dtype_of(self, param: torch.Tensor) -> torch.dtype:
         """The dtype ``param`` has in its flat buffer."""
@@ -114,7 +114,7 @@ class BuildContext:
 
 
 def fp32_norm_params(module: nn.Module) -> frozenset[int]:
-    """``id``\ s of the parameters that stay fp32 under 16-bit mixed precision: those of batch-norm
+    """The ids of the parameters that stay fp32 under 16-bit mixed precision: those of batch-norm
     layers (``torch.nn.modules.batchnorm._BatchNorm``: BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones).
     Their running statistics are fp32 buffers, and torch's kernels take a 16-bit input with fp32
     weights and statistics (what autocast gives under DDP), not 16-bit weights beside fp32 statistics."""
@@ -199,8 +199,8 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
     """Give a module's own meta tensors real values on ``device``: the values the unsharded build
     gives, replayed from the recording of ``configure_model`` (:mod:`lightning_zero.zero.deferred`).
     A tensor no recorded op ever wrote (``torch.empty`` left as it is; or built on meta outside the
-    recorder) is initialized by the module's ``reset_parameters()``, as FSDP does; without one, a
-    ValueError names it. Parameter objects keep their identity (optimizers and ties hold them)."""
+    recorder) is initialized by the module's ``reset_parameters()``, as FSDP does (the module's
+    recorded tensors keep their values); without one, a ValueError names it. Parameter objects keep their identity (optimizers and ties hold them)."""
     metas = [(n, p) for n, p in module._parameters.items() if p is not None and p.is_meta]
     meta_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
     if not metas and not meta_buffers:
@@ -237,6 +237,12 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
     if not unset:
         return
     reset = getattr(module, "reset_parameters", None)
+    if not callable(reset) and any(r.empty_init for r in recordings):
+        # init_module(empty_init=True): uninitialized memory under DDP, which the program overwrites (a
+        # load after setup); zeros here, so that every rank holds the same
+        for tensor_name in unset:
+            getattr(module, tensor_name).data.zero_()
+        return
     if not callable(reset):
         raise ValueError(
             f"{', '.join(unset)} of module {name or '<root>'} ({type(module).__name__}) were built on the meta device "
@@ -244,8 +250,13 @@ def materialize(name: str, module: nn.Module, device: torch.device, recordings: 
             "reset_parameters() to initialize them. Initialize them where they are created (e.g. torch.zeros "
             "instead of torch.empty), or give the module a reset_parameters()."
         )
+    # reset_parameters() initializes the whole module: the tensors the recording wrote keep those values
+    written = {n: t.detach().clone() for n, t in [*module._parameters.items(), *module._buffers.items()]
+               if t is not None and n not in unset}  # fmt: skip
     with torch.no_grad():
         reset()
+        for tensor_name, value in written.items():
+            getattr(module, tensor_name).copy_(value)
 
 
 def build_sharded(

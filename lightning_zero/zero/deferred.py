@@ -76,6 +76,8 @@ class Recording:
     """The ops of one ``configure_model`` under :class:`Recorder`; see the module docstring."""
 
     device: torch.device
+    #: built under ``init_module(empty_init=True)``: a tensor nothing wrote may stay uninitialized
+    empty_init: bool = False
     ops: list[_Op] = field(default_factory=list)
     # Keeps storages (and so their keys) alive. The storage, not the tensor: a tensor would keep its
     # autograd graph alive too, and with it references to the parameters it was computed from
@@ -315,10 +317,13 @@ class Recorder(TorchDispatchMode):
     """``with Recorder(device) as recording:`` builds on the meta device and records; see the module
     docstring. ``device`` is where the model will live (random ops are drawn there)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, skip_init: bool = False) -> None:
         super().__init__()
         self.recording = Recording(torch.device(device))
         self._patched: list[tuple[Any, str, Any]] = []  # (namespace, key, original)
+        #: ``init_module(empty_init=True)``: torch.nn.init calls do nothing, as under Fabric's ``_EmptyInit``
+        self.skip_init = skip_init
+        self.recording.empty_init = skip_init
 
     def __enter__(self) -> Recording:  # yields the recording, not the mode
         self._patch()
@@ -357,7 +362,8 @@ class Recorder(TorchDispatchMode):
         @functools.wraps(original)
         def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and recording.recorded(tensor):
-                recording.record_call(original, tensor, args, kwargs)
+                if not self.skip_init:
+                    recording.record_call(original, tensor, args, kwargs)
                 return tensor
             return original(tensor, *args, **kwargs)
 
@@ -397,3 +403,40 @@ class Recorder(TorchDispatchMode):
         if on_meta or any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_flatten(out)[0]):
             self.recording.record(func, args, kwargs, out)
         return out
+
+
+class Continuation(Recorder):
+    """What a program does to a model built under :class:`Recorder` after that block and before the
+    sharded build: Fabric's ``init_module(empty_init=True)``, then ``reset_parameters()`` or an init
+    loop on the meta model, then ``setup`` (LitGPT's pretraining, FSDP programs). Ops on the
+    recorded meta tensors, and tensors created on the meta device, go on into the same recording, so
+    the build replays them too; everything else runs as usual (tensors made for the model's device
+    stay real). Entered by :meth:`start`, left by :meth:`end` (the build) on all ranks."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__(recording.device)
+        self.recording = recording
+
+    def _factory_here(self, func: Any, leaves: list[Any], kwargs: dict[str, Any]) -> bool:
+        device = kwargs.get("device")
+        no_inputs = not any(isinstance(t, torch.Tensor) for t in leaves)
+        return no_inputs and device is not None and torch.device(device).type == "meta"
+
+    def start(self) -> Continuation:
+        """Record from now on."""
+        self.__enter__()
+        return self
+
+    def end(self) -> None:
+        """Stop recording (a no-op when already stopped). ``ValueError`` when another dispatch mode
+        entered since is still active (modes leave in the reverse order of entering)."""
+        stack = _get_current_dispatch_mode_stack()
+        if all(mode is not self for mode in stack):
+            return
+        if stack[-1] is not self:
+            raise ValueError(
+                f"{type(stack[-1]).__name__}, a TorchDispatchMode entered after fabric.init_module(), is still active "
+                "when the model is set up: leave it before fabric.setup (the stage-3 build records what runs on "
+                "the model between init_module and setup)."
+            )
+        self.__exit__(None, None, None)

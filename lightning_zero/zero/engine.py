@@ -293,6 +293,12 @@ class ZeroEngine(CheckpointSurface):
         A no-op at stages 1 and 2. Call on all ranks."""
         return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
 
+    def watch_steps(self, lockstep: Any) -> None:
+        """Stage 3 under the Trainer: tell ``lockstep`` (:class:`~lightning_zero.lockstep.StepLockstep`)
+        of every step and of every forward outside the steps that gathers. A no-op at stages 1 and 2."""
+        if self._coordinator is not None:
+            self._coordinator.lockstep = lockstep
+
     def step_on_root_forward(self) -> None:
         """Stage 3: the root module's forward is a step (see :meth:`step_scope`): Fabric's, where the
         loop calls the model and no step hook exists. A no-op at stages 1 and 2."""

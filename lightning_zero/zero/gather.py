@@ -240,6 +240,9 @@ class GatherCoordinator:
         self._learned: dict[int, list[FlatBuffer]] = {}
         self._depth = 0  # nesting of open steps
         self._mode: GatherOnUse | None = None
+        #: the Trainer's :class:`~lightning_zero.lockstep.StepLockstep`: told of each step and of each
+        #: forward outside the steps that gathers (one some ranks may run alone)
+        self.lockstep: Any = None
 
     def _describe(self, number: int) -> str:
         if not 0 <= number < len(self._all):
@@ -322,6 +325,8 @@ class GatherCoordinator:
         """A step begins (or the root's forward): the root unit is gathered, and ops gather released
         parameters they are given (:class:`GatherOnUse`). Call on all ranks."""
         if self._depth == 0:
+            if self.lockstep is not None:
+                self.lockstep.before_step()
             self._running.clear()  # left over by a forward that raised
             self.acquire(self.root_needs, "the root module (step)")
             self.pin(self.root_needs)
@@ -426,6 +431,9 @@ class GatherCoordinator:
                 for b in self.needs[index]:
                     b.gather_wait()
                 return
+            outside = self.lockstep is not None and not self._depth and not self._running
+            if outside and any(b.state is not ParamState.GATHERED for b in self.needs[index]):
+                self.lockstep.before_unscoped(f"{self.names[index]} of {type(self._root).__name__}")
             self._running.append(index)
             position = len(self.trace)
             self.trace.append(index)

@@ -29,13 +29,14 @@ ZERO3 = {"stage": 3, "reduce_bucket_size": 30, "param_persistence_threshold": 0,
 
 def run(strategy: Any, clip: str, optimizer: str, how: str = "setup", precision: str = "32-true") -> dict[str, Any]:
     """Train a seeded ParityModel with ``optimizer`` ("two": AdamW for the blocks, SGD for the rest),
-    set up by ``how``: "setup" (fabric.setup), "init_module" (built under fabric.init_module()) or
-    "two_step" (fabric.setup_module, then fabric.setup_optimizers)."""
+    set up by ``how``: "setup" (fabric.setup), "init_module" (built under fabric.init_module()),
+    "two_step" (fabric.setup_module, then fabric.setup_optimizers of all of them) or "init_two_step"
+    (both)."""
     import lightning.pytorch as pl
 
     fabric = make_fabric(strategy, precision)
     pl.seed_everything(7, verbose=False)
-    with fabric.init_module() if how == "init_module" else contextlib.nullcontext():
+    with fabric.init_module() if how.startswith("init") else contextlib.nullcontext():
         model = ParityModel(optimizer="adamw" if optimizer == "two" else optimizer)
     if optimizer == "two":
         blocks = [p for m in (model.up, model.down, model.norm) for p in m.parameters()]
@@ -45,9 +46,10 @@ def run(strategy: Any, clip: str, optimizer: str, how: str = "setup", precision:
     else:
         configured = model.configure_optimizers()
         optimizers, scheduler = [configured["optimizer"]], configured["lr_scheduler"]["scheduler"]
-    if how == "two_step":
+    if how.endswith("two_step"):
         fabric_model = fabric.setup_module(model)
-        fabric_optimizers = [fabric.setup_optimizers(*optimizers)]
+        set_up = fabric.setup_optimizers(*optimizers)
+        fabric_optimizers = list(set_up) if isinstance(set_up, tuple) else [set_up]
     else:
         fabric_model, *fabric_optimizers = fabric.setup(model, *optimizers)
     loader = fabric.setup_dataloaders(make_loader())
@@ -90,9 +92,17 @@ def test_fabric_matches_ddp_stages_offload_accumulation_clipping():
         # recomputed in backward (stage 3: re-gathered there): the same numbers in fp32
         ("zero3_checkpointed", {**ZERO3, "activation_checkpointing": torch.nn.Linear}, "norm", "adamw", "setup"),
     ]
-    # two optimizers over two parts of the model, stepped one after the other
+    # two optimizers over two parts of the model, stepped one after the other; set up together, or
+    # setup_module then setup_optimizers(opt1, opt2) (Fabric hands them over one at a time: the engine
+    # is rebuilt for both, which must equal setting them up together)
     specs += [
         (name, spec, "norm", "two", "setup") for name, spec in (("ddp", "ddp"), ("zero2", zero2), ("zero3", ZERO3))
+    ]
+    specs += [
+        ("zero1_two_step", "zero1", "norm", "two", "two_step"),
+        ("zero2_two_step", zero2, "norm", "two", "two_step"),
+        ("zero3_two_step", ZERO3, "norm", "two", "two_step"),
+        ("zero3_init_two_step", ZERO3, "norm", "two", "init_two_step"),  # built on meta: rebuilt twice
     ]
     results = run_ranks(_parity_worker, specs, timeout=900)
     for res in results:
@@ -212,6 +222,9 @@ def test_fabric_bf16_mixed_matches_ddp():
         ("zero2", {"stage": 2, "reduce_bucket_size": 40}, "norm", "adamw", "setup"),
         ("zero3", ZERO3, "norm", "adamw", "setup"),
         ("zero2_offload", "zero2_offload", "norm", "adamw", "setup"),
+        # setup_optimizers(opt1, opt2) rebuilds the engine from its fp32 masters, not the bf16 weights
+        ("ddp", "ddp", "norm", "two", "setup"),
+        ("zero2_two_step", {"stage": 2, "reduce_bucket_size": 40}, "norm", "two", "two_step"),
     ]
     for res in run_ranks(_parity_worker, specs, "bf16-mixed", timeout=600):
         ref = res[("ddp", "norm", "adamw")]
@@ -252,12 +265,15 @@ def _errors_worker(rank: int) -> dict:
     tokens = make_loader().dataset.tensors[0][:3]
     expect("no_optimizer", ValueError, lambda: fabric.backward(loss_of(fabric_model, tokens)))
     fabric.strategy.teardown()
-    # stage 3: setup_module then setup_optimizers builds the engine for that optimizer; a second
-    # setup_optimizers afterwards is refused (ZeRO partitions the model once, for all its optimizers)
+    # stage 3: setup_module then setup_optimizers builds the engine for that optimizer; another one is
+    # refused after the first step (ZeRO keeps the states in its shards), and the same one twice
     fabric = make_fabric("zero3")
     model = ParityModel()
-    fabric.setup_module(model)
-    fabric.setup_optimizers(torch.optim.AdamW(model.up.parameters()))
+    fabric_model = fabric.setup_module(model)
+    first = fabric.setup_optimizers(torch.optim.AdamW(fabric_model.parameters()))
+    expect("same_twice", ValueError, lambda: fabric.setup_optimizers(first.optimizer))
+    fabric.backward(loss_of(fabric_model, tokens))
+    first.step()
     expect("stage3_two_step", ValueError, lambda: fabric.setup_optimizers(torch.optim.AdamW(model.down.parameters())))
     fabric.strategy.teardown()
     # unsupported options, caught at construction
@@ -299,7 +315,9 @@ def test_fabric_bad_input_raises_before_work():
     messages = run_ranks(_errors_worker)[0]
     assert "outside the model" in messages["foreign"] and "model.parameters()" in messages["foreign"]
     assert "needs the optimizer set up" in messages["no_optimizer"]
-    assert "fabric.setup(model, optimizer1, optimizer2)" in messages["stage3_two_step"]
+    assert "1 optimizer step(s)" in messages["stage3_two_step"]
+    assert "fabric.setup_optimizers(optimizer1, optimizer2)" in messages["stage3_two_step"]
+    assert "already set up" in messages["same_twice"]
     assert "data parallel only" in messages["tensor_parallel"]
     assert "stage" in messages["bad_stage"]
     assert "reduce_bucket" in messages["unknown_option"]

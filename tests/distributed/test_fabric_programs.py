@@ -17,6 +17,7 @@ import contextlib
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -399,3 +400,101 @@ def test_litgpt_like_program_matches_ddp(tmp_path) -> None:
     for name, spec in GPT_CASES:
         if spec.get("state_dict_type") == "full":  # one file, as Fabric's DDP writes it
             _close(name, torch.load(tmp_path / name / "final.pth", weights_only=True)["model"], ddp_final)
+
+
+class _SoloCallback(pl.Callback):
+    """At batch 0 every rank runs a forward outside the steps (fine); at batch 1 rank 0 alone does,
+    while rank 1 goes on into its next batch or into ``strategy.barrier()``."""
+
+    def __init__(self, then: str) -> None:
+        self.then = then
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # a short wait for the case no counter shows (rank 1 in Lightning's per-batch broadcast)
+        trainer.strategy._steplock.wait_s = 5.0
+        if batch_idx == 0 or (batch_idx == 1 and trainer.is_global_zero):
+            with torch.no_grad():
+                pl_module(batch[0][:2])
+        if batch_idx == 1 and self.then == "barrier":
+            trainer.strategy.barrier()
+
+
+def _trainer_solo_worker(rank: int, then: str) -> str:
+    from models import fit
+
+    try:
+        fit(ZERO3, max_steps=3, trainer_kwargs={"callbacks": [_SoloCallback(then)]})
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("then", ["next_batch", "barrier"])
+def test_trainer_forward_on_one_rank_is_an_error_not_a_hang(then: str) -> None:
+    messages = run_ranks(_trainer_solo_worker, then, timeout=240)
+    # rank 0 names the module and what rank 1 did instead; rank 1's wait ends with rank 0's exit
+    assert "ParityModel" in messages[0] and "outside the Trainer's steps" in messages[0], messages
+    if then == "barrier":
+        assert "strategy.barrier()" in messages[0], messages
+    assert messages[1] != "no error", messages
+
+
+def _initialize(model: torch.nn.Module) -> None:
+    """LitGPT's pretraining init on the model built under init_module(empty_init=True): its own
+    reset_parameters for Linear and Embedding, then every module's reset_parameters()."""
+    import functools
+
+    def init(module: torch.nn.Module) -> None:
+        torch.nn.init.normal_(module.weight, std=0.05)
+        if getattr(module, "bias", None) is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.reset_parameters = functools.partial(init, module)
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+def _init_worker(rank: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+
+    out = {}
+    for name, spec, how in (
+        ("ddp", "ddp", "setup"),
+        ("zero3", ZERO3, "setup"),
+        ("zero3_module_first", ZERO3, "module_opt_after"),
+        ("zero2", {"stage": 2}, "setup"),
+    ):
+        fabric = make_fabric(spec)
+        pl.seed_everything(7, verbose=False)
+        with fabric.init_module(empty_init=True):
+            model = ParityModel()
+        _initialize(model)  # on the meta model at stage 3: recorded until setup
+        if how == "setup":
+            fabric_model, optimizer = fabric.setup(model, _optimizer(model))
+        else:
+            fabric_model = fabric.setup_module(model)
+            optimizer = fabric.setup_optimizers(_optimizer(fabric_model.module))
+        drawn = torch.rand(4)  # the random state after setup, as the unsharded build leaves it
+        loader = fabric.setup_dataloaders(make_loader())
+        losses = train(fabric, fabric_model, optimizer, None, loader, "norm", 2)
+        out[name] = {"losses": losses, "state": weights(fabric, model), "drawn": drawn}
+        fabric.strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_init_module_empty_then_initialized_before_setup_matches_ddp() -> None:
+    for rank_out in run_ranks(_init_worker, timeout=600):
+        ddp = rank_out["ddp"]
+        for name in ("zero3", "zero3_module_first", "zero2"):
+            ours = rank_out[name]
+            torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=LOSS_RTOL, atol=0, msg=name)
+            _close(name, ours["state"], ddp["state"])
+            # stage 3 replays the same random draws: the generator ends where DDP's does
+            torch.testing.assert_close(ours["drawn"], ddp["drawn"], rtol=0, atol=0, msg=name)
