@@ -50,6 +50,7 @@ from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.released import real_parameter
+from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model, declared_whole_model
 from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
 from lightning_zero.zero.surface import (
@@ -109,6 +110,8 @@ class ZeroEngine(CheckpointSurface):
         self.group = group = parallel.data
         self.device = device
         owners = optimizer_owners(optimizers)
+        model_parallel = parallel.tensor is not None or parallel.pipeline is not None
+        check_whole_model(optimizers, config, precision, {k: len(v) for k, v in owners.items()}, model_parallel)
         nvme = config.offload.nvme
         disk_masters = config.offload.optimizer_tier == "nvme" and bool(optimizers)
         disk_params = config.offload.parameter_tier == "nvme" and config.zero.stage == 3
@@ -209,7 +212,9 @@ class ZeroEngine(CheckpointSurface):
         for optimizer, buffers, group_of in zip(optimizers, built.per_optimizer, built.group_of, strict=True):
             self._buffers.extend(b for b in buffers if id(b) not in holders)
             holders.update({id(b): holders.get(id(b), 0) + 1 for b in buffers})
-            self._sharded[id(optimizer)] = ShardedOptimizer(
+            # whole-model optimizers (LBFGS) step replicated over full parameters (zero/replicated.py)
+            kind = ReplicatedOptimizer if declared_whole_model(optimizer) else ShardedOptimizer
+            self._sharded[id(optimizer)] = kind(
                 optimizer,
                 buffers,
                 group_of=group_of,
@@ -324,6 +329,11 @@ class ZeroEngine(CheckpointSurface):
         """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) steps ZeRO slices."""
         return id(_unwrap(optimizer)) in self._sharded
 
+    def replicates(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is a whole-model one (LBFGS), stepped replicated by its own ``step``
+        around its closure (:meth:`step_through`)."""
+        return isinstance(self._get(optimizer), ReplicatedOptimizer)
+
     def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         return self._sharded[id(_unwrap(optimizer))]
 
@@ -360,6 +370,8 @@ class ZeroEngine(CheckpointSurface):
         overflow = False
         if sharded.whole is not None:  # parameters without a gradient this window are skipped, as under DDP
             sharded.whole.got_gradient = set(self._reducer.got_gradient)
+        if isinstance(sharded, ReplicatedOptimizer):
+            sharded.got_gradient = set(self._reducer.got_gradient)
         if update:
             # (known_finite: clipped gradients on the disk tier, not read again for the check)
             overflow = check_overflow and not (
@@ -380,12 +392,26 @@ class ZeroEngine(CheckpointSurface):
         before_update: Callable[[], None] | None = None,
         automatic: bool = True,
         step_kwargs: Mapping[str, Any] | None = None,
-    ) -> UserStep:
+    ) -> UserStep | ReplicatedCall:
         """The step as the user's own ``optimizer.step(closure=..., **step_kwargs)`` (the Trainer's
         path, :mod:`lightning_zero.zero.user_step`): the closure handed to it runs ``closure``, the
         preparation of :meth:`step` and ``before_update``; the class's step then updates the master
-        slices (or the kernels do) and they are published. Returns the record of what happened
-        (``output``: what the user's ``step`` returned). Call on all ranks."""
+        slices (or the kernels do) and they are published. A whole-model optimizer (LBFGS) steps
+        replicated, each closure evaluation a window of its own (:mod:`lightning_zero.zero.replicated`).
+        Returns the record of what happened (``output``: what the user's ``step`` returned). Call on all ranks."""
+        sharded = self._get(optimizer)
+        if isinstance(sharded, ReplicatedOptimizer):
+            replicated = ReplicatedCall(
+                self,
+                sharded,
+                closure,
+                inv_scale=inv_scale,
+                check_overflow=check_overflow,
+                before_update=before_update,
+                automatic=automatic,
+            )
+            replicated.output = replicated(**(step_kwargs or {}))
+            return replicated
         call = UserStep(
             self,
             _unwrap(optimizer),
@@ -410,7 +436,8 @@ class ZeroEngine(CheckpointSurface):
             publisher.finish(sharded.buffers)
         else:
             sharded.step(step_kwargs=step_kwargs, stepped_by_torch=stepped_by_torch)
-            publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+            if not isinstance(sharded, ReplicatedOptimizer):  # (replicated: every rank holds the update)
+                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def add_param_groups(self) -> None:
         """Partition the parameter groups added to an optimizer since setup

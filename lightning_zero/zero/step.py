@@ -9,7 +9,8 @@ This is exact only for elementwise optimizers, whose update of an element reads 
 alone: slices cut through parameters. Parameter groups of whole-tensor optimizers (Muon, Adafactor,
 one declared ``whole_tensor = True``) are stepped by parameter on one owner rank instead
 (:mod:`lightning_zero.zero.whole`); LBFGS, whose update couples all parameters and whose closure
-re-evaluates the model, and undeclared optimizers named like whole-tensor ones are rejected.
+re-evaluates the model, steps replicated over full parameters (:mod:`lightning_zero.zero.replicated`);
+undeclared optimizers named like whole-tensor ones are rejected.
 
 Checkpoints are written per piece (:mod:`lightning_zero.checkpoint`) and loaded back through
 :meth:`ShardedOptimizer.load_slices`; an unsharded optimizer state (a plain DDP checkpoint, or the
@@ -67,13 +68,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     cls = type(optimizer)
     _refuse_lazy(cls)
     name = cls.__name__
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            f"{name} computes one update from all parameters together (its history of steps spans the whole "
-            "model) and its closure re-evaluates forward and backward several times per step, which ZeRO's "
-            "sharded step does not drive; it is not supported under ZeroStrategy. Use strategy='ddp' for LBFGS, "
-            "or a per-tensor optimizer (Muon, Adafactor, Adam, ...)."
-        )
+    from lightning_zero.zero.replicated import declared_whole_model
+
+    if declared_whole_model(optimizer):
+        return  # stepped replicated over the full parameters (zero/replicated.py), checked there
     declared = declared_whole_tensor(optimizer)
     groups = whole_groups(optimizer)
     if declared is not None or groups:

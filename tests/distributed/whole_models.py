@@ -76,3 +76,19 @@ class WholeModel(ParityModel):
         muon = torch.optim.Muon(hidden, lr=self.lr * 2, weight_decay=0.05)
         adamw = torch.optim.AdamW(rest, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.0)
         return [muon, adamw]
+
+
+class LBFGSModel(ParityModel):
+    """torch.optim.LBFGS over every trainable parameter (one group, no scheduler): a few inner
+    iterations and a short history, so that a step evaluates the closure several times and the
+    history wraps; ``line_search``: "strong_wolfe" or None (fixed step). ``losses`` gets one entry per
+    closure evaluation."""
+
+    def __init__(self, line_search: str | None = "strong_wolfe", lbfgs_lr: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(optimizer="lbfgs", **kwargs)
+        self.line_search = line_search
+        self.lbfgs_lr = lbfgs_lr
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.LBFGS(params, lr=self.lbfgs_lr, max_iter=4, history_size=3, line_search_fn=self.line_search)
