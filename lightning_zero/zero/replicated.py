@@ -18,10 +18,14 @@ checkpoints of the weights are those of every other parameter; only the step dif
    parameters, one tensor (**key**) per parameter;
 2. each closure evaluation writes the keys into the model's parameters, runs the user's closure,
    completes the reduction, runs the user's ``on_before_optimizer_step`` and clipping, and
-   all-gathers the reduced slices into the keys' ``.grad`` (DDP's averaged ``param.grad``);
+   all-gathers the reduced slices into the keys' ``.grad`` (DDP's averaged ``param.grad``); the loss
+   it returns to the optimizer is averaged over the ranks too (one scalar all-reduce), the loss whose
+   gradient the keys hold. Under DDP each rank's LBFGS reads its own batch's loss, so the ranks' line
+   searches may accept different steps, or evaluate the closure a different number of times and
+   leave DDP's all-reduce waiting forever; here every rank takes the same decisions;
 3. after the class's ``step`` every rank holds the same updated keys (the same arithmetic on the
-   same values, as DDP's ranks): they are written into the parameters and this rank's master slice
-   without communication.
+   same values): they are written into the parameters and this rank's master slice without
+   communication.
 
 Cost per closure evaluation beyond DDP: one all-gather of the gradient slices (stage 1's all-reduce
 plus all-gather moves 1.5x DDP's bytes; stage 2's reduce-scatter plus all-gather the same as DDP's
@@ -171,11 +175,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
 
     def load(self, snapshot: bool = False) -> None:
         """Full masters into the keys. Where the parameters are in the master's dtype (32-true, also
-        offloaded) they are this rank's full masters: used in place, or copied to the host tier; each
-        rank keeps its own values, as DDP's ranks do (LBFGS's line search reads each rank's own loss,
-        so ranks may take different steps, under DDP too). Below it (bf16-mixed) the fp32 masters
-        are all-gathered from the ranks' slices. ``snapshot``: keep this rank's master slices to roll
-        back to (:meth:`restore`). Call on all ranks."""
+        offloaded) they are the full masters already: used in place, or copied to the host tier.
+        Below it (bf16-mixed) the fp32 masters are all-gathered from the ranks' slices.
+        ``snapshot``: keep this rank's master slices to roll back to (:meth:`restore`). Call on all ranks."""
         self._snapshot = [b.master.detach().clone() for b in self.buffers] if snapshot else []
         for b in self.buffers:
             assert b.flat_param is not None  # stages 1/2: persistent buffers
@@ -379,7 +381,20 @@ class ReplicatedCall:
         sharded.got_gradient = set(engine._reducer.got_gradient)
         sharded.take_grads()
         engine._drop_grads(sharded.optimizer)  # the next evaluation is a window of its own
-        return result
+        return self._averaged(result)
+
+    def _averaged(self, loss: Any) -> Any:
+        """``loss`` averaged over the ranks (the loss of the averaged gradient), for the optimizer's
+        decisions (LBFGS's line search, its convergence checks) to be every rank's; returned as it is
+        where some rank's closure returned none. Call on all ranks."""
+        value = float(loss) if loss is not None else 0.0
+        pair = torch.tensor([value, 0.0 if loss is None else 1.0], dtype=torch.float64, device=self.engine.device)
+        comm.all_reduce(pair, self.sharded.group, label="replicated_loss")
+        world = comm.world_size(self.sharded.group)
+        if loss is None or int(pair[1]) != world:
+            return loss
+        mean = pair[0] / world
+        return mean.to(device=loss.device, dtype=loss.dtype) if torch.is_tensor(loss) else type(loss)(mean)
 
     def _complete(self) -> None:
         self.sharded.write_params()

@@ -1,7 +1,14 @@
 """Whole-model optimizers (stepped replicated over full parameters, as under DDP): torch.optim.LBFGS
 under ZeroStrategy stages 1 and 2 (and stage 2 with the optimizer on the host) against Lightning's and
 Fabric's DDP on 2 CPU/gloo ranks, with and without its line search and with gradient clipping (run
-at every closure evaluation); stage 3 is refused at setup with the reason.
+at every closure evaluation); ranks whose batches differ stay in lockstep (the line search reads the
+averaged loss); checkpoints consolidate to DDP's and resume at another world size; stage 3 is refused
+at setup with the reason.
+
+The line search reads the loss, which ZeRO averages over the ranks and DDP does not (each rank reads
+its own): the line-search cases give every rank the same batches (no distributed sampler), where
+both are the same loss; the fixed-step case, which reads no loss, gives each rank its own batches, so
+that the averaging of the gradients is what it checks.
 """
 
 from __future__ import annotations
@@ -45,8 +52,12 @@ def _trainer_worker(rank: int) -> dict:
                 accumulate=1,
                 clip=clip,
                 max_steps=3,
+                trainer_kwargs={"use_distributed_sampler": line_search is None},
             )
             out[(case, name)] = {"losses": model.losses, "state": state(model), "steps": trainer.global_step}
+    # each rank its own batches and the line search: the same decisions on every rank (DDP's ranks
+    # would read their own losses and could leave each other waiting in an all-reduce)
+    out["lockstep"] = state(fit(SPECS["zero2"], model_cls=LBFGSModel, accumulate=1, clip=None, max_steps=3)[1])
     try:
         fit({"stage": 3}, model_cls=LBFGSModel, accumulate=1, clip=None, max_steps=1)
     except ValueError as error:
@@ -55,7 +66,8 @@ def _trainer_worker(rank: int) -> dict:
 
 
 def test_lbfgs_trainer_matches_ddp():
-    for rank, res in enumerate(run_ranks(_trainer_worker, timeout=900)):
+    results = run_ranks(_trainer_worker, timeout=900)
+    for rank, res in enumerate(results):
         for case in range(len(CASES)):
             ref = res[(case, "ddp")]
             assert len(ref["losses"]) > ref["steps"] == 3  # several closure evaluations per step
@@ -71,6 +83,9 @@ def test_lbfgs_trainer_matches_ddp():
                 for key, value in ref["state"].items():
                     assert _max_rel(got["state"][key], value) <= 1e-5, (rank, case, name, key)
         assert "stage 3" in res["stage3"] and "zero2" in res["stage3"], res["stage3"]
+    first, second = (res["lockstep"] for res in results)
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key  # the same arithmetic on every rank: bitwise
 
 
 def _fabric_step(fabric, model, optimizer, tokens: torch.Tensor, losses: list[float]) -> None:
