@@ -61,6 +61,7 @@ from lightning_zero.zero.surface import (
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
 from lightning_zero.zero.user_step import UserStep
+from lightning_zero.zero.whole import whole_groups
 
 
 class ZeroEngine(CheckpointSurface):
@@ -121,7 +122,9 @@ class ZeroEngine(CheckpointSurface):
         sink = None
         if store is not None and config.zero.stage == 3:
             grads = disk_masters and device.type == "cpu"  # the gradient tier below will hold them
-            sink = BuildToDisk(store, masters=disk_masters, params=disk_params, grads=grads)
+            sink = BuildToDisk(
+                store, masters=disk_masters, params=disk_params, grads=grads, in_memory=_host_held(optimizers)
+            )
         #: the stage-3 build's writer into the disk tier (None without one)
         self.build_to_disk = sink
         self._states_dropped = False  # the disk tier was closed without reading the states back
@@ -223,13 +226,6 @@ class ZeroEngine(CheckpointSurface):
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
             )
-        whole = [type(s.optimizer).__name__ for s in self._sharded.values() if s.whole is not None]
-        if whole and "nvme" in (config.offload.optimizer_tier, config.offload.parameter_tier):
-            raise ValueError(
-                f"{whole[0]} steps whole tensors on their owner ranks, which the NVMe tiers "
-                '(offload_optimizer="nvme", offload_parameters="nvme") do not support: their swap files hold '
-                'flat slices. Use offload_optimizer="cpu" (the owner steps on the host) or no offload.'
-            )
         #: gradients of the parameters several optimizers hold, as DDP's one param.grad (zero/shared.py)
         self._shared = SharedGrads([b for b in self._buffers if holders[id(b)] > 1], group)
         #: the disk tier (offload_optimizer="nvme"): masters and moments in files between steps
@@ -249,12 +245,20 @@ class ZeroEngine(CheckpointSurface):
         if store is not None:
             assert nvme is not None
             if disk_masters:
-                self.swap = EngineSwap(list(self._sharded.values()), store)
+                # An optimizer with whole-tensor groups keeps its masters and states in host memory (as
+                # offload_optimizer="cpu"): the swap files stream flat slices through the Adam kernel,
+                # while its owners step whole tensors with the optimizer's own class.
+                self.swap = EngineSwap([s for s in self._sharded.values() if s.whole is None], store)
             if wants_params:
                 self.param_tier = ParamTier(sharded_buffers, store, nvme)
             if self.swap is not None and config.zero.stage >= 2:
                 # gradient slices on disk too (zero/swap_grads.py); stage 1 keeps whole buckets in memory
-                on_host = [b for b in self._buffers if b.grad_shard is not None and b.grad_shard.device.type == "cpu"]
+                swapped = {id(b) for k in self.swap.kernels for b in k.buffers}
+                on_host = [
+                    b
+                    for b in self._buffers
+                    if b.grad_shard is not None and b.grad_shard.device.type == "cpu" and id(b) in swapped
+                ]
                 self.grad_tier = GradTier(on_host, store, nvme) if on_host else None
             if self.swap is None and self.param_tier is None:
                 store.close(bring_back=False)  # nothing to keep on disk after all
@@ -809,6 +813,12 @@ class ZeroEngine(CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
             self._coordinator = None
+
+
+def _host_held(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
+    """Ids of the parameters of optimizers with whole-tensor groups: their masters, gradient slices
+    and states stay in host memory under offload_optimizer="nvme" (see :meth:`ZeroEngine._build`)."""
+    return frozenset(id(p) for o in optimizers if whole_groups(o) for g in o.param_groups for p in g["params"])
 
 
 def _routed_zero_grad(

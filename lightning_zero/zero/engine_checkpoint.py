@@ -288,7 +288,7 @@ class CheckpointSurface:
             return
         # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
         # dtype and device); a state tensor that torch replaced anyway takes over its file.
-        self._get(optimizer).load_slices(state, saved_groups)
+        self._get(optimizer).load_slices(state, saved_groups, whole_state)
         self.swap.settle()
 
     def _read_whole(self, owned: list[WholeParam], read: OptimizerPieceReader) -> dict[int, dict[str, Any]]:

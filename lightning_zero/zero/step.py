@@ -21,7 +21,7 @@ earlier single-file format with the fp32 masters under ``"master"``) loads throu
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -380,7 +380,9 @@ class ShardedOptimizer:
         if self.whole is not None:
             self.whole.store()  # the updated pieces back into every holder's master slice
         for b in self.buffers:
-            b.params_from_master()
+            # the parameter disk tier: the shard has memory only while written (zero/swap.py)
+            with b.shard_tier.rewrite([b]) if b.shard_tier is not None else nullcontext():
+                b.params_from_master()
             if stepped is not None:
                 stepped(b, None)
 

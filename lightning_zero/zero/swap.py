@@ -376,11 +376,16 @@ class BuildToDisk:
     (``grads``), before the next module is materialized. So a model built in ``configure_model`` is
     never whole in memory: at most one module's full tensors and one buffer's slices are. The files
     are renamed to their owners' names when the tiers take them over (:meth:`SwapStore.rename`).
+    The masters and gradient slices of buffers holding parameters in ``in_memory`` (ids: optimizers
+    with whole-tensor groups, stepped by their own class on the host) stay in memory.
     """
 
-    def __init__(self, store: SwapStore, *, masters: bool, params: bool, grads: bool) -> None:
+    def __init__(
+        self, store: SwapStore, *, masters: bool, params: bool, grads: bool, in_memory: frozenset[int] = frozenset()
+    ) -> None:
         self.store = store
         self.masters, self.params, self.grads = masters, params, grads
+        self.in_memory = in_memory
         self.count = 0
         #: bytes of earlier buffers' masters, parameter shards and gradient slices still in memory
         #: when each buffer was written, the most seen (tests read it: 0 when nothing stays behind)
@@ -397,10 +402,19 @@ class BuildToDisk:
         self.peak_left_behind = max(self.peak_left_behind, left)
         n, items = self.count, list[Swapped]()
         self.count += 1
-        if self.masters and b.trainable and b.separate_master:
-            if b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata:
-                b.param_shard = b.master.detach().clone()  # fp32: the shard stays apart from the master (EngineSwap)
-                b.bind_released()
+        host = any(id(p) in self.in_memory for p in b.params)
+        to_disk = self.masters and b.trainable and b.separate_master and not host
+        separate = b.trainable and b.separate_master
+        if (
+            separate
+            and (to_disk or self.params)
+            and b.param_shard.untyped_storage()._cdata == b.master.untyped_storage()._cdata
+        ):
+            # fp32: the shard stays apart from the master (EngineSwap), which goes to disk, or stays in memory
+            # while the shard goes
+            b.param_shard = b.master.detach().clone()
+            b.bind_released()
+        if to_disk:
             items.append((f"build{n}.master", b.master))
         if self.params:
             items.append((f"build{n}.param", b.param_shard))
@@ -409,6 +423,6 @@ class BuildToDisk:
                 param.data = empty  # not views of a shard about to lose its memory (ParamTier binds the same)
         self.store.evict(items)
         self.store.release(items)
-        if self.grads and b.grad_shard is not None:
+        if self.grads and b.grad_shard is not None and not host:
             b.grad_shard.untyped_storage().resize_(0)  # zero until the first reduction (GradTier)
         self._built.append(b)
