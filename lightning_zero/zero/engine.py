@@ -61,7 +61,7 @@ from lightning_zero.zero.surface import (
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
 from lightning_zero.zero.user_step import UserStep
-from lightning_zero.zero.whole import whole_groups
+from lightning_zero.zero.whole import host_held
 
 
 class ZeroEngine(CheckpointSurface):
@@ -111,8 +111,7 @@ class ZeroEngine(CheckpointSurface):
         self.group = group = parallel.data
         self.device = device
         owners = optimizer_owners(optimizers)
-        model_parallel = parallel.tensor is not None or parallel.pipeline is not None
-        check_whole_model(optimizers, config, precision, {k: len(v) for k, v in owners.items()}, model_parallel)
+        check_whole_model(optimizers, config, precision, owners, parallel)
         nvme = config.offload.nvme
         disk_masters = config.offload.optimizer_tier == "nvme" and bool(optimizers)
         disk_params = config.offload.parameter_tier == "nvme" and config.zero.stage == 3
@@ -122,9 +121,8 @@ class ZeroEngine(CheckpointSurface):
         sink = None
         if store is not None and config.zero.stage == 3:
             grads = disk_masters and device.type == "cpu"  # the gradient tier below will hold them
-            sink = BuildToDisk(
-                store, masters=disk_masters, params=disk_params, grads=grads, in_memory=_host_held(optimizers)
-            )
+            kept = host_held(optimizers)  # (whole-tensor groups: their masters and gradients stay in memory)
+            sink = BuildToDisk(store, masters=disk_masters, params=disk_params, grads=grads, in_memory=kept)
         #: the stage-3 build's writer into the disk tier (None without one)
         self.build_to_disk = sink
         self._states_dropped = False  # the disk tier was closed without reading the states back
@@ -215,8 +213,7 @@ class ZeroEngine(CheckpointSurface):
         for optimizer, buffers, group_of in zip(optimizers, built.per_optimizer, built.group_of, strict=True):
             self._buffers.extend(b for b in buffers if id(b) not in holders)
             holders.update({id(b): holders.get(id(b), 0) + 1 for b in buffers})
-            # whole-model optimizers (LBFGS) step replicated over full parameters (zero/replicated.py)
-            kind = ReplicatedOptimizer if declared_whole_model(optimizer) else ShardedOptimizer
+            kind = ReplicatedOptimizer if declared_whole_model(optimizer) else ShardedOptimizer  # LBFGS: replicated
             self._sharded[id(optimizer)] = kind(
                 optimizer,
                 buffers,
@@ -245,19 +242,13 @@ class ZeroEngine(CheckpointSurface):
         if store is not None:
             assert nvme is not None
             if disk_masters:
-                # An optimizer with whole-tensor groups keeps its masters and states in host memory (as
-                # offload_optimizer="cpu"): the swap files stream flat slices through the Adam kernel,
-                # while its owners step whole tensors with the optimizer's own class.
-                self.swap = EngineSwap([s for s in self._sharded.values() if s.whole is None], store)
+                self.swap = EngineSwap(list(self._sharded.values()), store)
             if wants_params:
                 self.param_tier = ParamTier(sharded_buffers, store, nvme)
             if self.swap is not None and config.zero.stage >= 2:
                 # gradient slices on disk too (zero/swap_grads.py); stage 1 keeps whole buckets in memory
-                swapped = {id(b) for k in self.swap.kernels for b in k.buffers}
                 on_host = [
-                    b
-                    for b in self._buffers
-                    if b.grad_shard is not None and b.grad_shard.device.type == "cpu" and id(b) in swapped
+                    b for b in self.swap.buffers() if b.grad_shard is not None and b.grad_shard.device.type == "cpu"
                 ]
                 self.grad_tier = GradTier(on_host, store, nvme) if on_host else None
             if self.swap is None and self.param_tier is None:
@@ -334,8 +325,7 @@ class ZeroEngine(CheckpointSurface):
         return id(_unwrap(optimizer)) in self._sharded
 
     def replicates(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` is a whole-model one (LBFGS), stepped replicated by its own ``step``
-        around its closure (:meth:`step_through`)."""
+        """Whether ``optimizer`` is a whole-model one (LBFGS): its own ``step`` runs the closure (:meth:`step_through`)."""
         return isinstance(self._get(optimizer), ReplicatedOptimizer)
 
     def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
@@ -372,10 +362,7 @@ class ZeroEngine(CheckpointSurface):
         if before_update is not None:
             before_update()
         overflow = False
-        if sharded.whole is not None:  # parameters without a gradient this window are skipped, as under DDP
-            sharded.whole.got_gradient = set(self._reducer.got_gradient)
-        if isinstance(sharded, ReplicatedOptimizer):
-            sharded.got_gradient = set(self._reducer.got_gradient)
+        sharded.note_gradients(set(self._reducer.got_gradient))  # the others are skipped, as under DDP
         if update:
             # (known_finite: clipped gradients on the disk tier, not read again for the check)
             overflow = check_overflow and not (
@@ -400,23 +387,10 @@ class ZeroEngine(CheckpointSurface):
         """The step as the user's own ``optimizer.step(closure=..., **step_kwargs)`` (the Trainer's
         path, :mod:`lightning_zero.zero.user_step`): the closure handed to it runs ``closure``, the
         preparation of :meth:`step` and ``before_update``; the class's step then updates the master
-        slices (or the kernels do) and they are published. A whole-model optimizer (LBFGS) steps
-        replicated, each closure evaluation a window of its own (:mod:`lightning_zero.zero.replicated`).
+        slices (or the kernels do) and they are published (a whole-model optimizer: :mod:`~lightning_zero.zero.replicated`).
         Returns the record of what happened (``output``: what the user's ``step`` returned). Call on all ranks."""
-        sharded = self._get(optimizer)
-        if isinstance(sharded, ReplicatedOptimizer):
-            replicated = ReplicatedCall(
-                self,
-                sharded,
-                closure,
-                inv_scale=inv_scale,
-                check_overflow=check_overflow,
-                before_update=before_update,
-                automatic=automatic,
-            )
-            replicated.output = replicated(**(step_kwargs or {}))
-            return replicated
-        call = UserStep(
+        kind = ReplicatedCall if self.replicates(optimizer) else UserStep
+        call = kind(
             self,
             _unwrap(optimizer),
             closure,
@@ -813,12 +787,6 @@ class ZeroEngine(CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
             self._coordinator = None
-
-
-def _host_held(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
-    """Ids of the parameters of optimizers with whole-tensor groups: their masters, gradient slices
-    and states stay in host memory under offload_optimizer="nvme" (see :meth:`ZeroEngine._build`)."""
-    return frozenset(id(p) for o in optimizers if whole_groups(o) for g in o.param_groups for p in g["params"])
 
 
 def _routed_zero_grad(

@@ -55,6 +55,7 @@ from lightning_zero.zero.whole import WholeParam
 if TYPE_CHECKING:
     from lightning_zero.config import StrategyConfig
     from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.surface import ModelParallelContext
 
 KNOWN_WHOLE_MODEL: tuple[type, ...] = (torch.optim.LBFGS,)
 """torch optimizers stepped replicated without any declaration."""
@@ -77,11 +78,12 @@ def check_whole_model(
     optimizers: list[torch.optim.Optimizer],
     config: StrategyConfig,
     precision: str,
-    shared: dict[int, int],
-    model_parallel: bool,
+    holders: Mapping[int, tuple],
+    parallel: ModelParallelContext,
 ) -> None:
     """``ValueError`` before anything is built where a whole-model optimizer cannot step exactly.
-    ``shared``: ``id(param) -> how many optimizers hold it``."""
+    ``holders``: ``id(param) -> the (optimizer, group) holding it``."""
+    model_parallel = parallel.tensor is not None or parallel.pipeline is not None
     for optimizer in optimizers:
         if not declared_whole_model(optimizer):
             continue
@@ -116,7 +118,7 @@ def check_whole_model(
                 "across ranks outside the data-parallel group; use it with data parallelism only."
             )
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if any(shared.get(i, 1) > 1 for i in ids):
+        if any(len(holders.get(i, ())) > 1 for i in ids):
             raise ValueError(
                 f"a parameter of {name} is also given to another optimizer; give each parameter of a whole-model "
                 "optimizer to it alone."
@@ -164,6 +166,9 @@ class ReplicatedOptimizer(ShardedOptimizer):
             finally:
                 if original is not None:
                     self.optimizer._params = original  # type: ignore[attr-defined]
+
+    def note_gradients(self, got: set[int]) -> None:
+        self.got_gradient = got
 
     def add_groups(self, buffers: list[FlatBuffer]) -> None:
         raise ValueError(
@@ -325,7 +330,7 @@ class ReplicatedCall:
     def __init__(
         self,
         engine: ZeroEngine,
-        sharded: ReplicatedOptimizer,
+        optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any] | None,
         *,
         inv_scale: float,
@@ -334,6 +339,8 @@ class ReplicatedCall:
         automatic: bool,
     ) -> None:
         self.engine = engine
+        sharded = engine._get(optimizer)
+        assert isinstance(sharded, ReplicatedOptimizer)
         self.sharded = sharded
         self.user_closure = closure
         self.inv_scale = inv_scale
@@ -378,7 +385,7 @@ class ReplicatedCall:
             self.before_update()
         if self.update and self.check_overflow and not bool(torch.isfinite(engine.grad_norm(sharded.optimizer))):
             raise _NonFinite
-        sharded.got_gradient = set(engine._reducer.got_gradient)
+        sharded.note_gradients(set(engine._reducer.got_gradient))
         sharded.take_grads()
         engine._drop_grads(sharded.optimizer)  # the next evaluation is a window of its own
         return self._averaged(result)

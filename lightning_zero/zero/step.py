@@ -274,6 +274,12 @@ class ShardedOptimizer:
                 grad.mul_(inv_scale)
             b.master.grad = grad
 
+    def note_gradients(self, got: set[int]) -> None:
+        """The ids of the parameters that received a gradient this window: the whole-tensor step skips
+        the others, as DDP's optimizer skips a ``None`` gradient."""
+        if self.whole is not None:
+            self.whole.got_gradient = got
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
         tensor-parallel group and copies of pipeline-tied parameters counted once. Call on all ranks."""

@@ -104,13 +104,18 @@ class EngineSwap:
     """Owns the :class:`SwapStore` of one engine and the kernels that stream through it.
 
     Args:
-        sharded: the engine's sharded optimizers (each must step with the Adam kernel).
+        sharded: the engine's sharded optimizers (each must step with the Adam kernel, except those
+            with whole-tensor groups: they keep their masters and states in host memory, as with
+            ``offload_optimizer="cpu"``, because an owner steps a whole tensor with the optimizer's
+            own class, while the files hold flat slices streamed through the kernel).
         store: the rank's swap files (shared with the :class:`ParamTier`, if any).
     """
 
     def __init__(self, sharded: list[ShardedOptimizer], store: SwapStore) -> None:
         kernels: list[KernelStep] = []
         for s in sharded:
+            if s.whole is not None:
+                continue
             if s.kernel is None or s.kernel.lamb or s.kernel.kind != "adam":
                 raise ValueError(
                     f"offload_optimizer='nvme' streams Adam/AdamW states through the CPU Adam kernel, but "
@@ -134,6 +139,10 @@ class EngineSwap:
                     if not SwapStore.resident(tensor):
                         self.store.rename(tensor, name)  # written by the build (BuildToDisk): its file, renamed
         self.settle()
+
+    def buffers(self) -> list[FlatBuffer]:
+        """The flat buffers whose masters and states rest in the swap files."""
+        return [b for kernel in self.kernels for b in kernel.buffers]
 
     def items_of(self, buffer: FlatBuffer, master_only: bool = False) -> list[Swapped]:
         """The swapped tensors of one flat buffer (its master first), ``[]`` for a buffer not stepped here."""

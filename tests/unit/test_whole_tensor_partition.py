@@ -44,6 +44,7 @@ def test_bad_declarations_rejected():
 def test_whole_model_declarations_and_refusals(tmp_path):
     from lightning_zero.options import strategy_config
     from lightning_zero.zero.replicated import check_whole_model, declared_whole_model
+    from lightning_zero.zero.surface import ModelParallelContext
 
     lbfgs = torch.optim.LBFGS(_params((3, 5)))
     check_optimizer(lbfgs, allow_untested=False)  # stepped replicated, not refused
@@ -57,7 +58,8 @@ def test_whole_model_declarations_and_refusals(tmp_path):
 
     def check(optimizer, precision="32-true", shared=None, model_parallel=False, **options):
         config = strategy_config(**options)
-        check_whole_model([optimizer], config, precision, shared or {}, model_parallel)
+        parallel = ModelParallelContext(tensor=object()) if model_parallel else ModelParallelContext()
+        check_whole_model([optimizer], config, precision, shared or {}, parallel)
 
     check(lbfgs, stage=1)
     check(lbfgs, stage=2, offload_optimizer=True, precision="bf16-mixed")
@@ -71,7 +73,7 @@ def test_whole_model_declarations_and_refusals(tmp_path):
         check(lbfgs, stage=1, model_parallel=True)
     param = lbfgs.param_groups[0]["params"][0]
     with pytest.raises(ValueError, match="also given to another optimizer"):
-        check(lbfgs, stage=1, shared={id(param): 2})
+        check(lbfgs, stage=1, shared={id(param): ((0, 0), (1, 0))})
     both = torch.optim.LBFGS(_params((3,)))
     both.whole_tensor = True
     with pytest.raises(ValueError, match="declares both whole_model"):
