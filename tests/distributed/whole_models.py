@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from models import VOCAB, ParityModel
+from torch.utils.data import DataLoader, TensorDataset
 
 
 class NormSGD(torch.optim.Optimizer):
@@ -92,3 +94,24 @@ class LBFGSModel(ParityModel):
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.LBFGS(params, lr=self.lbfgs_lr, max_iter=4, history_size=3, line_search_fn=self.line_search)
+
+
+class LBFGSRegressor(pl.LightningModule):
+    """A small regression with LBFGS and its line search, on data where the ranks' batches give
+    different losses (and, read per rank, different line-search decisions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4, line_search_fn="strong_wolfe")
+
+
+def regression_loader() -> DataLoader:
+    x = torch.randn(32, 7, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
