@@ -84,12 +84,33 @@ class LBFGSModel(ParityModel):
     """torch.optim.LBFGS over every trainable parameter (one group, no scheduler): a few inner
     iterations and a short history, so that a step evaluates the closure several times and the
     history wraps; ``line_search``: "strong_wolfe" or None (fixed step). ``losses`` gets one entry per
-    closure evaluation."""
+    closure evaluation. ``manual``: manual optimization, the closure of torch's documentation around
+    ``manual_backward``."""
 
-    def __init__(self, line_search: str | None = "strong_wolfe", lbfgs_lr: float = 0.5, **kwargs: Any) -> None:
+    def __init__(
+        self, line_search: str | None = "strong_wolfe", lbfgs_lr: float = 0.5, manual: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(optimizer="lbfgs", **kwargs)
         self.line_search = line_search
         self.lbfgs_lr = lbfgs_lr
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        (tokens,) = batch
+        opt = self.optimizers()
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            logits = self(tokens)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+            return loss
+
+        opt.step(closure=closure)
+        return None
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
