@@ -130,8 +130,6 @@ class ReplicatedOptimizer(ShardedOptimizer):
     Takes :class:`ShardedOptimizer`'s arguments; the norms, clipping and gradient preparation of the
     slices are inherited, the step and the optimizer's parameters are its own."""
 
-    replicated = True
-
     def __init__(self, optimizer: torch.optim.Optimizer, buffers: list[FlatBuffer], **kwargs: Any) -> None:
         super().__init__(optimizer, buffers, **kwargs)
         self.kernel = None  # its own class steps the full tensors

@@ -72,6 +72,18 @@ def _trainer_worker(rank: int) -> dict:
     # would read their own losses and could leave each other waiting in an all-reduce)
     regression = {"model_cls": LBFGSRegressor, "loader": regression_loader(), "accumulate": 1, "clip": None}
     out["lockstep"] = state(fit(SPECS["zero2"], max_steps=3, **regression)[1])
+    # a non-finite gradient (rank 0's loss at the third evaluation of the second step, after LBFGS has
+    # moved the weights twice) abandons that step: "skip" restores the weights of the first step; "error"
+    # raises on every rank (none left waiting)
+    one = {"model_cls": LBFGSModel, "accumulate": 1, "clip": None}
+    _, first = fit(SPECS["zero2"], max_steps=1, **one)
+    out["before_inf"] = state(first)
+    bad = {**one, "model_kwargs": {"inf_at_call": len(first.losses) + 2}}
+    out["skipped"] = state(fit({**SPECS["zero2"], "on_nonfinite": "skip"}, max_steps=2, **bad)[1])
+    try:
+        fit(SPECS["zero1"], max_steps=2, **bad)
+    except FloatingPointError as error:
+        out["error"] = str(error)
     try:
         fit({"stage": 3}, model_cls=LBFGSModel, accumulate=1, clip=None, max_steps=1)
     except ValueError as error:
@@ -97,6 +109,9 @@ def test_lbfgs_trainer_matches_ddp():
                 for key, value in ref["state"].items():
                     assert _max_rel(got["state"][key], value) <= 1e-5, (rank, case, name, key)
         assert "stage 3" in res["stage3"] and "zero2" in res["stage3"], res["stage3"]
+        for key, value in res["before_inf"].items():
+            assert torch.equal(res["skipped"][key], value), key  # the skipped step restored them exactly
+        assert "error" in res, rank
         ref = res[("bf16", "ddp")]
         for name in ("zero1", "zero2_offload"):
             got = res[("bf16", name)]

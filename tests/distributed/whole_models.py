@@ -85,19 +85,28 @@ class LBFGSModel(ParityModel):
     iterations and a short history, so that a step evaluates the closure several times and the
     history wraps; ``line_search``: "strong_wolfe" or None (fixed step). ``losses`` gets one entry per
     closure evaluation. ``manual``: manual optimization, the closure of torch's documentation around
-    ``manual_backward``."""
+    ``manual_backward``. ``inf_at_call``: rank 0's loss is infinite at that closure evaluation (0-based)."""
 
     def __init__(
-        self, line_search: str | None = "strong_wolfe", lbfgs_lr: float = 0.5, manual: bool = False, **kwargs: Any
+        self,
+        line_search: str | None = "strong_wolfe",
+        lbfgs_lr: float = 0.5,
+        manual: bool = False,
+        inf_at_call: int | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(optimizer="lbfgs", **kwargs)
         self.line_search = line_search
         self.lbfgs_lr = lbfgs_lr
         self.automatic_optimization = not manual
+        self.inf_at_call = inf_at_call
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
+            loss = super().training_step(batch, batch_idx)
+            if len(self.losses) - 1 == self.inf_at_call and self.global_rank == 0:
+                loss = loss * float("inf")
+            return loss
         (tokens,) = batch
         opt = self.optimizers()
 
