@@ -52,7 +52,7 @@ from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.released import real_parameter
 from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model, declared_whole_model
 from lightning_zero.zero.shared import SharedGrads
-from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
+from lightning_zero.zero.step import ShardedOptimizer, check_optimizer, state_tensors
 from lightning_zero.zero.surface import (
     HeldParam,
     ModelParallelContext,
@@ -740,8 +740,7 @@ class ZeroEngine(CheckpointSurface):
                 value
                 for s in self._sharded.values()
                 for state in s.optimizer.state.values()
-                for value in state.values()
-                if torch.is_tensor(value)
+                for value in state_tensors(state)  # (LBFGS keeps lists of tensors)
             ],
         }
         return out

@@ -101,6 +101,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
         )
 
 
+def state_tensors(entry: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors of one optimizer state entry, also those inside lists (LBFGS's history)."""
+    out: list[torch.Tensor] = []
+    for value in entry.values():
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(v))
+    return out
+
+
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
