@@ -61,8 +61,9 @@ def _refuse_lazy(cls: type) -> None:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
-    """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise)
-    or by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`)."""
+    """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise),
+    by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`) or replicated over all parameters
+    (whole-model, :mod:`lightning_zero.zero.replicated`)."""
     from lightning_zero import ops
 
     cls = type(optimizer)
@@ -87,7 +88,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             f"{name} computes its update from whole-tensor statistics (norms or factored moments), but ZeRO "
             "steps contiguous slices of flat buffers that cut through parameters, so its updates would be wrong. "
             f"If each parameter's update reads only that parameter, declare it: set {name}.whole_tensor = True "
-            "(each parameter is then stepped whole on one owner rank); for LAMB use the shard-aware "
+            f"(each parameter is then stepped whole on one owner rank), or {name}.whole_model = True if its update "
+            "reads all parameters at once, as LBFGS's (stepped replicated, as under DDP); for LAMB use the shard-aware "
             "lightning_zero.ops.CPULamb / FusedLamb; otherwise use an elementwise optimizer (SGD, Adam, AdamW, ...)."
         )
     if not allow_untested:
