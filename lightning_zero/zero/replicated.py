@@ -366,7 +366,8 @@ class ReplicatedCall:
         finally:
             optimizer.__dict__.pop("_optimizer_step_code", None)
             sharded.release()
-            self.engine._drop_grads(optimizer)
+            if self.ran:  # (a step that never called the closure leaves the window's gradients, as DDP's)
+                self.engine._drop_grads(optimizer)
 
     def closure(self) -> Any:
         """One evaluation: the keys into the parameters, the user's closure, then DDP's gradients in the keys."""
