@@ -480,6 +480,11 @@ class FabricZeroStrategy(DDPStrategy):
         if self._engine is None or not self._engine.manages(optimizer):
             return super().optimizer_step(optimizer, **kwargs)
         closure: Callable[[], Any] | None = kwargs.pop("closure", None)
+        if closure is not None and self._engine.replicates(optimizer):
+            # a whole-model optimizer (LBFGS) evaluates the closure itself, several times
+            result = self.precision.zero_step(optimizer, step=self._steps, step_kwargs=kwargs, closure=closure)
+            self._steps += 1
+            return result
         result = closure() if closure is not None else None
         self.precision.zero_step(optimizer, step=self._steps)
         self._steps += 1

@@ -298,13 +298,28 @@ class OffloadPrecision(HalfPrecision):
         before_update: Callable[[], None] | None = None,
         update: bool = True,
         step_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
+        closure: Callable[[], Any] | None = None,
+    ) -> Any:
         """One ZeRO optimizer step with this plugin's loss scale and non-finite policy, the engine
         calling the optimizer's step itself (Fabric's strategy; the Trainer's :meth:`optimizer_step`
         goes through the user's own ``step`` instead). ``step`` is the number of optimizer steps so
-        far, for the messages. Call on all ranks."""
+        far, for the messages. ``closure``: a whole-model optimizer's (LBFGS), which its own ``step``
+        evaluates (:meth:`ZeroEngine.step_through`); returns what that ``step`` returns. Call on all ranks."""
         assert self._engine is not None  # attached by the strategy's setup
         policy = self._engine.config.zero.on_nonfinite
+        if closure is not None:
+            call = self._engine.step_through(
+                optimizer,
+                closure,
+                inv_scale=1.0 / self.loss_scale,
+                check_overflow=self.scaler is not None or policy != "ignore",
+                before_update=before_update,
+                automatic=False,
+                step_kwargs=step_kwargs,
+            )
+            if call.ran and call.update:
+                self._after_step(call.overflow, step, policy)
+            return call.output
         overflow = self._engine.step(
             optimizer,
             inv_scale=1.0 / self.loss_scale,

@@ -57,8 +57,9 @@ from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.released import real_parameter
+from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model, declared_whole_model
 from lightning_zero.zero.shared import SharedGrads
-from lightning_zero.zero.step import ShardedOptimizer, check_optimizer
+from lightning_zero.zero.step import ShardedOptimizer, check_optimizer, state_tensors
 from lightning_zero.zero.surface import (
     HeldParam,
     ModelParallelContext,
@@ -67,6 +68,7 @@ from lightning_zero.zero.surface import (
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
 from lightning_zero.zero.user_step import UserStep
+from lightning_zero.zero.whole import host_held
 
 
 class ZeroEngine(CheckpointSurface):
@@ -116,6 +118,7 @@ class ZeroEngine(CheckpointSurface):
         self.group = group = parallel.data
         self.device = device
         owners = optimizer_owners(optimizers)
+        check_whole_model(optimizers, config, precision, owners, parallel)
         nvme = config.offload.nvme
         disk_masters = config.offload.optimizer_tier == "nvme" and bool(optimizers)
         disk_params = config.offload.parameter_tier == "nvme" and config.zero.stage == 3
@@ -125,7 +128,8 @@ class ZeroEngine(CheckpointSurface):
         sink = None
         if store is not None and config.zero.stage == 3:
             grads = disk_masters and device.type == "cpu"  # the gradient tier below will hold them
-            sink = BuildToDisk(store, masters=disk_masters, params=disk_params, grads=grads)
+            kept = host_held(optimizers)  # (whole-tensor groups: their masters and gradients stay in memory)
+            sink = BuildToDisk(store, masters=disk_masters, params=disk_params, grads=grads, in_memory=kept)
         #: the stage-3 build's writer into the disk tier (None without one)
         self.build_to_disk = sink
         self._states_dropped = False  # the disk tier was closed without reading the states back
@@ -217,7 +221,8 @@ class ZeroEngine(CheckpointSurface):
         for optimizer, buffers, group_of in zip(optimizers, built.per_optimizer, built.group_of, strict=True):
             self._buffers.extend(b for b in buffers if id(b) not in holders)
             holders.update({id(b): holders.get(id(b), 0) + 1 for b in buffers})
-            self._sharded[id(optimizer)] = ShardedOptimizer(
+            kind = ReplicatedOptimizer if declared_whole_model(optimizer) else ShardedOptimizer  # LBFGS: replicated
+            self._sharded[id(optimizer)] = kind(
                 optimizer,
                 buffers,
                 group_of=group_of,
@@ -225,13 +230,6 @@ class ZeroEngine(CheckpointSurface):
                 tensor_parallel_group=parallel.tensor,
                 pipeline_parallel_group=parallel.pipeline,
                 counted_elsewhere=elsewhere,
-            )
-        whole = [type(s.optimizer).__name__ for s in self._sharded.values() if s.whole is not None]
-        if whole and "nvme" in (config.offload.optimizer_tier, config.offload.parameter_tier):
-            raise ValueError(
-                f"{whole[0]} steps whole tensors on their owner ranks, which the NVMe tiers "
-                '(offload_optimizer="nvme", offload_parameters="nvme") do not support: their swap files hold '
-                'flat slices. Use offload_optimizer="cpu" (the owner steps on the host) or no offload.'
             )
         #: gradients of the parameters several optimizers hold, as DDP's one param.grad (zero/shared.py)
         self._shared = SharedGrads([b for b in self._buffers if holders[id(b)] > 1], group)
@@ -257,7 +255,9 @@ class ZeroEngine(CheckpointSurface):
                 self.param_tier = ParamTier(sharded_buffers, store, nvme)
             if self.swap is not None and config.zero.stage >= 2:
                 # gradient slices on disk too (zero/swap_grads.py); stage 1 keeps whole buckets in memory
-                on_host = [b for b in self._buffers if b.grad_shard is not None and b.grad_shard.device.type == "cpu"]
+                on_host = [
+                    b for b in self.swap.buffers() if b.grad_shard is not None and b.grad_shard.device.type == "cpu"
+                ]
                 self.grad_tier = GradTier(on_host, store, nvme) if on_host else None
             if self.swap is None and self.param_tier is None:
                 store.close(bring_back=False)  # nothing to keep on disk after all
@@ -338,6 +338,10 @@ class ZeroEngine(CheckpointSurface):
         """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) steps ZeRO slices."""
         return id(_unwrap(optimizer)) in self._sharded
 
+    def replicates(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is a whole-model one (LBFGS): its own ``step`` runs the closure (:meth:`step_through`)."""
+        return isinstance(self._get(optimizer), ReplicatedOptimizer)
+
     def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         return self._sharded[id(_unwrap(optimizer))]
 
@@ -372,8 +376,7 @@ class ZeroEngine(CheckpointSurface):
         if before_update is not None:
             before_update()
         overflow = False
-        if sharded.whole is not None:  # parameters without a gradient this window are skipped, as under DDP
-            sharded.whole.got_gradient = set(self._reducer.got_gradient)
+        sharded.note_gradients(set(self._reducer.got_gradient))  # the others are skipped, as under DDP
         if update:
             # (known_finite: clipped gradients on the disk tier, not read again for the check)
             overflow = check_overflow and not (
@@ -394,13 +397,14 @@ class ZeroEngine(CheckpointSurface):
         before_update: Callable[[], None] | None = None,
         automatic: bool = True,
         step_kwargs: Mapping[str, Any] | None = None,
-    ) -> UserStep:
+    ) -> UserStep | ReplicatedCall:
         """The step as the user's own ``optimizer.step(closure=..., **step_kwargs)`` (the Trainer's
         path, :mod:`lightning_zero.zero.user_step`): the closure handed to it runs ``closure``, the
         preparation of :meth:`step` and ``before_update``; the class's step then updates the master
-        slices (or the kernels do) and they are published. Returns the record of what happened
-        (``output``: what the user's ``step`` returned). Call on all ranks."""
-        call = UserStep(
+        slices (or the kernels do) and they are published (a whole-model optimizer: :mod:`~lightning_zero.zero.replicated`).
+        Returns the record of what happened (``output``: what the user's ``step`` returned). Call on all ranks."""
+        kind = ReplicatedCall if self.replicates(optimizer) else UserStep
+        call = kind(
             self,
             _unwrap(optimizer),
             closure,
@@ -424,7 +428,8 @@ class ZeroEngine(CheckpointSurface):
             publisher.finish(sharded.buffers)
         else:
             sharded.step(step_kwargs=step_kwargs, stepped_by_torch=stepped_by_torch)
-            publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
+            if not isinstance(sharded, ReplicatedOptimizer):  # (replicated: every rank holds the update)
+                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
 
     def add_param_groups(self) -> None:
         """Partition the parameter groups added to an optimizer since setup
@@ -751,8 +756,7 @@ class ZeroEngine(CheckpointSurface):
                 value
                 for s in self._sharded.values()
                 for state in s.optimizer.state.values()
-                for value in state.values()
-                if torch.is_tensor(value)
+                for value in state_tensors(state)  # (LBFGS keeps lists of tensors)
             ],
         }
         return out

@@ -24,6 +24,7 @@ from lightning_zero import comm
 from lightning_zero.config import StrategyConfig
 from lightning_zero.offload.nvme import SwapStore
 from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.replicated import ReplicatedOptimizer
 from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.surface import (
     HeldParam,
@@ -33,7 +34,7 @@ from lightning_zero.zero.surface import (
     PieceReader,
 )
 from lightning_zero.zero.swap import EngineSwap, ParamTier
-from lightning_zero.zero.whole import WholeTensorStep
+from lightning_zero.zero.whole import WholeParam
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -153,6 +154,9 @@ class CheckpointSurface:
             stepper = self._sharded[id(optimizer)].whole
             if stepper is not None and not views:
                 whole[o_index] = stepper.share_states(optimizer.state)
+            replicated = self._sharded[id(optimizer)]
+            if isinstance(replicated, ReplicatedOptimizer) and not views:
+                whole[o_index] = replicated.piece_states()  # the same on every rank: each piece's file has it
         position = {id(p): (id(b), i) for b in buffers for i, p in enumerate(b.params)}
         # per buffer: the master's host copy and, per optimizer holding it, its states' copies
         copies: list[tuple[torch.Tensor, dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]]] = []
@@ -245,9 +249,13 @@ class CheckpointSurface:
         hyperparameters of ``saved_groups``. Local."""
         index = next(i for i, o in enumerate(self._optimizers) if o is _unwrap(optimizer))
         buffers = self._all_buffers()
-        stepper = self._get(optimizer).whole
+        sharded = self._get(optimizer)
+        stepper = sharded.whole
         skip = {id(b) for b in stepper.buffers} if stepper is not None else set()
-        whole_state = self._read_whole(stepper, read) if stepper is not None else {}
+        whole_state = self._read_whole(stepper.owned_params(), read) if stepper is not None else {}
+        if isinstance(sharded, ReplicatedOptimizer):  # every rank takes every parameter's whole state
+            skip = {id(b) for b in sharded.buffers}
+            whole_state = self._read_whole(sharded.keyed, read)
         state: dict[int, dict[str, Any]] = {}
         filled: dict[int, list[tuple[int, int]]] = {}  # per buffer: the (shard_offset, numel) read
         current: FlatBuffer | None = None  # the buffer being filled (held params come buffer by buffer)
@@ -280,17 +288,17 @@ class CheckpointSurface:
             return
         # The disk tier: the adopted states stay on disk (load_state_dict only needs the masters'
         # dtype and device); a state tensor that torch replaced anyway takes over its file.
-        self._get(optimizer).load_slices(state, saved_groups)
+        self._get(optimizer).load_slices(state, saved_groups, whole_state)
         self.swap.settle()
 
-    def _read_whole(self, stepper: WholeTensorStep, read: OptimizerPieceReader) -> dict[int, dict[str, Any]]:
-        """The whole states of the parameters this rank owns (``id(key) -> state``), read from the
+    def _read_whole(self, owned: list[WholeParam], read: OptimizerPieceReader) -> dict[int, dict[str, Any]]:
+        """The whole states of the parameters this rank steps (``id(key) -> state``), read from the
         pieces of whichever ranks saved them (the owner may hold no piece, or the world size changed)."""
         held_of = {id(h.param): h for h in self._held}
         out: dict[int, dict[str, Any]] = {}
-        for w in stepper.owned_params():
+        for w in owned:
             piece = read(held_of[id(w.param)], 0, w.numel)
-            if piece is None:
+            if piece is None or not (piece.scalars or piece.slices):
                 continue
             state = {k: v.clone() if torch.is_tensor(v) else v for k, v in piece.scalars.items()}
             state.update({k: v.reshape(w.shape).clone() for k, v in piece.slices.items()})

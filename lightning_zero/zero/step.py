@@ -9,7 +9,8 @@ This is exact only for elementwise optimizers, whose update of an element reads 
 alone: slices cut through parameters. Parameter groups of whole-tensor optimizers (Muon, Adafactor,
 one declared ``whole_tensor = True``) are stepped by parameter on one owner rank instead
 (:mod:`lightning_zero.zero.whole`); LBFGS, whose update couples all parameters and whose closure
-re-evaluates the model, and undeclared optimizers named like whole-tensor ones are rejected.
+re-evaluates the model, steps replicated over full parameters (:mod:`lightning_zero.zero.replicated`);
+undeclared optimizers named like whole-tensor ones are rejected.
 
 Checkpoints are written per piece (:mod:`lightning_zero.checkpoint`) and loaded back through
 :meth:`ShardedOptimizer.load_slices`; an unsharded optimizer state (a plain DDP checkpoint, or the
@@ -20,7 +21,7 @@ earlier single-file format with the fp32 masters under ``"master"``) loads throu
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -60,20 +61,18 @@ def _refuse_lazy(cls: type) -> None:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
-    """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise)
-    or by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`)."""
+    """Raise ``ValueError`` unless ``optimizer`` can be stepped exactly: by flat slices (elementwise),
+    by parameter (whole-tensor, :mod:`lightning_zero.zero.whole`) or replicated over all parameters
+    (whole-model, :mod:`lightning_zero.zero.replicated`)."""
     from lightning_zero import ops
 
     cls = type(optimizer)
     _refuse_lazy(cls)
     name = cls.__name__
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            f"{name} computes one update from all parameters together (its history of steps spans the whole "
-            "model) and its closure re-evaluates forward and backward several times per step, which ZeRO's "
-            "sharded step does not drive; it is not supported under ZeroStrategy. Use strategy='ddp' for LBFGS, "
-            "or a per-tensor optimizer (Muon, Adafactor, Adam, ...)."
-        )
+    from lightning_zero.zero.replicated import declared_whole_model
+
+    if declared_whole_model(optimizer):
+        return  # stepped replicated over the full parameters (zero/replicated.py), checked there
     declared = declared_whole_tensor(optimizer)
     groups = whole_groups(optimizer)
     if declared is not None or groups:
@@ -89,7 +88,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             f"{name} computes its update from whole-tensor statistics (norms or factored moments), but ZeRO "
             "steps contiguous slices of flat buffers that cut through parameters, so its updates would be wrong. "
             f"If each parameter's update reads only that parameter, declare it: set {name}.whole_tensor = True "
-            "(each parameter is then stepped whole on one owner rank); for LAMB use the shard-aware "
+            f"(each parameter is then stepped whole on one owner rank), or {name}.whole_model = True if its update "
+            "reads all parameters at once, as LBFGS's (stepped replicated, as under DDP); for LAMB use the shard-aware "
             "lightning_zero.ops.CPULamb / FusedLamb; otherwise use an elementwise optimizer (SGD, Adam, AdamW, ...)."
         )
     if not allow_untested:
@@ -101,6 +101,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
             "to step each parameter whole on one owner rank; otherwise use SGD, Adam, AdamW or another "
             "torch.optim elementwise optimizer."
         )
+
+
+def state_tensors(entry: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors of one optimizer state entry, also those inside lists (LBFGS's history)."""
+    out: list[torch.Tensor] = []
+    for value in entry.values():
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if torch.is_tensor(v))
+    return out
 
 
 def _norm_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -276,6 +284,12 @@ class ShardedOptimizer:
                 grad.mul_(inv_scale)
             b.master.grad = grad
 
+    def note_gradients(self, got: set[int]) -> None:
+        """The ids of the parameters that received a gradient this window: the whole-tensor step skips
+        the others, as DDP's optimizer skips a ``None`` gradient."""
+        if self.whole is not None:
+            self.whole.got_gradient = got
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over all ranks' slices (fp32 scalar; padding is zero), replicas of the
         tensor-parallel group and copies of pipeline-tied parameters counted once. Call on all ranks."""
@@ -382,7 +396,9 @@ class ShardedOptimizer:
         if self.whole is not None:
             self.whole.store()  # the updated pieces back into every holder's master slice
         for b in self.buffers:
-            b.params_from_master()
+            # the parameter disk tier: the shard has memory only while written (zero/swap.py)
+            with b.shard_tier.rewrite([b]) if b.shard_tier is not None else nullcontext():
+                b.params_from_master()
             if stepped is not None:
                 stepped(b, None)
 

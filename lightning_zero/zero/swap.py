@@ -104,13 +104,18 @@ class EngineSwap:
     """Owns the :class:`SwapStore` of one engine and the kernels that stream through it.
 
     Args:
-        sharded: the engine's sharded optimizers (each must step with the Adam kernel).
+        sharded: the engine's sharded optimizers (each must step with the Adam kernel, except those
+            with whole-tensor groups: they keep their masters and states in host memory, as with
+            ``offload_optimizer="cpu"``, because an owner steps a whole tensor with the optimizer's
+            own class, while the files hold flat slices streamed through the kernel).
         store: the rank's swap files (shared with the :class:`ParamTier`, if any).
     """
 
     def __init__(self, sharded: list[ShardedOptimizer], store: SwapStore) -> None:
         kernels: list[KernelStep] = []
         for s in sharded:
+            if s.whole is not None:
+                continue
             if s.kernel is None or s.kernel.lamb or s.kernel.kind != "adam":
                 raise ValueError(
                     f"offload_optimizer='nvme' streams Adam/AdamW states through the CPU Adam kernel, but "
@@ -132,6 +137,10 @@ class EngineSwap:
                     if not SwapStore.resident(tensor):
                         self.store.rename(tensor, name)  # written by the build (BuildToDisk): its file, renamed
         self.settle()
+
+    def buffers(self) -> list[FlatBuffer]:
+        """The flat buffers whose masters and states rest in the swap files."""
+        return [b for kernel in self.kernels for b in kernel.buffers]
 
     def items_of(self, buffer: FlatBuffer, master_only: bool = False) -> list[Swapped]:
         """The swapped tensors of one flat buffer (its master first), ``[]`` for a buffer not stepped here."""
@@ -372,11 +381,16 @@ class BuildToDisk:
     (``grads``), before the next module is materialized. So a model built in ``configure_model`` is
     never whole in memory: at most one module's full tensors and one buffer's slices are. The files
     are renamed to their owners' names when the tiers take them over (:meth:`SwapStore.rename`).
+    The masters and gradient slices of buffers holding parameters in ``in_memory`` (ids: optimizers
+    with whole-tensor groups, stepped by their own class on the host) stay in memory.
     """
 
-    def __init__(self, store: SwapStore, *, masters: bool, params: bool, grads: bool) -> None:
+    def __init__(
+        self, store: SwapStore, *, masters: bool, params: bool, grads: bool, in_memory: frozenset[int] = frozenset()
+    ) -> None:
         self.store = store
         self.masters, self.params, self.grads = masters, params, grads
+        self.in_memory = in_memory
         self.count = 0
         #: bytes of earlier buffers' masters, parameter shards and gradient slices still in memory
         #: when each buffer was written, the most seen (tests read it: 0 when nothing stays behind)
@@ -393,15 +407,19 @@ class BuildToDisk:
         self.peak_left_behind = max(self.peak_left_behind, left)
         n, items = self.count, list[Swapped]()
         self.count += 1
-        if self.masters and b.trainable and b.separate_master:
-            if b.split_master():  # fp32: the shard stays apart from the master (EngineSwap)
-                b.bind_released()
+        host = any(id(p) in self.in_memory for p in b.params)
+        to_disk = self.masters and b.trainable and b.separate_master and not host
+        # fp32: the shard stays apart from the master (EngineSwap), which goes to disk, or stays in
+        # memory while the shard goes
+        if b.trainable and b.separate_master and (to_disk or self.params) and b.split_master():
+            b.bind_released()
+        if to_disk:
             items.append((f"build{n}.master", b.master))
         if self.params:
             items.append((f"build{n}.param", b.param_shard))
             b.unbind_params()  # not views of a shard about to lose its memory (ParamTier binds the same)
         self.store.evict(items)
         self.store.release(items)
-        if self.grads and b.grad_shard is not None:
+        if self.grads and b.grad_shard is not None and not host:
             b.grad_shard.untyped_storage().resize_(0)  # zero until the first reduction (GradTier)
         self._built.append(b)

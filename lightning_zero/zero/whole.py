@@ -21,6 +21,11 @@ bytes of a reduce to the owner. Step 3 plus publish are the bytes of a broadcast
 stay in the flat slices, so clipping, the global norm, the overflow check and the checkpoints of the
 weights are those of the elementwise path; only the optimizer states differ (whole, on the owner).
 
+Under ``offload_optimizer="nvme"`` an optimizer with whole-tensor groups keeps its masters, gradient
+slices and states in host memory (the swap files hold flat slices streamed through the Adam kernel;
+the owner needs the whole tensor and its state at once); its parameter shards may still rest on disk
+(``offload_parameters="nvme"``).
+
 A group is whole-tensor when its optimizer is ``torch.optim.Muon`` or ``torch.optim.Adafactor``, or
 the optimizer (class or instance) has ``whole_tensor = True``; a param group's ``"whole_tensor"`` key
 overrides that per group (one optimizer may then mix both kinds).
@@ -72,6 +77,12 @@ def whole_groups(optimizer: torch.optim.Optimizer) -> set[int]:
         if flag:
             out.add(index)
     return out
+
+
+def host_held(optimizers: list[torch.optim.Optimizer]) -> frozenset[int]:
+    """Ids of the parameters of optimizers with whole-tensor groups: under ``offload_optimizer="nvme"``
+    their masters, gradient slices and states stay in host memory (see the module docstring)."""
+    return frozenset(id(p) for o in optimizers if whole_groups(o) for g in o.param_groups for p in g["params"])
 
 
 def assign_owners(numels: list[int], world_size: int) -> list[int]:

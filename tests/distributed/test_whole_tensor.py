@@ -7,8 +7,11 @@ DDP's optimizer state and resume at 1 rank as DDP's does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_zero.testing import run_ranks
 from tests.helpers.models import state
@@ -95,13 +98,62 @@ def test_bf16_mixed_whole_tensor_optimizers_match_ddp():
                     assert norm_rel(got["state"][key], value) <= 5e-2, (rank, optimizer, name, key)
 
 
-CKPT_SPECS = ["ddp", "zero3", "zero2_offload"]
+def _nvme_specs(nvme_path: str) -> dict[str, dict]:
+    nvme = {"offload_optimizer": "nvme", "nvme_path": nvme_path}
+    # restore_after_fit: the test compares the model after fit (the default with parameters on disk leaves it sharded)
+    on_disk = {"block_size": 4096, "param_buffer_count": 2, "restore_after_fit": True}
+    return {
+        "zero2_nvme": {"stage": 2, **nvme, "nvme_config": {"block_size": 4096}, "reduce_bucket_size": 40},
+        "zero3_nvme_params_on_disk": {**ZERO3, **nvme, "offload_parameters": "nvme", "nvme_config": on_disk},
+    }
+
+
+class _Tiers(Callback):
+    """How many optimizers stream through the disk tier during fit (the AdamW of the Muon recipe does;
+    an optimizer with whole-tensor groups keeps its masters and states in host memory)."""
+
+    on_disk: int | None = None
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        swap = getattr(trainer.strategy, "_engine", None) and trainer.strategy._engine.swap
+        self.on_disk = None if not swap else len(swap.kernels)
+
+
+def _nvme_worker(rank: int, nvme_path: str, optimizers: list[str]) -> dict:
+    out = {}
+    for optimizer in optimizers:
+        for name, spec in [("ddp", "ddp"), *_nvme_specs(nvme_path).items()]:
+            tiers = _Tiers()
+            _, model = _run(spec, optimizer, max_steps=4, trainer_kwargs={"callbacks": [tiers]})
+            out[(optimizer, name)] = {"losses": model.losses, "state": state(model), "on_disk": tiers.on_disk}
+    return out
+
+
+def test_nvme_tiers_with_whole_tensor_optimizers_match_ddp(tmp_path):
+    optimizers = ["muon", "adafactor"]
+    for rank, res in enumerate(run_ranks(_nvme_worker, str(tmp_path), optimizers, timeout=900)):
+        for optimizer in optimizers:
+            ref = res[(optimizer, "ddp")]
+            for name in _nvme_specs(str(tmp_path)):
+                got = res[(optimizer, name)]
+                assert got["on_disk"] == (1 if optimizer == "muon" else 0), (optimizer, name, got["on_disk"])
+                # fp32: as the test above (the summation order of the reduction only), 1e-5
+                torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+                for key, value in ref["state"].items():
+                    assert max_rel(got["state"][key], value) <= 1e-5, (rank, optimizer, name, key)
+
+
+CKPT_SPECS = ["ddp", "zero3", "zero2_offload", "zero2_nvme"]
+
+
+def _spec(name: str, tmp: str) -> Any:
+    return "ddp" if name == "ddp" else SPECS.get(name) or _nvme_specs(f"{tmp}/nvme")[name]
 
 
 def _save_worker(rank: int, tmp: str, optimizers: list[str]) -> None:
     for optimizer in optimizers:
         for name in CKPT_SPECS:
-            trainer, _ = _run("ddp" if name == "ddp" else SPECS[name], optimizer, max_steps=4)
+            trainer, _ = _run(_spec(name, tmp), optimizer, max_steps=4)
             trainer.save_checkpoint(f"{tmp}/{optimizer}-{name}.ckpt")
 
 
@@ -109,7 +161,7 @@ def _resume_worker(rank: int, tmp: str, optimizers: list[str]) -> dict:
     out = {}
     for optimizer in optimizers:
         for name in CKPT_SPECS:
-            spec = "ddp" if name == "ddp" else SPECS[name]
+            spec = _spec(name, tmp)
             _, model = _run(spec, optimizer, max_steps=8, devices=1, ckpt_path=f"{tmp}/{optimizer}-{name}.ckpt")
             out[(optimizer, name)] = state(model)
     return out

@@ -77,7 +77,6 @@ def _params():
     "optimizer,match",
     [
         (lambda: Lamb(_params()), "Lamb computes its update from whole-tensor statistics"),
-        (lambda: torch.optim.LBFGS(_params()), "LBFGS computes"),
         (lambda: Shampoo(_params()), "set Shampoo.whole_tensor = True"),
         (lambda: Custom(_params()), "allow_untested_optimizer=True"),
     ],

@@ -31,7 +31,7 @@ def test_known_declared_and_per_group():
     assert whole_groups(off) == {1}
 
 
-def test_bad_declarations_and_lbfgs_rejected():
+def test_bad_declarations_rejected():
     bad = torch.optim.AdamW([{"params": _params((3,)), "whole_tensor": "yes"}])
     with pytest.raises(ValueError, match="whole_tensor='yes'"):
         whole_groups(bad)
@@ -39,8 +39,45 @@ def test_bad_declarations_and_lbfgs_rejected():
     opt.whole_tensor = 1
     with pytest.raises(ValueError, match="must be True or False"):
         check_optimizer(opt, allow_untested=False)
-    with pytest.raises(ValueError, match="LBFGS computes one update from all parameters"):
-        check_optimizer(torch.optim.LBFGS(_params((3,))), allow_untested=True)
+
+
+def test_whole_model_declarations_and_refusals(tmp_path):
+    from lightning_zero.options import strategy_config
+    from lightning_zero.zero.replicated import check_whole_model, declared_whole_model
+    from lightning_zero.zero.surface import ModelParallelContext
+
+    lbfgs = torch.optim.LBFGS(_params((3, 5)))
+    check_optimizer(lbfgs, allow_untested=False)  # stepped replicated, not refused
+    assert declared_whole_model(lbfgs) and not declared_whole_model(torch.optim.SGD(_params((3,)), lr=0.1))
+    declared = torch.optim.SGD(_params((3,)), lr=0.1)
+    declared.whole_model = True
+    assert declared_whole_model(declared)
+    declared.whole_model = "yes"
+    with pytest.raises(ValueError, match="whole_model='yes' must be True or False"):
+        declared_whole_model(declared)
+
+    def check(optimizer, precision="32-true", shared=None, model_parallel=False, **options):
+        config = strategy_config(**options)
+        parallel = ModelParallelContext(tensor=object()) if model_parallel else ModelParallelContext()
+        check_whole_model([optimizer], config, precision, shared or {}, parallel)
+
+    check(lbfgs, stage=1)
+    check(lbfgs, stage=2, offload_optimizer=True, precision="bf16-mixed")
+    with pytest.raises(ValueError, match="ZeRO stage 3 keeps 1/N of the parameters.*Use stage 1 or 2"):
+        check(lbfgs, stage=3)
+    with pytest.raises(ValueError, match="16-mixed's loss scaling"):
+        check(lbfgs, stage=2, precision="16-mixed")
+    with pytest.raises(ValueError, match="NVMe tiers"):
+        check(lbfgs, stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism"):
+        check(lbfgs, stage=1, model_parallel=True)
+    param = lbfgs.param_groups[0]["params"][0]
+    with pytest.raises(ValueError, match="also given to another optimizer"):
+        check(lbfgs, stage=1, shared={id(param): ((0, 0), (1, 0))})
+    both = torch.optim.LBFGS(_params((3,)))
+    both.whole_tensor = True
+    with pytest.raises(ValueError, match="declares both whole_model"):
+        check(both, stage=1)
 
 
 def test_owners_balanced_largest_first():
