@@ -36,6 +36,7 @@ from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.partition import layout_flat_buffer, plan_buckets
 from lightning_zero.zero.pools import BlockPool
+from lightning_zero.zero.surface import HeldParam
 
 _SUPPORTED_PARAM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -302,3 +303,29 @@ def build_sharded(
         for buffer in ctx.buckets(list(reversed(params)), key[0][1]):
             built.add(key, buffer)
     return built
+
+
+def describe_held(buffers: list[FlatBuffer], optimizers_of: dict[int, tuple[int, ...]]) -> list[HeldParam]:
+    """Every parameter of ``buffers`` as the checkpoint layer sees it, in buffer order: its shape,
+    dtypes, every rank's pieces and this rank's. ``optimizers_of``: ``id(buffer)`` -> the indices of
+    the optimizers stepping it."""
+    out = []
+    for b_index, b in enumerate(buffers):
+        local = {s.param_index: (s.param_offset, s.shard_offset, s.numel) for s in b.shards}
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        for rank in range(b.layout.world_size):
+            for s in b.layout.shards(rank):
+                pieces.setdefault(s.param_index, []).append((rank, s.param_offset, s.numel))
+        for index, (param, slot) in enumerate(zip(b.params, b.layout.slots, strict=True)):
+            held = HeldParam(
+                param=param,
+                shape=slot.shape,
+                dtype=b.param_shard.dtype,
+                saved_dtype=b.master.dtype,
+                optimizers=optimizers_of.get(id(b), ()),
+                buffer=b_index,
+                pieces=tuple(pieces.get(index, ())),
+                local=local.get(index),
+            )
+            out.append(held)
+    return out

@@ -46,6 +46,7 @@ from lightning_zero.zero.build import (
     Holders,
     build_bucketed,
     build_sharded,
+    describe_held,
     fp32_norm_params,
     optimizer_owners,
 )
@@ -57,7 +58,7 @@ from lightning_zero.zero.grads import ExposedGrads, window_slice
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.released import real_parameter
-from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model, declared_whole_model
+from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model
 from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer, state_tensors
 from lightning_zero.zero.surface import (
@@ -68,7 +69,7 @@ from lightning_zero.zero.surface import (
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
 from lightning_zero.zero.user_step import UserStep
-from lightning_zero.zero.whole import host_held
+from lightning_zero.zero.whole import declared_whole_model, host_held
 
 
 class ZeroEngine(CheckpointSurface):
@@ -679,26 +680,7 @@ class ZeroEngine(CheckpointSurface):
         for o, opt in enumerate(self._optimizers):
             for b in self._sharded[id(opt)].buffers:
                 optimizers_of[id(b)] = optimizers_of.get(id(b), ()) + (o,)
-        out = []
-        for b_index, b in enumerate(self._all_buffers()):
-            local = {s.param_index: (s.param_offset, s.shard_offset, s.numel) for s in b.shards}
-            pieces: dict[int, list[tuple[int, int, int]]] = {}
-            for rank in range(b.layout.world_size):
-                for s in b.layout.shards(rank):
-                    pieces.setdefault(s.param_index, []).append((rank, s.param_offset, s.numel))
-            for index, (param, slot) in enumerate(zip(b.params, b.layout.slots, strict=True)):
-                held = HeldParam(
-                    param=param,
-                    shape=slot.shape,
-                    dtype=b.param_shard.dtype,
-                    saved_dtype=b.master.dtype,
-                    optimizers=optimizers_of.get(id(b), ()),
-                    buffer=b_index,
-                    pieces=tuple(pieces.get(index, ())),
-                    local=local.get(index),
-                )
-                out.append(held)
-        return out
+        return describe_held(self._all_buffers(), optimizers_of)
 
     def held_params(self) -> list[HeldParam]:
         """Every parameter in the engine's flat buffers, in buffer order: those of the optimizers,

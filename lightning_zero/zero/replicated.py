@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -50,28 +50,12 @@ from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.publish import publish
 from lightning_zero.zero.step import ShardedOptimizer
 from lightning_zero.zero.step_kernels import Stepped
-from lightning_zero.zero.whole import WholeParam
+from lightning_zero.zero.whole import WholeParam, declared_whole_model
 
 if TYPE_CHECKING:
     from lightning_zero.config import StrategyConfig
-    from lightning_zero.zero.engine import ZeroEngine
+    from lightning_zero.zero.reduce import GradReducer
     from lightning_zero.zero.surface import ModelParallelContext
-
-KNOWN_WHOLE_MODEL: tuple[type, ...] = (torch.optim.LBFGS,)
-"""torch optimizers stepped replicated without any declaration."""
-
-
-def declared_whole_model(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` steps replicated: its ``whole_model`` attribute, else True for LBFGS."""
-    flag = getattr(optimizer, "whole_model", None)
-    if flag is None:
-        return isinstance(optimizer, KNOWN_WHOLE_MODEL)
-    if not isinstance(flag, bool):
-        raise ValueError(
-            f"{type(optimizer).__name__}.whole_model={flag!r} must be True or False (or absent): True steps the "
-            "optimizer on every rank over the full parameters and averaged gradients, as DDP does."
-        )
-    return flag
 
 
 def check_whole_model(
@@ -318,6 +302,22 @@ class _NonFinite(Exception):
     """Raised out of the closure on every rank at once (the norm is global) to abandon the step."""
 
 
+class ReplicatedOwner(Protocol):
+    """What a :class:`ReplicatedCall` uses of its engine (:class:`~lightning_zero.zero.engine.ZeroEngine`,
+    which imports this module: naming its class here would tie the two into an import cycle)."""
+
+    @property
+    def config(self) -> StrategyConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def _reducer(self) -> GradReducer: ...
+    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer: ...
+    def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer: ...
+    def _drop_grads(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def grad_norm(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> torch.Tensor: ...
+
+
 class ReplicatedCall:
     """One call of the user's ``optimizer.step(closure=...)`` of a whole-model optimizer; see the
     module docstring. The arguments and the record (``ran``, ``update``, ``overflow``, ``applied``,
@@ -327,7 +327,7 @@ class ReplicatedCall:
 
     def __init__(
         self,
-        engine: ZeroEngine,
+        engine: ReplicatedOwner,
         optimizer: torch.optim.Optimizer,
         closure: Callable[[], Any] | None,
         *,

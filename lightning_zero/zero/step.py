@@ -30,7 +30,7 @@ from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
 from lightning_zero.zero.step_kernels import KernelStep, Stepped
 from lightning_zero.zero.swap_grads import Scale, squared_norm
-from lightning_zero.zero.whole import WholeTensorStep, declared_whole_tensor, whole_groups
+from lightning_zero.zero.whole import WholeTensorStep, declared_whole_model, declared_whole_tensor, whole_groups
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -69,8 +69,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> N
     cls = type(optimizer)
     _refuse_lazy(cls)
     name = cls.__name__
-    from lightning_zero.zero.replicated import declared_whole_model
-
     if declared_whole_model(optimizer):
         return  # stepped replicated over the full parameters (zero/replicated.py), checked there
     declared = declared_whole_tensor(optimizer)

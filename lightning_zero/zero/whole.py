@@ -279,3 +279,21 @@ class WholeTensorStep:
         for handle in sends:
             handle.wait()
         return out
+
+
+KNOWN_WHOLE_MODEL: tuple[type, ...] = (torch.optim.LBFGS,)
+"""torch optimizers stepped replicated over all parameters (:mod:`lightning_zero.zero.replicated`)
+without any declaration."""
+
+
+def declared_whole_model(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps replicated: its ``whole_model`` attribute, else True for LBFGS."""
+    flag = getattr(optimizer, "whole_model", None)
+    if flag is None:
+        return isinstance(optimizer, KNOWN_WHOLE_MODEL)
+    if not isinstance(flag, bool):
+        raise ValueError(
+            f"{type(optimizer).__name__}.whole_model={flag!r} must be True or False (or absent): True steps the "
+            "optimizer on every rank over the full parameters and averaged gradients, as DDP does."
+        )
+    return flag
