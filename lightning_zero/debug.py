@@ -104,9 +104,10 @@ def checked_group(group: comm.ProcessGroup, timeout: timedelta | None) -> comm.C
 
 class GatherOrderCheck:
     """Stage 3's default check that every rank is about to gather the same flat buffers: before the
-    parameter all-gathers that one hook starts (a module's own and those it prefetches), one
-    all-gather of a few integers naming them, on a side gloo group over the same ranks
-    (:func:`lightning_zero.comm.side_gloo_group`), so that it never waits behind the gathers in flight.
+    parameter all-gathers that one hook starts, one all-gather of a few integers naming them, on a
+    side gloo group over the same ranks (:func:`lightning_zero.comm.side_gloo_group`), so that it never
+    waits behind the gathers in flight. A module's own gathers wait for their check; the prefetches a
+    hook decides are checked without waiting (:meth:`start`) and start at the next hook, once verified.
     Only where the data group is gloo (CPU training): there the exchange costs microseconds next to
     the gathers, and a mismatched gather aborts the process from gloo's thread, beyond any Python
     error. On NCCL groups ``debug_collectives`` does it (a check there would synchronize the host
@@ -123,9 +124,6 @@ class GatherOrderCheck:
     def __init__(self, group: comm.ProcessGroup, describe: Callable[[int], str]) -> None:
         self.group = group
         self.describe = describe
-        width = self.LISTED + 2  # count, the first LISTED numbers, a hash of all of them
-        self._mine = torch.zeros(width, dtype=torch.int64)
-        self._all = torch.zeros(comm.world_size(group) * width, dtype=torch.int64)
 
     def _encode(self, codes: list[int]) -> list[int]:
         digest = len(codes)
@@ -141,13 +139,22 @@ class GatherOrderCheck:
         more = f" and {count - len(listed)} more buffer(s)" if count > len(listed) else ""
         return "; ".join(self.describe(c) for c in listed) + more
 
+    def start(self, codes: list[int], label: str) -> PendingCheck:
+        """Begin the exchange of the buffer numbers ``codes`` (in order); :meth:`PendingCheck.verify`
+        completes it. No parameter all-gather may start on any rank before its check is verified.
+        Call on all ranks, in the same order."""
+        mine = torch.tensor(self._encode(codes), dtype=torch.int64)
+        every = torch.empty(comm.world_size(self.group) * mine.numel(), dtype=torch.int64)
+        handle = comm.all_gather(every, mine, self.group, async_op=True, label="stage 3 gather order")
+        return PendingCheck(self, handle, every, label)
+
     def agree(self, codes: list[int], label: str) -> None:
         """Raise on every rank unless all ranks pass the same buffer numbers ``codes`` (in order).
         Call on all ranks."""
-        self._mine.copy_(torch.tensor(self._encode(codes), dtype=torch.int64))
-        comm.all_gather(self._all, self._mine, self.group, label="stage 3 gather order")
-        width = self._mine.numel()
-        rows = self._all.view(-1, width).tolist()
+        self.start(codes, label).verify()
+
+    def _raise_unless_equal(self, every: torch.Tensor, label: str) -> None:
+        rows = every.view(comm.world_size(self.group), -1).tolist()
         if any(row != rows[0] for row in rows):
             listing = "\n".join(f"  rank {r}: {self._name(row)}" for r, row in enumerate(rows))
             raise RuntimeError(
@@ -157,3 +164,16 @@ class GatherOrderCheck:
                 "ranks) must be taken by all ranks, e.g. decide it from values all-reduced across ranks, or run "
                 "the module anyway and discard its output."
             )
+
+
+class PendingCheck:
+    """A :class:`GatherOrderCheck` exchange in flight (the prefetches a hook decided: their gathers
+    start once it is verified, at the next hook, by when it has long arrived)."""
+
+    def __init__(self, check: GatherOrderCheck, handle: comm.Handle, every: torch.Tensor, label: str) -> None:
+        self.check, self.handle, self.every, self.label = check, handle, every, label
+
+    def verify(self) -> None:
+        """Wait for the exchange; raise on every rank unless all ranks sent the same numbers."""
+        self.handle.wait()
+        self.check._raise_unless_equal(self.every, self.label)

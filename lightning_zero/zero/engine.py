@@ -730,7 +730,13 @@ class ZeroEngine(CheckpointSurface):
             "gradients": [b.grad_bucket for b in self._buffers if stage1 and b.grad_bucket is not None]
             + [b.grad_shard for b in self._buffers if b.grad_shard is not None]
             # offload with a GPU: the (pinned) host copies of the gradient slices the host optimizer reads
-            + [b.host_grad for b in self._buffers if b.host_grad is not None],
+            + [
+                b.host_grad
+                for b in self._buffers
+                if b.host_grad is not None
+                and b.grad_shard is not None
+                and b.host_grad.device.type != b.grad_shard.device.type
+            ],
             # buckets in use and free pooled blocks (buckets and stage 3's gathers: see pools.py)
             "communication_buckets": [b.grad_bucket for b in self._buffers if not stage1 and b.grad_bucket is not None]
             + self._ctx.pool.free,

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
-from lightning_zero.debug import GatherOrderCheck
+from lightning_zero.debug import GatherOrderCheck, PendingCheck
 from lightning_zero.zero.flat import FlatBuffer, ParamState
 from lightning_zero.zero.released import GatherOnUse, ReleasedParameter
 from lightning_zero.zero.units import gather_units
@@ -194,6 +194,8 @@ class GatherCoordinator:
         self._order = (
             GatherOrderCheck(comm.side_gloo_group(group), self._describe) if comm.is_plain_gloo(group) else None
         )
+        #: prefetches decided at the last hook, their order check in flight: they start at the next one
+        self._pending: tuple[PendingCheck, list[FlatBuffer], str] | None = None
 
         def sharded(params: Any) -> list[FlatBuffer]:
             found: list[FlatBuffer] = []
@@ -252,7 +254,8 @@ class GatherCoordinator:
 
     def _start(self, buffers: list[FlatBuffer], label: str) -> None:
         """Start the gathers of those of ``buffers`` that are released, first checking (one exchange
-        for all of them) that every rank is about to gather the same ones."""
+        for all of them, waited for) that every rank is about to gather the same ones."""
+        self._flush()
         released = [b for b in buffers if b.state is ParamState.RELEASED]
         if not released:
             return
@@ -260,6 +263,29 @@ class GatherCoordinator:
             self._order.agree([self._number[id(b)] for b in released], label)
         for b in released:
             b.gather_start(self.group, label)
+
+    def _start_checked_later(self, buffers: list[FlatBuffer], label: str) -> None:
+        """Prefetches: on gloo their order check is sent now and their gathers start at the next
+        hook (:meth:`_flush`), so that no rank waits here for the others; elsewhere they start now."""
+        self._flush()
+        if not buffers:
+            return
+        if self._order is None:
+            for b in buffers:
+                b.gather_start(self.group, label)
+            return
+        self._pending = (self._order.start([self._number[id(b)] for b in buffers], label), buffers, label)
+
+    def _flush(self, start: bool = True) -> None:
+        """Complete the pending prefetches' order check and (``start``) start their gathers. Call on all ranks."""
+        if self._pending is None:
+            return
+        check, buffers, label = self._pending
+        self._pending = None
+        check.verify()
+        if start:
+            for b in buffers:
+                b.gather_start(self.group, label)
 
     def _track(self, sub: nn.Module, needs: list[FlatBuffer]) -> None:
         """Give ``sub`` the hooks that gather ``needs`` around its forward and before its backward."""
@@ -386,9 +412,10 @@ class GatherCoordinator:
         return sum(b.numel for b in self._all if b.state is not ParamState.RELEASED)
 
     def _prefetch(self, upcoming: list[int]) -> None:
-        """Start the gathers of the next modules' buffers, up to the prefetch window."""
+        """Start (:meth:`_start_checked_later`) the gathers of the next modules' buffers, up to the window."""
+        self._flush()  # the last hook's: started first, so that the window counts them in flight
         if upcoming:
-            self._start(self._window(upcoming), f"{self.names[upcoming[0]]} (prefetch)")
+            self._start_checked_later(self._window(upcoming), f"{self.names[upcoming[0]]} (prefetch)")
 
     def _window(self, upcoming: list[int]) -> list[FlatBuffer]:
         """The released buffers that the modules ``upcoming`` need, in order, that fit the window."""
@@ -501,7 +528,8 @@ class GatherCoordinator:
 
     def end_pass(self) -> None:
         """End of one forward/backward pass: release everything still gathered and make this pass's
-        trace the next pass's plan."""
+        trace the next pass's plan. Call on all ranks."""
+        self._flush(start=False)  # prefetches past the pass's end: checked, never gathered
         for b in self._all:
             b.release()
         for module_id, learned in self._learned.items():
