@@ -52,9 +52,10 @@ from lightning_zero.zero.build import (
 )
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.engine_checkpoint import CheckpointSurface, _unwrap
+from lightning_zero.zero.engine_grads import GradientWindow
 from lightning_zero.zero.flat import FlatBuffer, GradState
 from lightning_zero.zero.gather import GatherCoordinator, scatter_back
-from lightning_zero.zero.grads import ExposedGrads, window_slice
+from lightning_zero.zero.grads import ExposedGrads
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
 from lightning_zero.zero.released import real_parameter
@@ -72,7 +73,7 @@ from lightning_zero.zero.user_step import UserStep
 from lightning_zero.zero.whole import declared_whole_model, host_held
 
 
-class ZeroEngine(CheckpointSurface):
+class ZeroEngine(GradientWindow, CheckpointSurface):
     """Flat buffers, gradient reduction and sharded steps for ``optimizers`` of ``module``.
 
     Args:
@@ -585,91 +586,6 @@ class ZeroEngine(CheckpointSurface):
         self._norms.pop(id(_unwrap(optimizer)), None)
         self._refresh_exposed()
 
-    @contextmanager
-    def full_gradients(
-        self, module: nn.Module, inv_scale: float = 1.0, optimizer: torch.optim.Optimizer | None = None
-    ) -> Iterator[None]:
-        """Inside the block every trainable parameter of ``module`` that received a gradient in the
-        current window has ``.grad``: the full reduced, unscaled gradient, as DDP's ``param.grad``
-        (in the parameter's dtype; the others keep ``None``, as under DDP); under stage 3 the
-        parameters are gathered too. Elementwise edits of those ``.grad`` (``clamp_``, ``mul_``, a
-        replaced tensor) are written into this rank's slices at exit, so the step uses them, as under
-        DDP; :meth:`grad_norm` and the clipping methods called inside see them too (and their
-        clipping shows in ``.grad``). Valid where :meth:`grad_norm` is (after the window's last
-        backward, until the step). Costs one all-gather of the module's gradient slices (another
-        after each clipping inside) and a full-size gradient per parameter while inside
-        (:mod:`lightning_zero.zero.grads`); the ``.grad`` are dropped at exit. With ``optimizer``
-        only its parameters get ``.grad`` (the hooks around its step: exposing another optimizer's
-        would end that one's window before its last backward). Call on all ranks."""
-        ids = {id(p) for p in module.parameters()}
-        if optimizer is not None:
-            ids &= {id(p) for b in self._get(optimizer).buffers for p in b.params}
-        buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
-        for sharded in self._sharded.values():
-            if any(b in buffers for b in sharded.buffers) and (
-                optimizer is None or _unwrap(optimizer) is sharded.optimizer
-            ):
-                self._prepare(sharded.optimizer, inv_scale)
-                sharded.materialize_grads()  # off the gradient disk tier: every slice at once, as without it
-        slices = {id(b): b.master.grad for b in buffers if b.master.grad is not None}
-        got = set(self._reducer.got_gradient)
-        for b in buffers:
-            if b in self._shared:  # (taken out of the reducer's record: zero/shared.py)
-                got |= self._shared.with_grad(b)
-        exposed = ExposedGrads(buffers, slices, ids & got, self.group, self.device)
-        outer, self._exposed = self._exposed, exposed
-        with self.gathered_parameters(module, for_backward=False):
-            try:
-                exposed.gather()
-                yield
-                exposed.write_back()
-            finally:
-                exposed.release()
-                self._exposed = outer
-
-    def expose_window(self, module: nn.Module, inv_scale: float = 1.0) -> None:
-        """Manual optimization (``expose_param_grads`` not False): after a backward, the trainable
-        parameters of ``module`` that received a gradient in the window get ``.grad``, the averaged,
-        unscaled gradient so far (DDP's value after ``manual_backward``), until the next backward,
-        step or ``zero_grad`` (:meth:`release_window`). Stages 1/2 and stage 3's whole (small)
-        parameters: the full gradient (one all-gather of the slices). Stage 3's sharded parameters
-        hold this rank's piece of the weight here, and get the same piece of the gradient (no
-        communication; ``strategy.full_gradients`` gives whole ones). Read-only: edits are not
-        applied (clip with ``self.clip_gradients``). Call on all ranks."""
-        self.release_window()
-        if self._prepared or not self._reducer.got_gradient:
-            return  # (no gradient since the step: every .grad stays None, as DDP's after zero_grad)
-        ids = {id(p) for p in module.parameters()}
-        buffers = [b for b in self._buffers if any(id(p) in ids for p in b.params)]
-        slices = {}
-        for b in buffers:
-            piece = window_slice(b, self.config.zero.stage, self.group, inv_scale)
-            held = self._shared.accumulated.get(id(b))
-            slices[id(b)] = piece if held is None else piece.add_(held)
-        got = set(self._reducer.got_gradient)
-        for b in buffers:
-            if b in self._shared:
-                got |= self._shared.with_grad(b)
-        local = frozenset(id(b) for b in buffers if self.config.zero.stage == 3 and not b.persistent)
-        self._window = ExposedGrads(buffers, slices, ids & got, self.group, self.device, local=local, read_only=True)
-        self._window.gather()
-
-    def release_window(self) -> None:
-        """The ``.grad`` of :meth:`expose_window` back to None (before a backward, step or zero_grad)."""
-        if self._window is not None:
-            self._window.release()
-            self._window = None
-
-    def _sync_exposed(self) -> None:
-        """Inside :meth:`full_gradients`: the user's edits of ``.grad`` into the slices first."""
-        if self._exposed is not None:
-            self._exposed.write_back()
-
-    def _refresh_exposed(self) -> None:
-        """Inside :meth:`full_gradients`, after clipping the slices: ``.grad`` shows the clipped values."""
-        if self._exposed is not None:
-            self._exposed.gather()
-
     # -- the state other layers read and write ------------------------------------------------------
 
     def _all_buffers(self) -> list[FlatBuffer]:
@@ -730,13 +646,7 @@ class ZeroEngine(CheckpointSurface):
             "gradients": [b.grad_bucket for b in self._buffers if stage1 and b.grad_bucket is not None]
             + [b.grad_shard for b in self._buffers if b.grad_shard is not None]
             # offload with a GPU: the (pinned) host copies of the gradient slices the host optimizer reads
-            + [
-                b.host_grad
-                for b in self._buffers
-                if b.host_grad is not None
-                and b.grad_shard is not None
-                and b.host_grad.device.type != b.grad_shard.device.type
-            ],
+            + [b.host_grad for b in self._buffers if b.host_grad is not None and b.host_grad.device != b.device],
             # buckets in use and free pooled blocks (buckets and stage 3's gathers: see pools.py)
             "communication_buckets": [b.grad_bucket for b in self._buffers if not stage1 and b.grad_bucket is not None]
             + self._ctx.pool.free,
