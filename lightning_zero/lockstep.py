@@ -87,6 +87,8 @@ class Lockstep:
                 return
             for rank in others:
                 if int(self.store.add(self._key(rank), 0)) > self.forwards:
+                    if int(self.store.add(_BARRIERS.format(self._run), 0)) >= self.barriers * self.world_size:
+                        return  # the barrier completed meanwhile: that forward came after it
                     raise RuntimeError(
                         f"rank {rank} runs a forward of {name} under ZeRO stage 3 that rank {self.rank} does not "
                         f"run (rank {self.rank} waits at fabric.barrier() #{self.barriers}): every stage-3 forward "
@@ -182,6 +184,8 @@ class StepLockstep:
         while self._total(self._unscoped_key) < self.unscoped * self.world_size:
             steps, barriers = self._total(self._steps_key), self._total(self._barriers_key)
             if steps > self.steps * self.world_size or barriers > self.barriers * self.world_size:
+                if self._total(self._unscoped_key) >= self.unscoped * self.world_size:
+                    return  # every rank reached it meanwhile: the step or barrier came after it
                 where = "its next step" if steps > self.steps * self.world_size else "strategy.barrier()"
                 raise RuntimeError(
                     f"rank {self.rank} runs a forward of {name} under ZeRO stage 3 outside the Trainer's steps, "
