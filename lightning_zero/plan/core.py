@@ -21,7 +21,9 @@ import torch
 from lightning_zero import comm
 from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, ZeroConfig
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
+from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
+from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
 from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
@@ -30,7 +32,8 @@ NOT_MODELED = (
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
     "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
-    "step time",
+    "step time: the overlap of host-device copies with compute (they are counted as compute), "
+    "kernels slower than their roofline (small or odd-shaped products), the network's contention",
     "tensor and pipeline parallelism (the data-parallel group only)",
     "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
@@ -74,10 +77,19 @@ class Plan:
     step: tuple[CollectiveTotal, ...]
     setup: tuple[CollectiveTotal, ...]
     not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
+    trace: tuple[Event, ...] = field(default=(), repr=False)
+    """The second step's ops, collectives and waits in order (:mod:`.timing`)."""
+    step_calls: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+    """The second step's collectives in order: ``(op, whole-buffer bytes)``."""
 
     def total(self, where: str) -> int:
         """Bytes of every category on ``where`` ("device" or "host")."""
         return sum(self.memory[where].values())
+
+    def step_time(self, machine: Machine) -> StepTime:
+        """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
+        recorded step replayed on the machine's rates, with the overlap the engine does."""
+        return step_time(self.trace, self.step_calls, self.world_size, machine)
 
 
 def _totals(calls: list[Call]) -> tuple[CollectiveTotal, ...]:
@@ -143,8 +155,12 @@ def plan(
             engine = ZeroEngine(module, [optimizer], config=config, precision=precision, device=torch.device("meta"))
         forward = loss_fn(module, specs, PRECISIONS[precision][0])
         meter = ActivationMeter(include_meta=True)
+        events: list[Event] = []
         for step in range(2):
-            with record_collectives(step_calls if step else [], groups):
+            trace = events if step else []
+            # the first step allocates the offloaded step's host buffers: known by the second
+            host_storages = None if device == "cpu" else {t.untyped_storage()._cdata for t, _ in host}
+            with record_collectives(step_calls if step else [], groups, trace), OpRecorder(trace, host_storages):
                 meter.start()
                 try:
                     loss = forward()
@@ -155,8 +171,10 @@ def plan(
                     ) from error
                 finally:
                     meter.stop(module)
+                trace.append(("phase", "backward"))
                 loss.backward()
                 engine.backward_done()
+                trace.append(("phase", "optimizer"))
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
         resolved = engine.config.zero
@@ -177,6 +195,8 @@ def plan(
         activations=meter.last,
         step=_totals(step_calls),
         setup=_totals(setup_calls),
+        trace=tuple(events),
+        step_calls=tuple((c.op, c.nbytes) for c in step_calls),
     )
 
 
