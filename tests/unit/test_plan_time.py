@@ -30,16 +30,28 @@ SLOW = Machine(
 )
 
 
+class Layer(nn.Module):
+    """Widen three times, tanh, narrow: saves its input and the wide tanh output for backward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.wide = nn.Linear(width, 3 * width)
+        self.narrow = nn.Linear(3 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.narrow(torch.tanh(self.wide(x)))
+
+
 class Stack(nn.Module):
-    """Odd widths, four Linear layers: several buckets and stage-3 units."""
+    """Odd widths, four layers: several buckets and stage-3 units."""
 
     def __init__(self, width: int = 67, depth: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.layers = nn.ModuleList(Layer(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = torch.tanh(layer(x))
+            x = layer(x)
         return x
 
 
@@ -137,3 +149,73 @@ def test_machine_table_and_validation():
         dataclasses.replace(SLOW, overlap=1.5)
     # one rank: a collective moves nothing, only its latency counts
     assert SLOW.link("all_gather").seconds("all_gather", 10**9, 1) == 0.0
+
+
+def test_transient_peak_follows_batch_and_checkpointing():
+    from lightning_zero.config import ActivationCheckpointConfig
+
+    # 900 rows: the activations (not the step's fp32 temporaries of these small layers) make the peak
+    small, large = _plan(rows=9), _plan(rows=900, reduce_bucket_size=262144)
+    assert large.transient_peak > small.transient_peak > 0 and large.activations > small.activations
+    assert large.peak == large.total("device") + large.untracked + large.transient_peak
+    checkpointed = plan(
+        f"{__name__}:Stack",
+        4,
+        zero=ZeroConfig(stage=2),
+        device="cpu",
+        precision="32-true",
+        inputs=[((900, 67), torch.float32)],
+        activations=ActivationCheckpointConfig(policy=Layer),
+    )
+    assert len(checkpointed.activation_checkpointing) == 4
+    # only the checkpointed layers' inputs are saved (not their wide tanh outputs); the recompute costs
+    # another forward's FLOPs
+    assert checkpointed.activations < large.activations and checkpointed.transient_peak < large.transient_peak
+    flops = [sum(e[3] for e in p.trace if e[0] == "op") for p in (large, checkpointed)]
+    assert flops[1] > flops[0]
+    with pytest.raises(ValueError, match="selects no module"):
+        plan(
+            f"{__name__}:Stack",
+            2,
+            device="cpu",
+            inputs=[((3, 67), torch.float32)],
+            activations=ActivationCheckpointConfig(policy=nn.Conv2d),
+        )
+
+
+def test_search_ranks_what_fits_by_throughput(capsys):
+    from lightning_zero.plan.search import format_search, search
+
+    inputs = lambda mb: [((mb, 67), torch.float32)]  # noqa: E731
+    fits_all = search(
+        f"{__name__}:Stack", 4, SLOW, device_memory=2**30, host_memory=2**30, micro_batches=(1, 8),
+        make_inputs=inputs, device="cpu", precision="32-true",
+    )  # fmt: skip
+    assert len(fits_all) == 12 and all(c.fits for c in fits_all)  # 6 layouts x 2 micro-batches
+    speeds = [c.samples_per_second for c in fits_all]
+    assert speeds == sorted(speeds, reverse=True)
+    # a budget between the smallest and the largest peak: the fitting ones first, the best recommended
+    peaks = sorted(c.plan.peak for c in fits_all)
+    tight = search(
+        f"{__name__}:Stack", 4, SLOW, device_memory=(peaks[0] + peaks[-1]) // 2, host_memory=2**30,
+        micro_batches=(1, 8), make_inputs=inputs, device="cpu", precision="32-true",
+    )  # fmt: skip
+    flags = [c.fits for c in tight]
+    assert flags == sorted(flags, reverse=True) and True in flags and False in flags
+    assert all(c.plan.peak <= (peaks[0] + peaks[-1]) // 2 for c in tight if c.fits)
+    assert format_search(tight).startswith("  layout") and "\n* " in format_search(tight)
+    with pytest.raises(ValueError, match="positive"):
+        search(f"{__name__}:Stack", 4, SLOW, device_memory=0, host_memory=1)
+
+
+def test_the_plan_command_times_and_searches(capsys):
+    from lightning_zero.cli import main
+
+    args = ["plan", f"{__name__}:Stack", "--world-size", "4", "--input", "3,67", "--precision", "32-true"]
+    assert main([*args, "--machine", "A100", "--interconnect", "ib-hdr200"]) == 0
+    out = capsys.readouterr().out
+    assert "step time on A100 over ib-hdr200" in out and "peak of a step on the device" in out
+    assert main([*args, "--search", "--machine", "H200", "--micro-batches", "1,2"]) == 0
+    assert "\n* stage=" in capsys.readouterr().out
+    assert main([*args, "--machine", "TPU"]) == 2
+    assert "not in the table" in capsys.readouterr().err
