@@ -30,6 +30,8 @@ from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_col
 
 NOT_MODELED = (
     "the process group's own buffers, the allocator's slack and fragmentation",
+    "attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
+    "memory-efficient kernel holds less, so the transient peak is then an upper bound",
     "on an accelerator, the offloaded step's host temporaries are counted in the device's peak",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
