@@ -52,6 +52,8 @@ def _machine(args: argparse.Namespace) -> Any:
     if name == "calibrate":
         if args.interconnect:
             raise ValueError("--interconnect applies to a machine of the table, not to 'calibrate'.")
+        if args.device != "cpu":
+            raise ValueError("--machine calibrate measures this machine's CPU ranks: plan them with --device cpu.")
         return calibrate(args.world_size)
     return known(name, args.interconnect)
 

@@ -230,3 +230,20 @@ def test_planned_activations_and_transient_peak_equal_a_real_run():
         assert planned.activations == pytest.approx(saved, rel=0.02), (checkpoint, planned.activations, saved)
         assert planned.transient_peak == pytest.approx(peak, rel=0.02), (checkpoint, planned.transient_peak, peak)
     assert measured[1][0] < measured[0][0]  # checkpointing saved less
+
+
+def test_calibration_measures_every_rate_the_model_uses():
+    """Structure only (no timing is asserted): every rate present and positive, every collective the
+    engine issues on gloo measured, the overlap a fraction, and the plan timed with it."""
+    from lightning_zero.plan import plan
+    from lightning_zero.plan.machine import calibrate
+
+    machine = calibrate(2, seconds=0.5)
+    assert set(machine.flops) == {"float32", "bfloat16"} and min(machine.flops.values()) > 0
+    assert set(machine.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+    assert all(link.bandwidth > 0 and link.latency >= 0 for link in machine.collectives.values())
+    assert 0 <= machine.overlap <= 1 and machine.source == "calibrated on 2 ranks"
+    t = plan(f"{__name__}:OddModel", 2, device="cpu", inputs=[((5, 7), torch.float32)]).step_time(machine)
+    assert t.seconds > 0 and 0 <= t.exposed_communication <= t.communication
+    with pytest.raises(ValueError, match="positive"):
+        calibrate(0)

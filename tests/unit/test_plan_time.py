@@ -219,3 +219,5 @@ def test_the_plan_command_times_and_searches(capsys):
     assert "\n* stage=" in capsys.readouterr().out
     assert main([*args, "--machine", "TPU"]) == 2
     assert "not in the table" in capsys.readouterr().err
+    assert main([*args, "--machine", "calibrate"]) == 2  # a CPU measurement for a cuda plan
+    assert "--device cpu" in capsys.readouterr().err
