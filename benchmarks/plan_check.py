@@ -181,6 +181,7 @@ def main() -> None:
     common.write_json(
         args.json,
         {
+            "machine": {**common.machine(), "ranks": f"{args.ranks} gloo ranks, 1 thread each"},
             "title": "plan_check.py: planned step time against measured steps",
             "topic": "step-time",
             "command": command.strip(),

@@ -156,6 +156,7 @@ def main() -> None:
     common.write_json(
         args.json,
         {
+            "machine": {**common.machine(), "ranks": f"{args.ranks} gloo ranks, 1 thread each"},
             "title": "plan_memory.py: planned peak against the OS-measured peak RSS growth",
             "topic": "memory",
             "command": ("python benchmarks/plan_memory.py " + " ".join(sys.argv[1:])).strip(),

@@ -157,6 +157,7 @@ def main() -> None:
     common.write_json(
         args.json,
         {
+            "machine": {**common.machine(), "ranks": "none: every rank is planned in one process"},
             "title": "plan_scaling.py: GPT-2 XL and a 70B model from 8 to 4,096 ranks (planned)",
             "topic": "memory",
             "command": ("python benchmarks/plan_scaling.py " + " ".join(sys.argv[1:])).strip(),
