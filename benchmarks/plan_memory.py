@@ -157,7 +157,7 @@ def main() -> None:
         args.json,
         {
             "machine": {**common.machine(), "ranks": f"{args.ranks} gloo ranks, 1 thread each"},
-            "title": "plan_memory.py: planned peak against the OS-measured peak RSS growth",
+            "title": f"plan_memory.py: planned peak against the OS-measured peak RSS growth ({args.ranks} ranks)",
             "topic": "memory",
             "command": ("python benchmarks/plan_memory.py " + " ".join(sys.argv[1:])).strip(),
             "headers": headers,
