@@ -68,6 +68,11 @@ class Machine:
     dtype_bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Bytes/s of element-wise ops by dtype name where it differs from ``memory_bandwidth`` (a CPU
     without native bfloat16 arithmetic converts every element)."""
+    cache_bytes: int = 0
+    """Ops moving more bytes than this run at ``large_bandwidth`` (a CPU's caches hold smaller ones);
+    0: one bandwidth for every size."""
+    large_bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes/s by dtype name of element-wise ops larger than ``cache_bytes``."""
     host_bandwidth: float = 0.0
     """Bytes/s of element-wise ops in host memory (the offloaded optimizer step); 0: the device's."""
     host_link: float = math.inf
@@ -83,7 +88,8 @@ class Machine:
     """``"table"`` or ``"calibrated on N ranks"``."""
 
     def __post_init__(self) -> None:
-        rates = [*self.flops.values(), *self.dtype_bandwidth.values(), self.memory_bandwidth, self.host_link]
+        rates = [*self.flops.values(), *self.dtype_bandwidth.values(), *self.large_bandwidth.values()]
+        rates += [self.memory_bandwidth, self.host_link]
         rates += [link.bandwidth for link in self.collectives.values()]
         if not self.flops or min(rates) <= 0 or self.host_bandwidth < 0:
             raise ValueError(f"machine {self.name!r}: every rate must be positive ({self})")
@@ -96,8 +102,10 @@ class Machine:
         """Achieved FLOP/s of matrix products in ``dtype`` (float32's when the dtype is not listed)."""
         return self.flops.get(dtype, self.flops.get("float32", max(self.flops.values()))) * self.efficiency
 
-    def bandwidth(self, dtype: str) -> float:
-        """Bytes/s of element-wise ops on ``dtype`` tensors on the device."""
+    def bandwidth(self, dtype: str, nbytes: int = 0) -> float:
+        """Bytes/s of an element-wise op on ``dtype`` tensors moving ``nbytes`` on the device."""
+        if self.cache_bytes and nbytes > self.cache_bytes and dtype in self.large_bandwidth:
+            return self.large_bandwidth[dtype]
         return self.dtype_bandwidth.get(dtype, self.memory_bandwidth)
 
     def link(self, op: str) -> Link:
@@ -226,6 +234,7 @@ def _measure(rank: int, seconds: float) -> dict[str, object]:
         out: dict[str, object] = {}
         flops: dict[str, float] = {}
         bandwidth: dict[str, float] = {}
+        beyond: dict[str, float] = {}
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).removeprefix("torch.")
             # a product of the size of a transformer layer's at a few hundred tokens
@@ -236,7 +245,11 @@ def _measure(rank: int, seconds: float) -> dict[str, object]:
             x, y = torch.randn(1 << 20, dtype=dtype), torch.randn(1 << 20, dtype=dtype)
             comm.barrier(group)
             bandwidth[name] = _rate(functools.partial(torch.add, x, y), 3 * x.element_size() * x.numel(), step)
-        out["flops"], out["bandwidth"] = flops, bandwidth
+            # and beyond the caches (a language model's logits and their gradient)
+            x, y = torch.randn(1 << 23, dtype=dtype), torch.randn(1 << 23, dtype=dtype)
+            comm.barrier(group)
+            beyond[name] = _rate(functools.partial(torch.add, x, y), 3 * x.element_size() * x.numel(), step)
+        out["flops"], out["bandwidth"], out["large"] = flops, bandwidth, beyond
         tiny = torch.zeros(4)
         out["op_overhead"] = 1 / _rate(lambda: tiny.add_(1), 1, step / 2)
         links = {}
@@ -298,11 +311,15 @@ def calibrate(world_size: int = 2, seconds: float = 4.0) -> Machine:
     if not links:  # one rank: no collective runs, any positive rate will do
         links = {"all_reduce": Link(latency=0.0, bandwidth=math.inf)}
     bandwidths = {k: statistics.mean(r["bandwidth"][k] for r in results) for k in first["bandwidth"]}
+    large = {k: statistics.mean(r["large"][k] for r in results) for k in first["large"]}
     return Machine(
         name=f"this machine ({os.cpu_count()} cores), {world_size} gloo ranks",
         flops=flops,
         memory_bandwidth=bandwidths["float32"],
         dtype_bandwidth=bandwidths,
+        # the in-cache measurement moved 3 x 1M float32 elements
+        cache_bytes=12 << 20,
+        large_bandwidth=large,
         collectives=links,
         host_bandwidth=bandwidths["float32"],
         op_overhead=statistics.mean(float(r["op_overhead"]) for r in results),

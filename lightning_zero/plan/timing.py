@@ -106,7 +106,7 @@ def _op_seconds(event: Event, machine: Machine) -> float:
     elif where == "host":
         bandwidth = machine.host_bandwidth or machine.memory_bandwidth
     else:
-        bandwidth = machine.bandwidth(dtype)
+        bandwidth = machine.bandwidth(dtype, nbytes)
     compute = flops / machine.matmul_rate(dtype) if flops else 0.0
     return max(machine.op_overhead, compute, nbytes / bandwidth)
 

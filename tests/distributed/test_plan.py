@@ -240,6 +240,8 @@ def test_calibration_measures_every_rate_the_model_uses():
 
     machine = calibrate(2, seconds=0.5)
     assert set(machine.flops) == {"float32", "bfloat16"} and min(machine.flops.values()) > 0
+    assert set(machine.large_bandwidth) == set(machine.dtype_bandwidth) == {"float32", "bfloat16"}
+    assert machine.cache_bytes > 0
     assert set(machine.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
     assert all(link.bandwidth > 0 and link.latency >= 0 for link in machine.collectives.values())
     assert 0 <= machine.overlap <= 1 and machine.source == "calibrated on 2 ranks"

@@ -147,6 +147,11 @@ def test_machine_table_and_validation():
         dataclasses.replace(SLOW, memory_bandwidth=0.0)
     with pytest.raises(ValueError, match="overlap"):
         dataclasses.replace(SLOW, overlap=1.5)
+    # beyond the caches an element-wise op runs at the large-tensor bandwidth
+    cached = dataclasses.replace(SLOW, cache_bytes=1000, large_bandwidth={"float32": 1e8})
+    small, large = ("op", "device", "float32", 0, 1000), ("op", "device", "float32", 0, 1001)
+    assert step_time([small], [], 1, cached).seconds == pytest.approx(1e-6)
+    assert step_time([large], [], 1, cached).seconds == pytest.approx(1001 / 1e8)
     # one rank: a collective moves nothing, only its latency counts
     assert SLOW.link("all_gather").seconds("all_gather", 10**9, 1) == 0.0
 
