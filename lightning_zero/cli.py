@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from lightning_zero.checkpoint.consolidate import DTYPES, consolidate, to_lightning_checkpoint
 
@@ -65,65 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed, 16-mixed or bf16-true")
     rep.add_argument("--offload-optimizer", action="store_true")
     rep.add_argument("--offload-parameters", action="store_true")
-    _plan_parser(commands)
+    from lightning_zero.plan.command import add_parser
+
+    add_parser(commands)
     return parser
-
-
-def _plan_parser(commands: argparse._SubParsersAction) -> None:
-    pl = commands.add_parser("plan", help="per-rank memory and collectives from the engine on meta tensors")
-    pl.add_argument("model", help="package.module:Class, or a Hugging Face config.json (or its directory)")
-    pl.add_argument("--kwargs", default="{}", help="the class's constructor arguments as JSON (default {})")
-    pl.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    pl.add_argument("--stage", type=int, default=2, help="1, 2 or 3 (default 2)")
-    pl.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed or bf16-true")
-    pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the ranks' accelerator")
-    pl.add_argument("--offload-optimizer", action="store_true")
-    pl.add_argument("--offload-parameters", action="store_true")
-    pl.add_argument("--no-pin-memory", action="store_true")
-    for name in ("reduce-bucket-size", "param-persistence-threshold", "prefetch-bucket-size"):
-        pl.add_argument(f"--{name}", help="elements (default: the strategy's)")
-    pl.add_argument("--input", action="append", help="a forward input SHAPE[:DTYPE], e.g. 8,128:int64 (repeat)")
-    pl.add_argument("--micro-batch", type=int, default=1, help="HF models: sequences per rank (default 1)")
-    pl.add_argument("--seq-len", type=int, default=128, help="HF models: tokens per sequence (default 128)")
-
-
-def _plan(args: argparse.Namespace) -> int:
-    import json
-
-    from lightning_zero.config import OffloadConfig, ZeroConfig
-    from lightning_zero.plan import format_plan, plan
-    from lightning_zero.plan.model import parse_input
-
-    try:
-        kwargs = json.loads(args.kwargs)
-        if not isinstance(kwargs, dict):
-            raise ValueError(f"--kwargs {args.kwargs!r} must be a JSON object")
-        sizes: dict[str, Any] = {
-            key: (v if v == "auto" else int(v))
-            for key in ("reduce_bucket_size", "param_persistence_threshold", "prefetch_bucket_size")
-            if (v := getattr(args, key)) is not None
-        }
-        result = plan(
-            args.model,
-            args.world_size,
-            zero=ZeroConfig(stage=args.stage, **sizes),
-            offload=OffloadConfig(
-                offload_optimizer=args.offload_optimizer,
-                offload_parameters=args.offload_parameters,
-                pin_memory=not args.no_pin_memory,
-            ),
-            precision=args.precision,
-            device=args.device,
-            model_kwargs=kwargs,
-            inputs=[parse_input(text) for text in args.input] if args.input else None,
-            micro_batch=args.micro_batch,
-            seq_len=args.seq_len,
-        )
-    except ValueError as error:  # json.JSONDecodeError is one
-        print(f"lightning-zero plan: error: {error}", file=sys.stderr)
-        return 2
-    print(format_plan(result))
-    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -151,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "report":
         return _report(args)
     if args.command == "plan":
-        return _plan(args)
+        from lightning_zero.plan.command import run
+
+        return run(args)
     dtype = None if args.dtype == "saved" else DTYPES[args.dtype]
     source = args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
     try:

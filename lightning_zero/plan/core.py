@@ -19,18 +19,25 @@ from unittest import mock
 import torch
 
 from lightning_zero import comm
-from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, ZeroConfig
+from lightning_zero.activations import apply_activation_checkpointing
+from lightning_zero.config import PRECISIONS, ActivationCheckpointConfig, OffloadConfig, StrategyConfig, ZeroConfig
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
+from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
+from lightning_zero.plan.peak import LiveBytes
+from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
 from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
-    "the backward's peak and autograd temporaries beyond the saved activations",
-    "the process group's own buffers, the allocator's slack, the batch",
+    "the process group's own buffers, the allocator's slack and fragmentation",
+    "attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
+    "memory-efficient kernel holds less, so the transient peak is then an upper bound",
+    "on an accelerator, the offloaded step's host temporaries are counted in the device's peak",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
     "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
-    "step time",
+    "step time: the overlap of host-device copies with compute (they are counted as compute), "
+    "kernels slower than their roofline (small or odd-shaped products), the network's contention",
     "tensor and pipeline parallelism (the data-parallel group only)",
     "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
@@ -71,13 +78,37 @@ class Plan:
     """Bytes autograd saves for backward in one forward of the given inputs (the
     :class:`~lightning_zero.memory.ActivationMeter` count, on meta tensors): not the peak of the
     backward, nor temporaries freed during the forward."""
+    transient_peak: int
+    """The most bytes a training step holds beyond what was alive when it began (saved activations,
+    gradients on their way to the buckets, temporaries of forward, backward and step; with activation
+    checkpointing the recomputed activations of one module at a time), from :class:`.peak.LiveBytes`."""
     step: tuple[CollectiveTotal, ...]
     setup: tuple[CollectiveTotal, ...]
+    untracked: int = 0
+    """Bytes the engine's steps leave allocated between steps that ``memory_breakdown()`` does not
+    name (e.g. the optimizer's fp32 gradient slices): part of the resident memory all the same."""
+    activation_checkpointing: tuple[str, ...] = ()
+    """The checkpointed modules' qualified names."""
     not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
+    trace: tuple[Event, ...] = field(default=(), repr=False)
+    """The second step's ops, collectives and waits in order (:mod:`.timing`)."""
+    step_calls: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+    """The second step's collectives in order: ``(op, whole-buffer bytes)``."""
 
     def total(self, where: str) -> int:
         """Bytes of every category on ``where`` ("device" or "host")."""
         return sum(self.memory[where].values())
+
+    @property
+    def peak(self) -> int:
+        """The device's peak of a step: its memory (:meth:`total`), :attr:`untracked` and
+        :attr:`transient_peak`."""
+        return self.total("device") + self.untracked + self.transient_peak
+
+    def step_time(self, machine: Machine) -> StepTime:
+        """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
+        recorded step replayed on the machine's rates, with the overlap the engine does."""
+        return step_time(self.trace, self.step_calls, self.world_size, machine)
 
 
 def _totals(calls: list[Call]) -> tuple[CollectiveTotal, ...]:
@@ -103,6 +134,7 @@ def plan(
     inputs: list[InputSpec] | None = None,
     micro_batch: int = 1,
     seq_len: int = 128,
+    activations: ActivationCheckpointConfig | None = None,
 ) -> Plan:
     """Plan one rank of ``world_size`` data-parallel ranks training ``model`` (``"pkg.mod:Class"``
     with ``model_kwargs``, or a Hugging Face ``config.json``: see :func:`~.model.meta_model`) with
@@ -112,7 +144,8 @@ def plan(
     pinned when ``pin_memory``) or ``"cpu"`` (everything is host memory, counted as "device" as
     ``memory_breakdown()`` does on a CPU rank). ``inputs``: the forward's positional inputs; by
     default token ids ``(micro_batch, seq_len)`` for a Hugging Face model or a LightningModule's
-    ``example_input_array``.
+    ``example_input_array``. ``activations``: activation checkpointing, as the strategy's
+    ``activation_checkpointing`` option applies it.
     """
     zero = zero or ZeroConfig()
     offload = offload or OffloadConfig()
@@ -123,7 +156,10 @@ def plan(
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'.")
     if offload.nvme is not None:
         raise ValueError("the NVMe tiers are not modeled by the plan; plan offload to 'cpu' instead.")
-    config = StrategyConfig(zero=zero, offload=offload)
+    activations = activations or ActivationCheckpointConfig()
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch={micro_batch} and seq_len={seq_len} must be >= 1.")
+    config = StrategyConfig(zero=zero, offload=offload, activations=activations)
     host: list[tuple[torch.Tensor, bool]] = []
     setup_calls: list[Call] = []
     step_calls: list[Call] = []
@@ -139,12 +175,24 @@ def plan(
         specs = inputs if inputs is not None else default_inputs(module, micro_batch, seq_len)
         params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
         optimizer = torch.optim.AdamW(params)
+        checkpointed = apply_activation_checkpointing(module, activations, None, zero.stage == 3)
+        if activations.policy is not None and not checkpointed:
+            kinds = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(f"activation_checkpointing={activations.policy!r} selects no module of {kinds}.")
         with record_collectives(setup_calls, groups):
             engine = ZeroEngine(module, [optimizer], config=config, precision=precision, device=torch.device("meta"))
         forward = loss_fn(module, specs, PRECISIONS[precision][0])
         meter = ActivationMeter(include_meta=True)
+        events: list[Event] = []
+        lives: list[LiveBytes] = []
         for step in range(2):
-            with record_collectives(step_calls if step else [], groups):
+            trace = events if step else []
+            # the first step allocates the offloaded step's host buffers: known by the second
+            host_storages = None if device == "cpu" else {t.untyped_storage()._cdata for t, _ in host}
+            live = LiveBytes()
+            lives.append(live)
+            recorders = record_collectives(step_calls if step else [], groups, trace), OpRecorder(trace, host_storages)
+            with recorders[0], recorders[1], live:
                 meter.start()
                 try:
                     loss = forward()
@@ -155,10 +203,13 @@ def plan(
                     ) from error
                 finally:
                     meter.stop(module)
+                trace.append(("phase", "backward"))
                 loss.backward()
                 engine.backward_done()
+                trace.append(("phase", "optimizer"))
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
+        untracked = _untracked(module, engine, lives)
         resolved = engine.config.zero
         flat = len(engine.memory_tensors()["parameters"])
         engine.close(unshard=False)
@@ -177,6 +228,11 @@ def plan(
         activations=meter.last,
         step=_totals(step_calls),
         setup=_totals(setup_calls),
+        transient_peak=live.peak,
+        untracked=untracked,
+        activation_checkpointing=tuple(checkpointed),
+        trace=tuple(events),
+        step_calls=tuple((c.op, c.nbytes) for c in step_calls),
     )
 
 
@@ -198,6 +254,14 @@ def _count(
 
     breakdown = memory_breakdown(module, engine, torch.device(device), place=place)
     return {where: {c: breakdown[where][c] for c in CATEGORIES} for where in ("device", "host")}
+
+
+def _untracked(module: torch.nn.Module, engine: Any, lives: list[LiveBytes]) -> int:
+    """Bytes created during the steps, alive after them, and in no ``memory_breakdown()`` category."""
+    named = [t for tensors in engine.memory_tensors().values() for t in tensors]
+    named += [*module.parameters(), *module.buffers()]
+    counted = {t.untyped_storage()._cdata for t in named}
+    return sum(nbytes for live in lives for key, nbytes in live.alive().items() if key not in counted)
 
 
 def _pinned(host: list[tuple[torch.Tensor, bool]], offload: OffloadConfig, device: str) -> int:

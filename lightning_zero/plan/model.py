@@ -84,7 +84,10 @@ def parse_input(text: str) -> InputSpec:
 
 def loss_fn(model: nn.Module, inputs: Sequence[InputSpec], compute_dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """A scalar from one forward on meta inputs (floating inputs in the compute dtype, as autocast
-    would give the first layer): the output, its ``logits`` or its first element, summed in fp32."""
+    would give the first layer) of the output, its ``logits`` or its first element: a language
+    model's cross entropy in fp32 when the first input is token ids ``(batch, seq)`` and the output
+    logits ``(batch, seq, vocabulary)`` (what its training step computes, with its cost), else the
+    mean in fp32."""
 
     def forward() -> torch.Tensor:
         args = [
@@ -99,6 +102,9 @@ def loss_fn(model: nn.Module, inputs: Sequence[InputSpec], compute_dtype: torch.
             raise ValueError(
                 f"{type(model).__name__}'s forward returned {type(out).__name__}; the plan needs a tensor."
             )
+        ids = args[0] if args else None
+        if ids is not None and not ids.is_floating_point() and out.dim() == 3 and out.shape[:2] == ids.shape:
+            return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), ids.flatten())
         return out.float().mean()
 
     return forward

@@ -32,6 +32,12 @@ def format_plan(p: Plan) -> str:
         lines.append(f"  {category:22} {_mib(p.memory['device'][category])} {_mib(p.memory['host'][category])}")
     lines.append(f"  {'total':22} {_mib(p.total('device'))} {_mib(p.total('host'))}")
     lines.append(f"activations saved by one forward: {p.activations / 2**20:.2f} MiB")
+    lines.append(
+        f"peak of a step on the device: {p.peak / 2**20:.2f} MiB (the total above, {p.transient_peak / 2**20:.2f} MiB "
+        f"transient during the step, {p.untracked / 2**20:.2f} MiB kept between steps outside the categories)"
+    )
+    if p.activation_checkpointing:
+        lines.append(f"activation checkpointing: {len(p.activation_checkpointing)} modules")
     lines.append(f"pinned host memory: {p.pinned_host_bytes / 2**20:.2f} MiB")
     lines.append(
         f"buckets: reduce_bucket_size {z.reduce_bucket_size:,} elements, allgather_bucket_size "

@@ -103,7 +103,9 @@ def _nbytes(op: str, args: dict[str, Any]) -> int:
 
 
 @contextmanager
-def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[None]:
+def record_collectives(
+    calls: list[Call], groups: dict[int, str], events: list[tuple[Any, ...]] | None = None
+) -> Iterator[None]:
     """Append every collective of :mod:`lightning_zero.comm` issued in the block to ``calls``
     (those on one-rank groups return early and move nothing: not recorded). ``groups`` names the
     groups by ``id``; the default group (``None``) is named as the world group.
@@ -111,7 +113,10 @@ def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[No
     The fake group completes every collective at once; a real network is slower than the compute
     that overlaps it. The asynchronous handles recorded here report themselves complete only once
     waited for: the engine then keeps as many reductions (and their buckets) in flight as its own
-    limits allow, as behind a slow network."""
+    limits allow, as behind a slow network.
+
+    ``events`` (the step-time trace, :mod:`.timing`): ``("issue", index in calls, synchronous)`` per
+    recorded collective and ``("wait", index)`` when the engine waits for an asynchronous one."""
     originals = {name: getattr(comm, name) for name in COLLECTIVES}
 
     def wrap(name: str) -> Any:
@@ -121,21 +126,35 @@ def record_collectives(calls: list[Call], groups: dict[int, str]) -> Iterator[No
         def recorded(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs).arguments
             group = bound.get("group")
+            index = None
             if comm.world_size(group) > 1:
                 plain = group.group if isinstance(group, comm.CheckedGroup) else group
                 if plain is None:
                     plain = dist.group.WORLD
+                index = len(calls)
                 calls.append(Call(name, groups.get(id(plain), "other"), _nbytes(name, bound)))
+                if events is not None:
+                    events.append(("issue", index, not bound.get("async_op", name == "send")))
             result = original(*args, **kwargs)
             if isinstance(result, comm.Handle) and result is not comm._DONE:
                 handle = result
                 handle.is_completed = lambda: not handle._works  # type: ignore[method-assign]
+                if events is not None and index is not None:
+                    handle.wait = _waited(handle.wait, events, index)  # type: ignore[method-assign]
             return result
 
         return recorded
 
     with contextlib_patches({name: wrap(name) for name in COLLECTIVES}):
         yield
+
+
+def _waited(wait: Any, events: list[tuple[Any, ...]], index: int) -> Any:
+    def recorded_wait() -> None:
+        events.append(("wait", index))
+        wait()
+
+    return recorded_wait
 
 
 @contextmanager

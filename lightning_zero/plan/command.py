@@ -1,0 +1,157 @@
+"""``lightning-zero plan``: its options and what it prints (the plan, its step time, or a search)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from lightning_zero.plan.machine import DEVICES, INTERCONNECTS
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``plan`` subcommand's options."""
+    pl = commands.add_parser("plan", help="per-rank memory, collectives and step time from the engine on meta tensors")
+    pl.add_argument("model", help="package.module:Class, or a Hugging Face config.json (or its directory)")
+    pl.add_argument("--kwargs", default="{}", help="the class's constructor arguments as JSON (default {})")
+    pl.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    pl.add_argument("--stage", type=int, default=2, help="1, 2 or 3 (default 2)")
+    pl.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed or bf16-true")
+    pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the ranks' accelerator")
+    pl.add_argument("--offload-optimizer", action="store_true")
+    pl.add_argument("--offload-parameters", action="store_true")
+    pl.add_argument("--no-pin-memory", action="store_true")
+    for name in ("reduce-bucket-size", "param-persistence-threshold", "prefetch-bucket-size"):
+        pl.add_argument(f"--{name}", help="elements (default: the strategy's)")
+    pl.add_argument("--input", action="append", help="a forward input SHAPE[:DTYPE], e.g. 8,128:int64 (repeat)")
+    pl.add_argument("--micro-batch", type=int, default=1, help="HF models: sequences per rank (default 1)")
+    pl.add_argument("--seq-len", type=int, default=128, help="HF models: tokens per sequence (default 128)")
+    pl.add_argument(
+        "--activation-checkpointing", help="class names of the modules to checkpoint, comma-separated (e.g. GPT2Block)"
+    )
+    pl.add_argument(
+        "--machine",
+        help=f"time the step on {sorted(DEVICES)} (default H100 with --device cuda) or 'calibrate' "
+        "(measure this machine as --world-size gloo ranks, a few seconds)",
+    )
+    pl.add_argument("--interconnect", help=f"the data-parallel link: {sorted(INTERCONNECTS)} (default the NVLink)")
+    pl.add_argument("--search", action="store_true", help="every layout that fits, fastest first")
+    pl.add_argument("--memory", type=float, help="GiB of device memory per rank (default: the machine's)")
+    pl.add_argument("--host-memory", type=float, help="GiB of host memory per rank (default: no limit)")
+    pl.add_argument("--micro-batches", default="1,2,4,8", help="--search: micro-batch sizes to try")
+
+
+def _machine(args: argparse.Namespace) -> Any:
+    from lightning_zero.plan.machine import calibrate, known
+
+    name = args.machine or ("H100" if args.device == "cuda" else None)
+    if name is None:
+        return None
+    if name == "calibrate":
+        if args.interconnect:
+            raise ValueError("--interconnect applies to a machine of the table, not to 'calibrate'.")
+        if args.device != "cpu":
+            raise ValueError("--machine calibrate measures this machine's CPU ranks: plan them with --device cpu.")
+        return calibrate(args.world_size)
+    return known(name, args.interconnect)
+
+
+def _policy(names: str | None) -> Any:
+    if not names:
+        return None
+    wanted = frozenset(n.strip() for n in names.split(",") if n.strip())
+
+    def policy(module: Any) -> bool:
+        return type(module).__name__ in wanted
+
+    policy.__name__ = "classes named " + ",".join(sorted(wanted))
+    return policy
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``plan`` subcommand; the exit status."""
+    from lightning_zero.config import ActivationCheckpointConfig, OffloadConfig, ZeroConfig
+    from lightning_zero.plan import format_plan, plan
+    from lightning_zero.plan.model import parse_input
+
+    try:
+        kwargs = json.loads(args.kwargs)
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--kwargs {args.kwargs!r} must be a JSON object")
+        sizes: dict[str, Any] = {
+            key: (v if v == "auto" else int(v))
+            for key in ("reduce_bucket_size", "param_persistence_threshold", "prefetch_bucket_size")
+            if (v := getattr(args, key)) is not None
+        }
+        common: dict[str, Any] = {
+            "precision": args.precision,
+            "device": args.device,
+            "model_kwargs": kwargs,
+            "seq_len": args.seq_len,
+        }
+        inputs = [parse_input(text) for text in args.input] if args.input else None
+        policy = _policy(args.activation_checkpointing)
+        machine = _machine(args)
+        if args.search:
+            return _search(args, machine, policy, sizes, inputs, common)
+        result = plan(
+            args.model,
+            args.world_size,
+            zero=ZeroConfig(stage=args.stage, **sizes),
+            offload=OffloadConfig(
+                offload_optimizer=args.offload_optimizer,
+                offload_parameters=args.offload_parameters,
+                pin_memory=not args.no_pin_memory,
+            ),
+            inputs=inputs,
+            micro_batch=args.micro_batch,
+            activations=ActivationCheckpointConfig(policy=policy),
+            **common,
+        )
+    except ValueError as error:  # json.JSONDecodeError is one
+        print(f"lightning-zero plan: error: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    if machine is not None:
+        t = result.step_time(machine)
+        print(
+            f"step time on {t.machine}: {t.seconds * 1e3:.2f} ms (forward {t.forward * 1e3:.2f}, backward "
+            f"{t.backward * 1e3:.2f}, optimizer {t.optimizer * 1e3:.2f}, of which on the host {t.host * 1e3:.2f}; "
+            f"communication {t.communication * 1e3:.2f}, exposed {t.exposed_communication * 1e3:.2f})"
+        )
+    return 0
+
+
+def _search(args: argparse.Namespace, machine: Any, policy: Any, sizes: dict, inputs: Any, common: dict) -> int:
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.plan.search import format_search, search
+
+    if machine is None:
+        raise ValueError("--search ranks layouts by predicted speed: give --machine (a table device or 'calibrate').")
+    table = DEVICES.get(args.machine or "H100", {})
+    device_memory = int(args.memory * 2**30) if args.memory else int(table.get("memory_bytes", 0))  # type: ignore[call-overload]
+    if not device_memory:
+        raise ValueError(f"--search needs the device memory per rank: give --memory GiB (machine {args.machine!r}).")
+    batches = [int(n) for n in args.micro_batches.split(",")]
+    make_inputs = None
+    if inputs:  # the first dimension of every input is the micro-batch
+        make_inputs = lambda mb: [((mb, *shape[1:]), dtype) for shape, dtype in inputs]  # noqa: E731
+    found = search(
+        args.model,
+        args.world_size,
+        machine,
+        device_memory=device_memory,
+        host_memory=int(args.host_memory * 2**30) if args.host_memory else sys.maxsize,
+        micro_batches=batches,
+        checkpoint_policy=policy,
+        make_inputs=make_inputs,
+        zero=ZeroConfig(**sizes),
+        **common,
+    )
+    print(
+        f"search: {args.model} on {args.world_size} ranks of {machine.name}, {math.ceil(device_memory / 2**20)} MiB each"
+    )
+    print(format_search(found))
+    return 0

@@ -1,0 +1,125 @@
+"""``plan --search``: every layout of a model that fits a machine, ranked by predicted throughput.
+
+Each candidate is a full :func:`~.core.plan` (the engine on meta tensors), so what fits is what the
+engine would allocate, and its speed is its recorded step replayed on the machine
+(:meth:`~.core.Plan.step_time`). Candidates: stages 1-3; the optimizer on the device, offloaded, and
+(stage 3) the parameters offloaded too; with and without activation checkpointing of the given module
+classes; the given micro-batch sizes. A layout that does not fit at one micro-batch is not tried at a
+larger one. Tensor- and pipeline-parallel sizes are not searched (the plan models the data-parallel
+group only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_zero.config import ActivationCheckpointConfig, OffloadConfig, ZeroConfig
+from lightning_zero.plan.core import Plan, plan
+from lightning_zero.plan.machine import Machine
+from lightning_zero.plan.timing import StepTime
+
+#: (stage, offload optimizer, offload parameters)
+LAYOUTS = [(1, False, False), (2, False, False), (3, False, False), (2, True, False), (3, True, False), (3, True, True)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout, its plan and its predicted step."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_parameters: bool
+    checkpointing: bool
+    micro_batch: int
+    plan: Plan
+    time: StepTime
+    fits: bool
+    """Device peak within the device memory, host total within the host memory."""
+
+    @property
+    def samples_per_second(self) -> float:
+        """Micro-batches of all data-parallel ranks per second."""
+        return self.micro_batch * self.plan.world_size / self.time.seconds
+
+    def describe(self) -> str:
+        """The layout as strategy options."""
+        offload = "+".join(
+            n for n, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_parameters)) if on
+        )
+        return (
+            f"stage={self.stage} offload={offload or 'none'} "
+            f"checkpointing={'on' if self.checkpointing else 'off'} micro_batch={self.micro_batch}"
+        )
+
+
+def search(
+    model: str,
+    world_size: int,
+    machine: Machine,
+    *,
+    device_memory: int,
+    host_memory: int,
+    micro_batches: Sequence[int] = (1, 2, 4, 8),
+    checkpoint_policy: Any = None,
+    make_inputs: Callable[[int], Any] | None = None,
+    **plan_kwargs: Any,
+) -> list[Candidate]:
+    """Every candidate layout, those that fit first, each group by predicted samples/s (the
+    recommended layout first). ``device_memory``/``host_memory``: bytes per rank and per rank's share
+    of the host. ``checkpoint_policy``: activation checkpointing's policy to try besides none.
+    ``make_inputs(micro_batch)``: the forward's input specs (default: the plan's, from ``micro_batch``).
+    Other keyword arguments go to :func:`~.core.plan` (``precision``, ``device``, ``seq_len``, ...)."""
+    if device_memory <= 0 or host_memory <= 0:
+        raise ValueError(f"device_memory={device_memory} and host_memory={host_memory} must be positive bytes.")
+    if not micro_batches or min(micro_batches) < 1:
+        raise ValueError(f"micro_batches={list(micro_batches)} must be sizes >= 1.")
+    base_zero = plan_kwargs.pop("zero", None) or ZeroConfig()
+    found: list[Candidate] = []
+    for stage, offload_optimizer, offload_parameters in LAYOUTS:
+        for checkpointing in (False, True) if checkpoint_policy is not None else (False,):
+            for micro_batch in sorted(micro_batches):
+                extra = {"inputs": make_inputs(micro_batch)} if make_inputs else {"micro_batch": micro_batch}
+                zero = dataclasses.replace(base_zero, stage=stage)
+                p = plan(
+                    model,
+                    world_size,
+                    zero=zero,
+                    offload=OffloadConfig(offload_optimizer=offload_optimizer, offload_parameters=offload_parameters),
+                    activations=ActivationCheckpointConfig(policy=checkpoint_policy if checkpointing else None),
+                    **extra,
+                    **plan_kwargs,
+                )
+                host = p.total("host") if p.device == "cuda" else 0
+                fits = p.peak <= device_memory and host <= host_memory
+                found.append(
+                    Candidate(
+                        stage,
+                        offload_optimizer,
+                        offload_parameters,
+                        checkpointing,
+                        micro_batch,
+                        p,
+                        p.step_time(machine),
+                        fits,
+                    )
+                )
+                if not fits:
+                    break  # a larger micro-batch needs more memory still
+    return sorted(found, key=lambda c: (not c.fits, -c.samples_per_second))
+
+
+def format_search(candidates: Sequence[Candidate]) -> str:
+    """The search as a table, the recommended layout first."""
+    lines = [f"{'':2}{'layout':72} {'peak MiB':>10} {'host MiB':>10} {'step ms':>9} {'samples/s':>10}  fits"]
+    for i, c in enumerate(candidates):
+        mark = "* " if i == 0 and c.fits else "  "
+        lines.append(
+            f"{mark}{c.describe():72} {c.plan.peak / 2**20:10.1f} {c.plan.total('host') / 2**20:10.1f} "
+            f"{c.time.seconds * 1e3:9.2f} {c.samples_per_second:10.2f}  {'yes' if c.fits else 'no'}"
+        )
+    if not any(c.fits for c in candidates):
+        lines.append("no layout fits: more ranks, a smaller micro-batch, or NVMe tiers (not planned) are left")
+    return "\n".join(lines)
