@@ -125,6 +125,10 @@ class GatherOrderCheck:
         self.group = group
         self.describe = describe
 
+    def __getstate__(self) -> dict[str, object]:
+        # A deep-copied or pickled model (an averaged copy, a saved trainer) carries no process group.
+        return {**self.__dict__, "group": None}
+
     def _encode(self, codes: list[int]) -> list[int]:
         digest = len(codes)
         for code in codes:  # a polynomial hash, the same on every rank (Python's hash() is per process)
