@@ -1,5 +1,5 @@
 """The Trainer strategy's checkpoint writing: sharded directories (every rank its own file), the
-full format (one Lightning checkpoint file from rank 0), async saves published at step boundaries,
+full format (one Lightning checkpoint file from rank 0, its pieces gathered in memory), async saves published at step boundaries,
 node-local storage, and removal of replaced checkpoints. A mixin of
 :class:`lightning_zero.ZeroStrategy`, kept apart so that the strategy file holds Lightning's hooks;
 ``_Saving`` names what it uses of the strategy."""
@@ -17,7 +17,8 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_zero import comm
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
+from lightning_zero.checkpoint.consolidate import write_file
+from lightning_zero.checkpoint.full import gather_full
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -144,19 +145,20 @@ class CheckpointWriting:
         return ckpt_io.NodeRanks(self.node_rank, self.local_rank)
 
     def _save_full(self: _Saving, checkpoint: dict[str, Any], path: Path) -> None:
-        """A sharded save into a hidden staging directory beside ``path`` (every rank), turned by rank 0
-        into the plain file (one tensor gathered at a time from the shards) and then deleted; every
-        rank learns whether rank 0 succeeded, so a failure raises everywhere instead of hanging."""
-        staging = path.with_name(f".{path.name}.zero-full-staging")
-        self._save_sharded(checkpoint, staging)
+        """Every rank's pieces gathered in memory to rank 0, which writes the one plain file
+        (:mod:`lightning_zero.checkpoint.full`); every rank learns whether rank 0 succeeded, so a
+        failure raises everywhere instead of hanging."""
+        assert self.lightning_module is not None
+        self._finish_pending_save()  # an earlier async sharded save of a second ModelCheckpoint
         error = None
-        if self.is_global_zero:
-            try:
-                to_lightning_checkpoint(staging, path, trust_pickles=True)  # our own file, just written
-            except Exception as exc:  # reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                ckpt_save.remove_sharded(staging)
+        try:
+            full = gather_full(
+                checkpoint, path, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
+            )
+            if full is not None:
+                write_file(path, functools.partial(torch.save, full))
+        except Exception as exc:  # reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
         errors = [e for e in comm.all_gather_object(error, None) if e] if comm.initialized() else [error]
         if any(errors):
             raise RuntimeError(f"writing the full checkpoint {path} failed on rank 0: {errors[0]}")
