@@ -392,8 +392,9 @@ class ZeroStrategy(CheckpointWriting, DDPStrategy):
         # (offload_pipeline is the strategy's option: it says how the engine steps, not where tensors live)
         offload = dataclasses.replace(precision.offload, pipeline=self.config.offload.pipeline)
         config = dataclasses.replace(self.config, offload=offload)
-        if fitting := trainer.state.fn == TrainerFn.FITTING:
-            # Ranks that cannot see a checkpoint directory are found now, not at the first save.
+        if (fitting := trainer.state.fn == TrainerFn.FITTING) and self.config.checkpoint.state_dict_type != "full":
+            # Ranks that cannot see a checkpoint directory are found now, not at the first save (a
+            # full checkpoint is written by rank 0 alone, as under DDP: no storage to share).
             ckpt_io.check_shared(
                 [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None, self._node()
             )

@@ -12,7 +12,6 @@ host memory while it writes, as the consolidation from a directory does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,7 +71,7 @@ def _unpack(value: Any) -> Any:
 
 def gather_full(
     checkpoint: dict[str, Any],
-    path: Path,
+    path: Any,
     module: nn.Module,
     engine: ZeroEngine | None,
     optimizers: list[torch.optim.Optimizer],

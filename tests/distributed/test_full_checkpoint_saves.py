@@ -1,6 +1,7 @@
 """The full checkpoint format under ``ModelCheckpoint(save_top_k=...)`` on 2 CPU/gloo ranks writes
 what DDP writes: the same files (replaced ones removed), one ``torch.save`` per checkpoint on rank 0
-and none on rank 1, and the same model and optimizer states; at stages 1, 2 and 3, fp32."""
+and none on rank 1, and the same model and optimizer states; at stages 1, 2 and 3, fp32; also into storage that the
+ranks do not share (fsspec's per-process ``memory://``), as DDP's."""
 
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def _worker(rank: int, tmp: str) -> dict[str, Any]:
         loaded = torch.load(folder / files[0], weights_only=False, map_location="cpu") if rank == 0 else None
         out[name] = {"saves": saves, "files": files, "ckpt": loaded}
         trainer.strategy.barrier()  # no rank starts the next fit (another folder) while one still reads
+    for name in ("ddp", "zero3"):
+        # fsspec's memory:// is one store per process: storage no two ranks share, which a full
+        # checkpoint (written by rank 0 alone) does not need, as under DDP
+        import fsspec
+
+        url = f"memory://full-{name}"
+        every = ModelCheckpoint(dirpath=url, save_top_k=-1, every_n_train_steps=2)
+        fit(SPECS[name], max_steps=2, accumulate=1, trainer_kwargs={"callbacks": [every], "enable_checkpointing": True})
+        if rank == 0:
+            with fsspec.open(f"{url}/epoch=0-step=2.ckpt", "rb") as f:
+                out[f"{name}-memory"] = torch.load(f, weights_only=False)["global_step"]
     return out
 
 
@@ -63,6 +75,7 @@ def _states(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def test_full_format_save_top_k_matches_ddp(tmp_path: Path) -> None:
     res = run_ranks(_worker, str(tmp_path))
+    assert res[0]["ddp-memory"] == res[0]["zero3-memory"] == 2
     ref = res[0]["ddp"]
     assert ref["files"] == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt"], ref["files"]
     for name in SPECS:
