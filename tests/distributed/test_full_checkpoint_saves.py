@@ -1,6 +1,7 @@
 """The full checkpoint format under ``ModelCheckpoint(save_top_k=...)`` on 2 CPU/gloo ranks writes
 what DDP writes: the same files (replaced ones removed), one ``torch.save`` per checkpoint on rank 0
-and none on rank 1, and the same model and optimizer states; at stages 1, 2 and 3, fp32; also into storage that the
+and none on rank 1, and the same model and optimizer states, and a resume from it calls the module's own
+``load_state_dict`` as DDP does (stages 1 and 2); at stages 1, 2 and 3, fp32; also into storage that the
 ranks do not share (fsspec's per-process ``memory://``), as DDP's."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
-from models import fit
+from models import ParityModel, fit
 
 from lightning_zero.testing import run_ranks
 
@@ -24,6 +25,18 @@ SPECS = {
     "zero2": {"stage": 2, "reduce_bucket_size": 40, "state_dict_type": "full"},
     "zero3": {"stage": 3, "param_persistence_threshold": 10, "reduce_bucket_size": 40, "state_dict_type": "full"},
 }
+
+
+class RecordsLoads(ParityModel):
+    """Records how Lightning's resume calls the module's own ``load_state_dict``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loads: list[tuple[int, bool]] = []
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        self.loads.append((len(state_dict), strict))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _worker(rank: int, tmp: str) -> dict[str, Any]:
@@ -46,7 +59,10 @@ def _worker(rank: int, tmp: str) -> dict[str, Any]:
         trainer.strategy.barrier()  # rank 0's last file is complete before rank 1 lists the folder
         files = sorted(os.listdir(folder))
         loaded = torch.load(folder / files[0], weights_only=False, map_location="cpu") if rank == 0 else None
-        out[name] = {"saves": saves, "files": files, "ckpt": loaded}
+        # resume from the newest file (step 4) for two more steps, through an overridden load_state_dict
+        resume = str(folder / files[-1])
+        _, resumed = fit(spec, max_steps=6, accumulate=1, model_cls=RecordsLoads, ckpt_path=resume)
+        out[name] = {"saves": saves, "files": files, "ckpt": loaded, "loads": resumed.loads}
         trainer.strategy.barrier()  # no rank starts the next fit (another folder) while one still reads
     for name in ("ddp", "zero3"):
         # fsspec's memory:// is one store per process: storage no two ranks share, which a full
@@ -84,6 +100,11 @@ def test_full_format_save_top_k_matches_ddp(tmp_path: Path) -> None:
             assert got["files"] == ref["files"], (name, rank, got["files"])
             # DDP: one torch.save per written checkpoint (4), on rank 0 only
             assert got["saves"] == (4 if rank == 0 else 0), (name, rank, got["saves"])
+        if name != "zero3":
+            # DDP: the whole state dict, strict as Lightning asks (LightningModule.strict_loading None).
+            # zero3 holds only its shards: its module gets the tensors ZeRO does not partition, non-strict
+            # (docs/refused.md)
+            assert res[0][name]["loads"] == ref["loads"] == [(len(ref["ckpt"]["state_dict"]), True)], name
         got_ckpt = res[0][name]["ckpt"]
         assert got_ckpt["global_step"] == ref["ckpt"]["global_step"]
         expected, actual = _states(ref["ckpt"]), _states(got_ckpt)
