@@ -1,7 +1,7 @@
 """The full checkpoint format under ``ModelCheckpoint(save_top_k=...)`` on 2 CPU/gloo ranks writes
 what DDP writes: the same files (replaced ones removed), one ``torch.save`` per checkpoint on rank 0
 and none on rank 1, and the same model and optimizer states, and a resume from it calls the module's own
-``load_state_dict`` as DDP does (stages 1 and 2); at stages 1, 2 and 3, fp32; also into storage that the
+``load_state_dict`` as DDP does; at stages 1, 2 and 3, fp32; also into storage that the
 ranks do not share (fsspec's per-process ``memory://``), as DDP's."""
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def _worker(rank: int, tmp: str) -> dict[str, Any]:
         # resume from the newest file (step 4) for two more steps, through an overridden load_state_dict
         resume = str(folder / files[-1])
         _, resumed = fit(spec, max_steps=6, accumulate=1, model_cls=RecordsLoads, ckpt_path=resume)
-        out[name] = {"saves": saves, "files": files, "ckpt": loaded, "loads": resumed.loads}
+        out[name] = {
+            "saves": saves,
+            "files": files,
+            "ckpt": loaded,
+            "loads": resumed.loads,
+            "resumed_losses": resumed.losses,
+        }
         trainer.strategy.barrier()  # no rank starts the next fit (another folder) while one still reads
     for name in ("ddp", "zero3"):
         # fsspec's memory:// is one store per process: storage no two ranks share, which a full
@@ -100,11 +106,12 @@ def test_full_format_save_top_k_matches_ddp(tmp_path: Path) -> None:
             assert got["files"] == ref["files"], (name, rank, got["files"])
             # DDP: one torch.save per written checkpoint (4), on rank 0 only
             assert got["saves"] == (4 if rank == 0 else 0), (name, rank, got["saves"])
-        if name != "zero3":
-            # DDP: the whole state dict, strict as Lightning asks (LightningModule.strict_loading None).
-            # zero3 holds only its shards: its module gets the tensors ZeRO does not partition, non-strict
-            # (docs/refused.md)
-            assert res[0][name]["loads"] == ref["loads"] == [(len(ref["ckpt"]["state_dict"]), True)], name
+        # DDP: the whole state dict, strict as Lightning asks (LightningModule.strict_loading None)
+        assert res[0][name]["loads"] == ref["loads"] == [(len(ref["ckpt"]["state_dict"]), True)], name
+        for rank in (0, 1):
+            # the two steps after the resume, from the same weights and moments: 1e-5 relative as above
+            got, expected_losses = res[rank][name]["resumed_losses"], res[rank]["ddp"]["resumed_losses"]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected_losses), rtol=1e-5, atol=0)
         got_ckpt = res[0][name]["ckpt"]
         assert got_ckpt["global_step"] == ref["ckpt"]["global_step"]
         expected, actual = _states(ref["ckpt"]), _states(got_ckpt)
