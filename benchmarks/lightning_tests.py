@@ -82,7 +82,6 @@ def run_system(args: argparse.Namespace, system: str) -> dict:
             "MASTER_ADDR": "127.0.0.1",
             "LZ_LT_SYSTEM": system,
             "LZ_LT_SYNC_PORT": str(sync_port),
-            "LZ_LT_PORT_BASE": str(args.port_base),
             "LZ_LT_TMP": str(out / "tmp"),
             "LZ_LT_PG_TIMEOUT": str(args.pg_timeout),
             "LZ_LT_ZERO_OPTIONS": args.zero_options,
@@ -165,7 +164,6 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "out" / "lightning_tests"), help="results folder")
     parser.add_argument("--timeout", type=int, default=240, help="pytest-timeout per test, seconds")
     parser.add_argument("--pg-timeout", type=int, default=90, help="collective timeout, seconds")
-    parser.add_argument("--port-base", type=int, default=41000, help="first MASTER_PORT; one per test")
     parser.add_argument(
         "--zero-options",
         default="state_dict_type=full",

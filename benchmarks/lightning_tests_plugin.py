@@ -13,7 +13,8 @@ A Trainer asking for another strategy (FSDP, DeepSpeed, a custom class) keeps it
 ranks on the same test: a store of the runner's (``LZ_LT_SYNC_PORT``) where each rank checks in
 before each test and waits for the other; each test rendezvouses on its own ``MASTER_PORT``, and the
 strategies' collectives time out (``LZ_LT_PG_TIMEOUT`` seconds) so a rank that failed alone leaves its
-peer a failure instead of a hang. ``tmp_path`` is the same directory on both ranks (Lightning's
+peer a failure instead of a hang (rank 0 picks a free port per test and shares it through the store).
+``tmp_path`` is the same directory on both ranks (Lightning's
 checkpoint callbacks broadcast rank 0's path; tests that list it then see what both ranks wrote).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +41,6 @@ TMP_ROOT = Path(os.environ.get("LZ_LT_TMP", "/tmp/lz_lightning_tests"))
 # Lightning's tests torch.load the checkpoint files they write: the ZeRO systems write Lightning's
 # one-file format (the default, sharded directories, would fail those tests for the format alone)
 ZERO_OPTIONS = os.environ.get("LZ_LT_ZERO_OPTIONS", "state_dict_type=full")
-PORT_BASE = int(os.environ.get("LZ_LT_PORT_BASE", "41000"))
 _SWAPPED = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true")
 _store: Any = None
 _count = 0
@@ -117,8 +118,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     global _count
     _count += 1
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(PORT_BASE + _count % 4000)
-    _wait_for_peers(f"setup/{_count}/{item.nodeid}")
+    key = f"setup/{_count}/{item.nodeid}"
+    if RANK == 0:
+        # a port free now (a fixed one may be taken by another program on a shared machine)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            _store.set(f"port/{key}", str(s.getsockname()[1]))
+    os.environ["MASTER_PORT"] = _store.get(f"port/{key}").decode()
+    _wait_for_peers(key)
 
 
 @pytest.fixture
