@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def run_system(args: argparse.Namespace, system: str) -> dict:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     files = [f"tests/tests_pytorch/{f}" for f in (args.files.split(",") if args.files else FILES)]
+    # a rerun starts from empty folders: Lightning's tests list what their checkpoint folder holds
+    shutil.rmtree(out / "tmp" / system, ignore_errors=True)
     sync_port = free_port()
     procs = []
     start = time.time()
