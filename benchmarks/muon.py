@@ -195,8 +195,8 @@ NOTES = [
     "Optimizer-state bytes are exact: under DDP every rank holds Muon's momentum and AdamW's two moments; under "
     "ZeRO each rank holds the momentum of the matrices it owns and its slice of AdamW's moments.",
     "ds1_muon / ds2_muon: DeepSpeed 0.19.8's own Muon (MuonWithAuxAdam) at ZeRO stage 1 / 2, the same parameter "
-    "split and hyper-parameters, a plain loop (engine.backward, engine.step); it refuses Muon with offload, and has "
-    "no Muon at stage 3 on this path.",
+    "split and hyper-parameters, a plain loop (engine.backward, engine.step); it refuses Muon with CPU offload; its "
+    "stage-3 Muon was not measured here.",
 ]
 
 
