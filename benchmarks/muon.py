@@ -12,14 +12,21 @@ Per configuration: the median step time (``on_train_batch_end`` to the next, war
 ratio to DDP, and the optimizer-state bytes each rank holds after training (every tensor in both
 optimizers' ``state``: Muon's momentum, AdamW's moments and steps; not the fp32 masters).
 
-No DeepSpeed column: deepspeed 0.19.8 installs, but with ``DS_ACCELERATOR=cpu`` its
-``init_distributed`` JIT-compiles a shared-memory communication op first, which did not finish within
-100 s on the shared 2-core machine; its ZeRO-1/2 Muon also refuses CPU offload.
+DeepSpeed's Muon (``ds1_muon``, ``ds2_muon``: DeepSpeed 0.19.8, ``"optimizer": {"type": "Muon"}``, ZeRO
+stage 1/2, no offload, which its Muon refuses) runs in the same ranks when ``deepspeed`` imports, with
+``DS_ACCELERATOR=cpu`` and gloo. Its parameters are tagged ``use_muon`` by the same split as ours
+(:func:`is_hidden_matrix`; DeepSpeed's own rule would also put the ``wte`` embedding under Muon), its
+Muon learning rate 0.02 and its auxiliary Adam's 3e-4 with the same betas and weight decay. Its
+optimizer-state bytes are every tensor in its inner optimizer's ``state`` (Muon momentum and Adam
+moments of this rank's flat partitions). DeepSpeed JIT-builds its shared-memory communication op at
+``init_distributed`` (2.5 minutes on the 2-core machine): build it once before a timed run, see
+benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,6 +39,12 @@ import lightning.pytorch as pl
 import torch
 
 CONFIGS = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+DEEPSPEED = ("ds1_muon", "ds2_muon")
+# read when deepspeed imports; its JIT-built ops go to the gitignored cache that README.md prebuilds
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "torch_extensions")
+)
 MUON_LR, ADAM_LR = 0.02, 3e-4
 
 
@@ -112,11 +125,68 @@ def _worker(rank: int, steps: int, warmup: int, tiny: bool) -> dict:
     if tiny:
         common.use_tiny_models()
     out: dict[str, Any] = {}
-    for name in CONFIGS:
-        stamps, nbytes = _lightning(rank, name, warmup + steps)
+    for name in CONFIGS + (DEEPSPEED if deepspeed_available() else ()):
+        run = _deepspeed if name in DEEPSPEED else _lightning
+        stamps, nbytes = run(rank, name, warmup + steps)
         kept = [b - a for a, b in zip(stamps, stamps[1:], strict=False)][max(warmup - 1, 0) :]
         out[name] = {"steps_s": kept, "state_bytes": nbytes}
     return out
+
+
+def deepspeed_available() -> bool:
+    """Whether ``deepspeed`` imports here (its rows are left out otherwise)."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def deepspeed_config(name: str) -> dict:
+    """DeepSpeed's Muon at ZeRO stage 1 or 2 with the benchmark's hyper-parameters and our bucket sizes."""
+    return {
+        "train_micro_batch_size_per_gpu": common.MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": int(name[2]),
+            "reduce_bucket_size": 5_000_000,
+            "allgather_bucket_size": 50_000_000,
+        },
+        "optimizer": {
+            "type": "Muon",
+            "params": {
+                "muon_lr": MUON_LR,
+                "adam_lr": ADAM_LR,
+                "momentum": 0.95,  # torch.optim.Muon's default
+                "betas": [0.9, 0.95],
+                "weight_decay": 0.1,
+            },
+        },
+        "steps_per_print": 10**9,
+    }
+
+
+def _deepspeed(rank: int, name: str, total: int) -> tuple[list[float], int]:
+    import deepspeed
+
+    def tag_like_ours(config: Any, model: torch.nn.Module) -> None:
+        for param_name, param in model.named_parameters():
+            param.use_muon = is_hidden_matrix(param_name, param)
+
+    pl.seed_everything(0, verbose=False)
+    model = common.LossModel(MuonGPT())
+    common.ensure_process_group()
+    deepspeed.init_distributed(dist_backend="gloo")  # reuses our gloo group
+    deepspeed.set_optimizer_flags = tag_like_ours  # what deepspeed.initialize calls to tag use_muon
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=deepspeed_config(name))
+    stamps = []
+    for input_ids, labels in common.make_loader(total, rank):
+        engine.backward(engine(input_ids, labels))
+        engine.step()
+        stamps.append(time.perf_counter())
+    nbytes = state_bytes([engine.optimizer.optimizer])
+    engine.destroy()
+    return stamps, nbytes
 
 
 NOTES = [
@@ -124,8 +194,9 @@ NOTES = [
     "biases; 2 CPU gloo ranks, fp32, manual optimization; medians of the timed steps of one run.",
     "Optimizer-state bytes are exact: under DDP every rank holds Muon's momentum and AdamW's two moments; under "
     "ZeRO each rank holds the momentum of the matrices it owns and its slice of AdamW's moments.",
-    "DeepSpeed's Muon is not in the table: its CPU start-up JIT-compiles a communication op first, and its "
-    "ZeRO-1/2 Muon refuses CPU offload.",
+    "ds1_muon / ds2_muon: DeepSpeed 0.19.8's own Muon (MuonWithAuxAdam) at ZeRO stage 1 / 2, the same parameter "
+    "split and hyper-parameters, a plain loop (engine.backward, engine.step); it refuses Muon with CPU offload; its "
+    "stage-3 Muon was not measured here.",
 ]
 
 
@@ -184,7 +255,7 @@ def main() -> None:
             "muon_params": sum(p.numel() for n, p in MuonGPT().named_parameters() if is_hidden_matrix(n, p)),
             "steps": args.steps,
             "warmup": args.warmup,
-            "deepspeed": "not run (see the module docstring)",
+            "deepspeed": "ds1_muon, ds2_muon" if "ds1_muon" in results[0] else "not run: deepspeed does not import",
             "results": records,
         },
     )

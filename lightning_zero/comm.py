@@ -295,6 +295,18 @@ def all_gather_object(obj: object, group: ProcessGroup) -> list:
     return out
 
 
+def gather_object(obj: object, dst: int, group: ProcessGroup) -> list | None:
+    """Every rank's picklable ``obj`` in rank order on group rank ``dst``, ``None`` on the others.
+    Call on all ranks (pickled through host memory: for tensors moved to the CPU first)."""
+    if world_size(group) == 1:
+        return [obj]
+    plain = _checked(group, "gather_object", "")
+    out: list | None = [None] * world_size(group) if rank(group) == dst else None
+    with record_function("lightning_zero::gather_object"):
+        dist.gather_object(obj, out, dst=dist.get_global_rank(plain, dst) if plain is not None else dst, group=plain)
+    return out
+
+
 def barrier(group: ProcessGroup) -> None:
     """Wait until every rank of ``group`` arrives. Call on all ranks."""
     if world_size(group) == 1:

@@ -282,8 +282,9 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         precision = self.precision_plugin
         self._life.prepare(module, precision, self.root_device, self.num_processes)  # after the pipeline split
         config = self._life.engine_config(precision)
-        if fitting := trainer.state.fn == TrainerFn.FITTING:
-            # Ranks that cannot see a checkpoint directory are found now, not at the first save.
+        if (fitting := trainer.state.fn == TrainerFn.FITTING) and self.config.checkpoint.state_dict_type != "full":
+            # Ranks that cannot see a checkpoint directory are found now, not at the first save (a
+            # full checkpoint is written by rank 0 alone, as under DDP: no storage to share).
             ckpt_io.check_shared(
                 [d for cb in trainer.checkpoint_callbacks if (d := getattr(cb, "dirpath", None))], None, self._node()
             )

@@ -137,6 +137,7 @@ def write_file(out: fmt.PathLike, write: Callable[[Any], None]) -> None:
             write(f)
         return
     final = where.as_path()
+    final.parent.mkdir(parents=True, exist_ok=True)  # as Lightning's TorchCheckpointIO does for DDP
     tmp = final.with_name(f".{final.name}.tmp")
     write(str(tmp))
     os.replace(tmp, final)
@@ -218,6 +219,12 @@ def to_lightning_checkpoint(
 def full_checkpoint(checkpoint_dir: Paths, dtype: torch.dtype | None = None, trust_pickles: bool = False) -> dict:
     """What :func:`to_lightning_checkpoint` writes, in memory (the whole model and optimizer states)."""
     reader, checkpoint = _open(checkpoint_dir, trust_pickles)
+    return assemble(reader, checkpoint, dtype)
+
+
+def assemble(reader: ShardedReader, checkpoint: dict[str, Any], dtype: torch.dtype | None = None) -> dict:
+    """Lightning's whole checkpoint from a sharded one's ``reader`` (rank files on disk or gathered in
+    memory) and its Lightning state ``checkpoint`` (completed in place and returned)."""
     keys = reader.meta.get("state_dict_keys") or reader.keys()
     checkpoint["state_dict"] = {k: _cast(reader.full(k), dtype) for k in keys}
     states = []

@@ -328,7 +328,13 @@ def load_model(
         local.update({key: tuple(placement.full_shape(p.shape, p.partition_dim)) for key in (p.name, *p.aliases)})
     keys = _check_keys(reader, local, strict, where)
     wanted = [k for k in rest if k in keys]
-    if engine is None or not isinstance(reader, ShardedReader):
+    if isinstance(reader, FullReader) and all(split is None for split in splits.values()):
+        # DDP's call: a plain checkpoint (whole tensors, in every rank's memory) goes through the
+        # module's own load_state_dict (a user's override or hooks) with Lightning's strictness; at
+        # stage 3 the model's full-state-dict hooks take each rank's pieces. The engine's fp32
+        # masters are then loaded from the same dict below, exactly
+        module.load_state_dict(reader.state_dict, strict=strict)
+    elif engine is None or not isinstance(reader, ShardedReader):
         # a plain checkpoint is in every rank's memory already (and without an engine, no group to share)
         module.load_state_dict({k: reader.full(k, split=splits.get(k)) for k in wanted}, strict=False)
     else:

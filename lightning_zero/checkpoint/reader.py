@@ -55,6 +55,17 @@ class ShardedReader:
         self._files: dict[int, Any] = {}
         self._block: tuple[Any, torch.Tensor | None] = (None, None)  # the last part built by _part
 
+    @classmethod
+    def in_memory(
+        cls, path: fmt.PathLike | Location, meta: dict[str, Any], state_dict: Mapping[str, Any], rank_data: list[Any]
+    ) -> ShardedReader:
+        """A reader over every rank's file contents gathered in memory (``rank_data[r]``: what rank
+        ``r`` would have written), with the metadata a save writes (``params``, ``state_dict_keys``);
+        ``path`` only names the checkpoint in messages."""
+        reader = cls(path, state_dict, files=dict.fromkeys(range(len(rank_data))), meta=meta)  # type: ignore[arg-type]
+        reader._files = dict(enumerate(rank_data))
+        return reader
+
     def has(self, key: str) -> bool:
         return key in self._primary or key in self.state_dict
 

@@ -1,5 +1,5 @@
 """The Trainer strategy's checkpoint writing: sharded directories (every rank its own file), the
-full format (one Lightning checkpoint file from rank 0), async saves published at step boundaries,
+full format (one Lightning checkpoint file from rank 0, its pieces gathered in memory), async saves published at step boundaries,
 node-local storage, and removal of replaced checkpoints. A mixin of
 :class:`lightning_zero.ZeroStrategy`, kept apart so that the strategy file holds Lightning's hooks;
 ``_Saving`` names what it uses of the strategy."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -17,7 +16,8 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_zero import comm
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import save as ckpt_save
-from lightning_zero.checkpoint.consolidate import to_lightning_checkpoint, write_file
+from lightning_zero.checkpoint.consolidate import write_file
+from lightning_zero.checkpoint.full import gather_full
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -56,7 +56,7 @@ class _Saving(Protocol):
     def _in_fit(self) -> bool: ...
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any, background: bool = False) -> None: ...
     def _node(self) -> ckpt_io.NodeRanks | None: ...
-    def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None: ...
+    def _save_full(self, checkpoint: dict[str, Any], path: Any) -> None: ...
 
 
 class CheckpointWriting:
@@ -70,7 +70,8 @@ class CheckpointWriting:
         self: _Saving, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Write a sharded checkpoint directory, every rank its own file (see :mod:`lightning_zero.checkpoint.save`),
-        or with ``state_dict_type="full"`` one Lightning checkpoint file from rank 0. Before ``fit``
+        or with ``state_dict_type="full"`` one Lightning checkpoint file from rank 0 (a local path or
+        any fsspec URL, as DDP writes). Before ``fit``
         (no process group yet: every rank holds the same whole model) only global rank 0 writes."""
         if storage_options is not None:
             raise TypeError(
@@ -82,18 +83,13 @@ class CheckpointWriting:
             self._engine.check_saveable()  # after fit under nvme restore_after_fit=False: nothing left to save
         if self.config.checkpoint.state_dict_type == "full":
             self._module_state_out = None  # rank 0's module state is whole already
-            where = ckpt_io.location(filepath)
-            if not where.local:
-                raise ValueError(
-                    f"state_dict_type='full' writes a local file, not {where}: use state_dict_type='sharded' (the "
-                    "default, which writes to object stores too) or a local or shared path."
-                )
+            ckpt_io.location(filepath)  # an unknown protocol raises on every rank alike, before any work
             if not comm.initialized():
                 # Before fit nothing is partitioned: Lightning's dict is the whole checkpoint, written
-                # as DDP writes it (one torch.save; no staging through rank files).
-                write_file(where.as_path(), functools.partial(torch.save, checkpoint))
+                # as DDP writes it (one torch.save).
+                write_file(filepath, functools.partial(torch.save, checkpoint))
                 return
-            self._save_full(checkpoint, where.as_path())
+            self._save_full(checkpoint, filepath)
             return
         self._complete_moved_module_state(checkpoint)
         self._save_sharded(checkpoint, filepath, background=self.config.checkpoint.async_save)
@@ -143,20 +139,21 @@ class CheckpointWriting:
             return None
         return ckpt_io.NodeRanks(self.node_rank, self.local_rank)
 
-    def _save_full(self: _Saving, checkpoint: dict[str, Any], path: Path) -> None:
-        """A sharded save into a hidden staging directory beside ``path`` (every rank), turned by rank 0
-        into the plain file (one tensor gathered at a time from the shards) and then deleted; every
-        rank learns whether rank 0 succeeded, so a failure raises everywhere instead of hanging."""
-        staging = path.with_name(f".{path.name}.zero-full-staging")
-        self._save_sharded(checkpoint, staging)
+    def _save_full(self: _Saving, checkpoint: dict[str, Any], path: Any) -> None:
+        """Every rank's pieces gathered in memory to rank 0, which writes the one plain file
+        (:mod:`lightning_zero.checkpoint.full`); every rank learns whether rank 0 succeeded, so a
+        failure raises everywhere instead of hanging."""
+        assert self.lightning_module is not None
+        self._finish_pending_save()  # an earlier async sharded save of a second ModelCheckpoint
         error = None
-        if self.is_global_zero:
-            try:
-                to_lightning_checkpoint(staging, path, trust_pickles=True)  # our own file, just written
-            except Exception as exc:  # reported on every rank below
-                error = f"{type(exc).__name__}: {exc}"
-            finally:
-                ckpt_save.remove_sharded(staging)
+        try:
+            full = gather_full(
+                checkpoint, path, self.lightning_module, self._engine, self.optimizers, self._parallel.layout
+            )
+            if full is not None:
+                write_file(path, functools.partial(torch.save, full))
+        except Exception as exc:  # reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
         errors = [e for e in comm.all_gather_object(error, None) if e] if comm.initialized() else [error]
         if any(errors):
             raise RuntimeError(f"writing the full checkpoint {path} failed on rank 0: {errors[0]}")

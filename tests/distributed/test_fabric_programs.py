@@ -420,7 +420,7 @@ class _SoloCallback(pl.Callback):
 
 
 def _trainer_solo_worker(rank: int, then: str) -> str:
-    from models import fit
+    from tests.helpers.trainer import fit
 
     try:
         fit(ZERO3, max_steps=3, trainer_kwargs={"callbacks": [_SoloCallback(then)]})

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from models import ParityModel, build_strategy, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import ParityModel, make_loader, state
+from tests.helpers.trainer import build_strategy, fit
 
 pytestmark = pytest.mark.distributed
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, fit, make_loader, state
 
 from lightning_zero.testing import run_ranks
+from tests.helpers.models import VOCAB, make_loader, state
+from tests.helpers.trainer import fit
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +41,7 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _trainer_worker(rank: int) -> dict:
-    from whole_models import LBFGSModel, LBFGSRegressor, regression_loader
+    from tests.helpers.whole_models import LBFGSModel, LBFGSRegressor, regression_loader
 
     out = {}
     for case, (line_search, lr, clip) in enumerate(CASES):
@@ -146,10 +147,10 @@ def _fabric_step(fabric, model, optimizer, tokens: torch.Tensor, losses: list[fl
 
 def _fabric_worker(rank: int) -> dict:
     import lightning.pytorch as pl
-    from test_fabric import make_fabric
-    from whole_models import LBFGSModel
 
     from lightning_zero.fabric import ZeroStrategy
+    from tests.helpers.fabric import make_fabric
+    from tests.helpers.whole_models import LBFGSModel
 
     out = {}
     for name in ["ddp", "zero1", "zero2_offload"]:
@@ -181,7 +182,7 @@ CKPT_SPECS = ["ddp", "zero1", "zero2_offload"]
 
 
 def _lbfgs_fit(name: str, **kwargs):
-    from whole_models import LBFGSModel
+    from tests.helpers.whole_models import LBFGSModel
 
     # the fixed step: no decision reads a rank's own loss, so every rank holds the same weights and
     # history, as DDP's rank 0 writes them (a line search may move the ranks apart, under DDP too)
