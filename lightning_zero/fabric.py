@@ -66,7 +66,6 @@ steps them and publishes. What differs from the Trainer:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -77,25 +76,16 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from torch import nn
 
 from lightning_zero import comm, deepspeed_config
-from lightning_zero.checkpoint import fabric_state
-from lightning_zero.checkpoint import load as ckpt_load
+from lightning_zero.checkpoint.fabric_saves import FabricCheckpoints
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.config import LossScaleConfig
 from lightning_zero.ddp_args import BufferSync
-from lightning_zero.fabric_plugins import (
-    BuildOnFirstForward,
-    FabricOffloadPrecision,
-    ZeroBackwardSync,
-    explained,
-    inner,
-    load_file,
-)
-from lightning_zero.lifecycle import Lifecycle, on_meta
+from lightning_zero.fabric_plugins import FabricOffloadPrecision, ZeroBackwardSync, explained
+from lightning_zero.fabric_setup import FabricSetup
+from lightning_zero.lifecycle import Lifecycle
 from lightning_zero.lockstep import Lockstep
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import (
@@ -106,10 +96,11 @@ from lightning_zero.options import (
     register_names,
     strategy_config,
 )
-from lightning_zero.zero import Continuation, ModelParallelContext, ZeroEngine
+from lightning_zero.zero import Continuation, ZeroEngine
 
 
-class FabricZeroStrategy(DDPStrategy):
+# (mypy: setup_module returns the model itself, where Fabric's DDPStrategy returns its DDP wrapper)
+class FabricZeroStrategy(FabricCheckpoints, FabricSetup, DDPStrategy):  # type: ignore[misc]
     """ZeRO stage 1, 2 or 3 over Fabric's ranks (also importable as ``lightning_zero.fabric.ZeroStrategy``).
 
     ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision``,
@@ -279,168 +270,6 @@ class FabricZeroStrategy(DDPStrategy):
             self._continuation.end()
             self._continuation = None
 
-    def module_to_device(self, module: nn.Module) -> None:
-        if not on_meta(module):  # stage 3 materializes a recorded model in setup
-            module.to(self.root_device)
-
-    @explained
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
-    ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        """``fabric.setup(model, *optimizers)``: one engine for the model and every optimizer."""
-        self._end_continuation()
-        self._adopt(module)
-        self._build(module, optimizers)
-        return module, optimizers, scheduler
-
-    @explained
-    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # not wrapped, unlike DDP's
-        """``fabric.setup_module(model)``. Stage 3 builds the engine when it is first needed: at
-        ``fabric.setup_optimizers`` (Fabric's order for FSDP: the optimizer is built from the set-up
-        model's parameters, which are the model's own), else at the first forward, save, load or
-        ``gathered_parameters``. A model built under ``fabric.init_module()`` is built into its shards
-        now (an optimizer cannot be made over meta parameters) and rebuilt at ``setup_optimizers``.
-        Stages 1/2 make every rank's weights rank 0's and build the engine at ``setup_optimizers``."""
-        self._end_continuation()
-        self._adopt(module)
-        if self.config.zero.stage == 3 and on_meta(module):
-            # Built now: Fabric refuses an optimizer over meta parameters, so the optimizer comes after
-            # this build, and setup_optimizers rebuilds the engine for it (see _rebuild_for).
-            self._build(module, [])
-            return module
-        if self.config.zero.stage == 3:
-            self._deferred = True
-            return BuildOnFirstForward(module, self._ensure_built)
-        self._life.check_meta(module)
-        comm.broadcast_tensors([p.data for p in module.parameters()] + list(module.buffers()), None)
-        return module
-
-    def _ensure_built(self) -> None:
-        """Stage 3 after ``setup_module`` alone: build the engine without an optimizer (evaluation,
-        or a save or load before ``setup_optimizers``). Call on all ranks."""
-        if self._deferred and self._engine is None and self._module is not None:
-            self._deferred = False
-            self._build(self._module, [])
-
-    @explained
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``fabric.setup_optimizers(opt1, opt2, ...)`` after ``setup_module``: Fabric hands them over one
-        at a time, so each one after the first rebuilds the engine for all of them (:meth:`_rebuild_for`);
-        allowed until the first step or optimizer-state load."""
-        if self._module is None:
-            raise ValueError(
-                "fabric.setup_optimizers() before the model was set up: ZeRO partitions the model's parameters "
-                "for its optimizers; call fabric.setup(model, optimizer) (or setup_module first)."
-            )
-        if any(optimizer is o for o in self._optimizers):
-            raise ValueError(f"{type(optimizer).__name__} was already set up with this model; set it up once.")
-        if self._engine is not None and (self._steps or self._optimizer_states_loaded):
-            raise ValueError(
-                f"fabric.setup_optimizers() after {self._steps} optimizer step(s)"
-                f"{' and a load of optimizer states' if self._optimizer_states_loaded else ''} (stage "
-                f"{self.config.zero.stage}, {len(self._optimizers)} optimizer(s) set up): ZeRO partitions a model "
-                "once for all of its optimizers and keeps their states in its shards; set every optimizer up before "
-                "the first step and the first fabric.load: fabric.setup_optimizers(optimizer1, optimizer2)."
-            )
-        self._deferred = False
-        if self._engine is not None:
-            self._rebuild_for(self._module, [*self._optimizers, optimizer])
-        else:
-            self._build(self._module, [optimizer])
-        return optimizer
-
-    def _rebuild_for(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """``setup_optimizers`` after the engine was built without ``optimizers[-1]`` (stage 3: a forward,
-        save or load came between ``setup_module`` and it, or the model was built under ``init_module``;
-        any stage: an earlier optimizer of the same ``setup_optimizers`` call): the engine is rebuilt for
-        all of ``optimizers`` from the weights it holds, the fp32 masters where it keeps them, so the
-        result equals ``fabric.setup(model, *optimizers)`` (under mixed precision a stage-3 engine built
-        without an optimizer keeps no fp32 master: the weights then start from their compute-dtype
-        values). Costs the whole model on every rank for the rebuild. Call on all ranks."""
-        assert self._engine is not None
-        new = optimizers[-1]
-        if any(new.state.get(p) for g in new.param_groups for p in g["params"]):
-            raise ValueError(
-                f"{type(new).__name__} already has state (it stepped before fabric.setup_optimizers); "
-                "ZeRO builds the optimizer states in its shards: set the optimizer up before its first step."
-            )
-        whole = self._engine.full_params(keep=True)  # a collective: every rank gets every weight
-        self._remove_hooks()
-        self._engine.close(unshard=False)
-        self._engine = None
-        with torch.no_grad():
-            for param in module.parameters():
-                if id(param) in whole:
-                    param.data = whole[id(param)].to(self.root_device)
-        del whole
-        self._build(module, optimizers)
-
-    def _adopt(self, module: nn.Module) -> None:
-        if self._module is not None and self._module is not module:
-            raise ValueError(
-                "a second model was set up with this ZeroStrategy; it partitions one model: put the models into "
-                "one nn.Module (with one optimizer per part if needed) and call fabric.setup once."
-            )
-        self._module = module
-        self.precision.explain_failures = self._explaining  # around each forward (stage 3 gathers)
-
-    def _check_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Every parameter of every optimizer belongs to ``module``: ZeRO partitions the model's parameters."""
-        mine = {id(p) for p in module.parameters()}
-        for index, optimizer in enumerate(optimizers):
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            foreign = [p for p in params if id(p) not in mine]
-            if foreign:
-                raise ValueError(
-                    f"optimizer {index} ({type(optimizer).__name__}) holds {len(foreign)} of its {len(params)} "
-                    f"parameters outside the model (e.g. of shape {tuple(foreign[0].shape)}): ZeRO partitions the "
-                    "model's own parameters; build the optimizer from model.parameters() of the model given to "
-                    "fabric.setup."
-                )
-
-    def _build(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        """The Trainer strategy's ``setup`` (:class:`~lightning_zero.lifecycle.Lifecycle`), for a model and
-        optimizers given by the user."""
-        stage3 = self.config.zero.stage == 3
-        meta = self._life.check_meta(module)
-        self._check_optimizers(module, optimizers)
-        precision = self.precision
-        config = self._life.engine_config(precision)
-        group, device = self.data_parallel_group, self.root_device
-        if optimizers:
-            self._life.check_space(config, module, precision, group, self.num_processes, list(optimizers))
-        self._life.prepare(module, precision, device, self.num_processes)
-        parallel = ModelParallelContext(data=group)
-        self._engine = self._life.build_engine(module, optimizers, config, precision, device, parallel)
-        self._optimizers = list(optimizers)
-        move, cast = (lambda: module.to(device)), (lambda: precision.cast_module(module))
-        self._life.finish(precision, self._engine if optimizers else None, device, meta=meta, move=move, cast=cast)
-        _optimizers_to_device(optimizers, device)
-        if stage3:
-            # The model's forward is Fabric's step: it may read any parameter (gathered on use).
-            self._engine.step_on_root_forward()
-            # A forward without backward (evaluation) ends its pass here; backward_done ends the others.
-            self._eval_hook = module.register_forward_hook(self._end_eval_pass)
-        if not self._buffers_hooks:
-            sync, ddp = self._buffer_sync, self.config.data_parallel
-            before = module.register_forward_pre_hook(lambda m, a: sync.before(ddp, m, self.data_parallel_group))
-            self._buffers_hooks = [before, module.register_forward_hook(lambda m, a, o: sync.after())]
-        # model.load_state_dict(full) loads into the shards; stage 3 model.state_dict() gathers (as FSDP's)
-        self._state_hooks = FullStateDictHooks(module, self._engine, full_state_dict=stage3)
-        sharded = any(tuple(h.param.shape) != tuple(h.shape) for h in self._engine.held_params())
-        store = comm.default_store()
-        if stage3 and sharded and store is not None and self.world_size > 1:
-            if self._lockstep is None:
-                run = str(next(_RUNS))  # the same on every rank: each rank makes the same strategies
-                timeout = self.config.failure.collective_timeout
-                self._lockstep = Lockstep(store, self.global_rank, self.world_size, timeout, run)
-            # before the engine's own hooks: the check comes before the first all-gather
-            self._watch_hook = module.register_forward_pre_hook(self._before_forward, prepend=True)
-
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if self._lockstep is not None:
-            self._lockstep.before_forward(type(module).__name__)
-
     @explained
     def barrier(self, name: str | None = None) -> None:
         """``fabric.barrier()``; under stage 3 through the store, raising when another rank runs a
@@ -449,10 +278,6 @@ class FabricZeroStrategy(DDPStrategy):
             super().barrier(name)
             return
         self._lockstep.barrier(type(self._module).__name__)
-
-    def _end_eval_pass(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() and self._engine is not None:
-            self._engine.end_pass()
 
     def _training_engine(self, what: str) -> ZeroEngine:
         if self._engine is None or not self._optimizers:
@@ -548,90 +373,7 @@ class FabricZeroStrategy(DDPStrategy):
             if self._lockstep is not None:
                 self._lockstep.paused -= 1
 
-    # -- checkpoints: the Trainer strategy's sharded directories (checkpoint/fabric_state.py) -------------
-
-    @explained
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Write the sharded directory ``path`` (every rank its own file), in the Trainer strategy's format."""
-        if storage_options is not None or filter is not None:
-            raise ValueError(
-                "fabric.save(..., filter=...) and storage_options are not supported by ZeroStrategy: the sharded "
-                "format holds every parameter piece of every rank; save without them."
-            )
-        self._ensure_built()
-        state = {k: inner(v) for k, v in state.items()}
-        module, engine, stage = self._saved_module(), self._engine, self.config.zero.stage
-        full = self.config.checkpoint.state_dict_type == "full"
-        args = (path, state, module, engine, self._optimizers, self.precision)
-        fabric_state.save(*args, stage=stage, full=full, rank=self.global_rank)
-
-    @explained
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load a sharded directory (Fabric's or the Trainer's, any world size or stage) or a plain file
-        (a Fabric DDP checkpoint, a Lightning one, or with ``state`` a module: a raw state dict)."""
-        checkpoint = ckpt_load.load_checkpoint(
-            path, weights_only, self.global_rank, lambda p: load_file(p, weights_only)
-        )
-        if not state:
-            return checkpoint
-        self._ensure_built()
-        if isinstance(state, dict):
-            unwrapped = {k: inner(v) for k, v in state.items()}
-            remainder = self._load_state(checkpoint, unwrapped, strict)
-            state.update({k: v for k, v in unwrapped.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))})
-            return remainder
-        state = inner(state)
-        if isinstance(state, nn.Module):  # fabric.load_raw: a plain state dict of the model
-            self._adopt(state)
-            ckpt_load.load_model({"state_dict": checkpoint}, state, self._engine, self._optimizers, strict)
-            return {}
-        if isinstance(state, torch.optim.Optimizer):
-            raise ValueError(
-                "fabric.load_raw(path, optimizer) is not supported by ZeroStrategy; save and load the optimizer "
-                "with the model: fabric.save(path, {'model': model, 'optimizer': optimizer})."
-            )
-        raise TypeError(f"fabric.load(path, state): state must be a dict, a module or an optimizer, not {type(state)}.")
-
-    def _load_state(self, checkpoint: dict[str, Any], state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        keys = fabric_state.split_state(state, self._module, self._optimizers)
-        module = self._saved_module()
-        self._optimizer_states_loaded |= bool(keys.optimizers)
-        return fabric_state.restore(
-            checkpoint, state, keys, module, self._engine, self._optimizers, self.precision, strict
-        )
-
-    def _saved_module(self) -> nn.Module:
-        if self._module is None:
-            raise ValueError("fabric.save/load before the model was set up: call fabric.setup(model, optimizer) first.")
-        return self._module
-
     # -- teardown ----------------------------------------------------------------------------------------
-
-    def _remove_hooks(self) -> None:
-        if self._eval_hook is not None:
-            self._eval_hook.remove()
-            self._eval_hook = None
-        if self._state_hooks is not None:
-            self._state_hooks.remove()
-            self._state_hooks = None
-        if self._watch_hook is not None:
-            self._watch_hook.remove()
-            self._watch_hook = None
-        for hook in self._buffers_hooks:
-            hook.remove()
-        self._buffers_hooks = []
 
     def teardown(self) -> None:
         """Remove the engine's hooks; stage 3 parameters become whole again (a collective), unless
@@ -643,9 +385,6 @@ class FabricZeroStrategy(DDPStrategy):
             self._engine = None
         self._life.teardown(self.precision, self._module, self.root_device)
         super().teardown()
-
-
-_RUNS = itertools.count()  # Fabric ZeroStrategy runs of this process: the same sequence on every rank
 
 
 # Fabric's own arguments; the options come as keywords (``stage`` explicitly), checked against the table.

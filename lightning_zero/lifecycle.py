@@ -7,11 +7,11 @@ into the steps of one :class:`Lifecycle`, which holds what a run changes in the 
 1. **Processes** (:meth:`Lifecycle.before_process_group`, :meth:`Lifecycle.after_process_group`):
    NCCL's watchdog defaults, every rank's host and pid in the rendezvous store (to name a lost rank),
    the collective checker of ``debug_collectives``.
-2. **Setup** (:meth:`Lifecycle.check_meta`, :meth:`Lifecycle.prepare`, :meth:`Lifecycle.check_space`,
-   :meth:`Lifecycle.build_engine`, :meth:`Lifecycle.finish`): the meta-device check, activation
-   checkpointing, glibc's mmap threshold and torch's threads for host work, the disk tier's free
-   space, the :class:`~lightning_zero.zero.engine.ZeroEngine` (replaying stage 3's recorded build),
-   the model's last move and cast, and the precision plugin attached to the engine.
+2. **Setup** (:meth:`Lifecycle.check_meta`, then :meth:`Lifecycle.build`: :meth:`Lifecycle.check_space`,
+   :meth:`Lifecycle.prepare`, :meth:`Lifecycle.build_engine`, :meth:`Lifecycle.finish`): the meta-device
+   check, the disk tier's free space, activation checkpointing, glibc's mmap threshold and torch's
+   threads for host work, the :class:`~lightning_zero.zero.engine.ZeroEngine` (replaying stage 3's
+   recorded build), the model's last move and cast, and the precision plugin attached to the engine.
 3. **Failure** (:meth:`Lifecycle.explain`): a failed collective names the lost rank; an
    out-of-memory error gets this rank's memory and the settings to try.
 4. **Teardown** (:meth:`Lifecycle.teardown`): the precision detached, activation checkpointing
@@ -158,6 +158,37 @@ class Lifecycle:
             recordings=self.recordings,
         )
         self.close_recordings()
+        return engine
+
+    def build(
+        self,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        precision: OffloadPrecision,
+        device: torch.device,
+        parallel: ModelParallelContext,
+        *,
+        processes: int,
+        training: bool,
+        move: Callable[[], object],
+        cast: Callable[[], object],
+        pipelined: bool = False,
+    ) -> ZeroEngine:
+        """Setup from a model (moved, or on the meta device) to a running engine, the steps in this
+        order for both strategies: the disk tier's space (``training``: the optimizers' states will
+        exist), checked before this process changes anything (:meth:`check_space`); then
+        :meth:`prepare`, :meth:`build_engine` and :meth:`finish`, whose precision steps through the
+        engine when ``training`` (evaluation steps nothing). ``processes``: the ranks on this machine;
+        ``move``, ``cast``: as for :meth:`finish`. Call on all ranks."""
+        meta = on_meta(module)  # before the engine materializes it
+        config = self.engine_config(precision)
+        if training:
+            self.check_space(config, module, precision, parallel.data, processes, optimizers)
+        self.prepare(module, precision, device, processes)
+        engine = self.build_engine(module, optimizers, config, precision, device, parallel)
+        self.finish(
+            precision, engine if training else None, device, meta=meta, move=move, cast=cast, pipelined=pipelined
+        )
         return engine
 
     def close_recordings(self) -> None:

@@ -1,6 +1,7 @@
 """A config dataclass field that is also a keyword of the strategies: each option written once.
 
-The frozen config dataclasses (:mod:`lightning_zero.config`, :mod:`lightning_zero.parallel_config`,
+The frozen config dataclasses (:mod:`lightning_zero.config`, :mod:`lightning_zero.zero_config`,
+:mod:`lightning_zero.offload_config`, :mod:`lightning_zero.parallel_config`,
 :mod:`lightning_zero.ddp_args`) own every option: its type and default are the field's, its docstring
 is the docstring under the field. A field becomes a strategy keyword by being declared with
 :func:`option`, which says only where the keyword differs from the field: its name

@@ -21,14 +21,19 @@ them (``expose_param_grads``, :mod:`lightning_zero.exposure`); :meth:`ZeroStrate
 the global gradient norm without exposing them. Checkpoints are sharded directories that every rank writes in
 parallel and that load into any world size or stage (see :mod:`lightning_zero.checkpoint`); plain
 (DDP) checkpoint files load too.
+
+This file holds construction, setup and teardown (over :class:`~lightning_zero.lifecycle.Lifecycle`,
+shared with Fabric's strategy) and the public calls; the hooks of every step and the process groups
+are its base class's (:mod:`lightning_zero.trainer_steps`), checkpoint writing and the states in a
+checkpoint its mixins' (:mod:`lightning_zero.checkpoint.trainer_saves`,
+:mod:`lightning_zero.checkpoint.trainer_state`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,13 +42,12 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_zero import comm, deepspeed_config, exposure, options, summary
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import load as ckpt_load
-from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint import save as ckpt_save
 from lightning_zero.checkpoint.module_state import FullStateDictHooks
 from lightning_zero.checkpoint.trainer_saves import CheckpointWriting
@@ -63,13 +67,14 @@ from lightning_zero.options import as_offload_precision, new_precision, register
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
+from lightning_zero.trainer_steps import TrainerSteps
 from lightning_zero.zero import ZeroEngine, keep_edits_in_masters, shard_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
+class ZeroStrategy(CheckpointWriting, CheckpointState, TrainerSteps):
     """ZeRO stage 1, 2 or 3 over the data-parallel ranks.
 
     The ZeRO options (each one a field of the config dataclasses, :data:`lightning_zero.options.OPTIONS`;
@@ -217,28 +222,6 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
 
     # -- setup and teardown ---------------------------------------------------------------------
 
-    @property
-    def data_parallel_group(self) -> comm.ProcessGroup:
-        """The group ZeRO shards over (the default group without tensor parallelism), wrapped in a
-        :class:`~lightning_zero.comm.CheckedGroup` when ``debug_collectives`` is on."""
-        checked = self._life.checked_group
-        return checked if checked is not None else self._parallel.dp_group
-
-    @property
-    def tensor_parallel_group(self) -> comm.ProcessGroup:
-        """This rank's tensor-parallel group (``None`` without tensor parallelism)."""
-        return self._parallel.tp_group
-
-    @property
-    def pipeline_parallel_group(self) -> comm.ProcessGroup:
-        """This rank's pipeline-parallel group (``None`` without pipeline parallelism)."""
-        return self._parallel.pp_group
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Shard data over the data-parallel ranks: the ranks of one tensor-parallel group see the same batch."""
-        return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
-
     def setup_distributed(self) -> None:
         self._life.before_process_group(self._get_process_group_backend())
         super().setup_distributed()
@@ -280,8 +263,6 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
             self.model_to_device()
             self._parallel.apply(module, self.root_device)  # before configure_optimizers sees the parameters
         precision = self.precision_plugin
-        self._life.prepare(module, precision, self.root_device, self.num_processes)  # after the pipeline split
-        config = self._life.engine_config(precision)
         if (fitting := trainer.state.fn == TrainerFn.FITTING) and self.config.checkpoint.state_dict_type != "full":
             # Ranks that cannot see a checkpoint directory are found now, not at the first save (a
             # full checkpoint is written by rank 0 alone, as under DDP: no storage to share).
@@ -294,22 +275,30 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
             self.setup_optimizers(trainer)  # creating an optimizer allocates no state yet
         # configure_optimizers returning None: Lightning steps a _MockOptimizer, which has no parameters
         optimizers = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)] if fitting else []
-        if fitting:
-            group = self.data_parallel_group
-            self._life.check_space(config, module, precision, group, self.num_processes, optimizers)
+        move, cast = self.model_to_device, lambda: precision.convert_module(self.model)
+        device, processes, pipelined = self.root_device, self.num_processes, self._parallel.pipelined
         if fitting or stage3:
             # Under stage 3 evaluation shards too (a model that needs stage 3 to train needs it to run).
             parallel = self._parallel.context(self.data_parallel_group)
-            self._engine = self._life.build_engine(module, optimizers, config, precision, self.root_device, parallel)
-        else:
+            self._engine = self._life.build(
+                module,
+                optimizers,
+                precision,
+                device,
+                parallel,
+                processes=processes,
+                training=fitting,
+                move=move,
+                cast=cast,
+                pipelined=pipelined,
+            )
+        else:  # evaluation at stage 1/2: the whole model on every rank, as under DDP
+            self._life.prepare(module, precision, device, processes)
             comm.broadcast_tensors(
                 [p.data for p in module.parameters()] + list(module.buffers()), self.data_parallel_group
             )
             self._life.close_recordings()
-        engine = self._engine if fitting else None
-        move, cast = self.model_to_device, lambda: precision.convert_module(self.model)
-        pipelined = self._parallel.pipelined
-        self._life.finish(precision, engine, self.root_device, meta=on_meta, move=move, cast=cast, pipelined=pipelined)
+            self._life.finish(precision, None, device, meta=on_meta, move=move, cast=cast, pipelined=pipelined)
         self.setup_precision_plugin()  # re-wraps the optimizers (Lightning's optimizers setter)
         if fitting:
             self._route_lightning_optimizers()
@@ -339,13 +328,7 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         try:
-            # The end of fit publishes an async save; after a failure only this rank's writer is
-            # awaited (committing is a collective a crashed rank would never join): the save stays an
-            # unpublished temporary directory, and the previous checkpoint stays in place.
-            self._finish_pending_save(abandon=interrupted)
-            self._save_buffer = ckpt_save.HostBuffer()  # the host copy is not kept past fit
-            while self._deletions:
-                self._deletions.pop().join()
+            self._finish_saves(interrupted)  # publish an async save (CheckpointWriting)
         finally:
             self._teardown_engine()
 
@@ -390,21 +373,6 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         with self._engine.gathered_parameters(module, modifier_rank):
             yield
 
-    def barrier(self, name: str | None = None) -> None:
-        """Counted first under stage 3, so that a rank running a forward alone raises instead of
-        hanging (:class:`~lightning_zero.lockstep.StepLockstep`)."""
-        if self._steplock is not None:
-            self._steplock.before_barrier()
-        super().barrier(name)
-
-    def _step_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Stage 3: the step may read any parameter (gathered on use, the root unit around it)."""
-        return self._engine.step_scope() if self._engine is not None else contextlib.nullcontext()
-
-    def _end_pass(self) -> None:
-        if self._engine is not None:
-            self._engine.end_pass()
-
     def on_train_end(self) -> None:
         # after the callbacks' on_train_end (Lightning calls the strategy's last)
         if self._engine is not None:
@@ -415,21 +383,7 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         self._end_pass()
         if self._engine is not None:
             self._engine.add_param_groups()  # groups added by callbacks at epoch start (BackboneFinetuning)
-        if (
-            self.config.checkpoint.async_save
-            and not self._save_buffer.reserved
-            and self._engine is not None
-            and self.lightning_module is not None
-            and self.lightning_module.trainer.global_step > 0
-        ):
-            # after the first optimizer step (the states exist): the host copy's memory, allocated in a thread
-            ckpt_save.reserve_host_buffer(self._save_buffer, self.lightning_module, self._engine, self.optimizers)
-        if self._pending_save is not None:
-            # A step boundary (every rank passes it alike): publish the async save if every rank's
-            # writer has finished, raising a writer's failure on every rank; one small all-gather.
-            pending, self._pending_save = self._pending_save, None
-            if not ckpt_save.poll_save(pending):
-                self._pending_save = pending
+        self._async_save_at_step_boundary()  # CheckpointWriting
         super().on_train_batch_start(batch, batch_idx)
 
     def connect(self, model: pl.LightningModule) -> None:
@@ -442,99 +396,12 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, DDPStrategy):
         if trainer is not None:
             dp = trainer.world_size // (self.config.tensor.size * self.config.pipeline.stages)
             deepspeed_config.check_batch(self.deepspeed, trainer, dp)
-        if self._resume_rng is not None and trainer is not None and trainer.fit_loop.restarted_mid_epoch:
-            # A mid-epoch resume has just created its train loader's iterator (drawing a base seed from the
-            # random states the checkpoint restored), which the uninterrupted run did not do at that point:
-            # the states are restored again, so the rest of the epoch draws what that run drew. (After an
-            # epoch-end save both runs create an iterator first: nothing to undo then.)
-            ckpt_rng.restore(self._resume_rng)
-        self._resume_rng = None
+        self._restore_resume_rng(trainer)  # CheckpointState: a mid-epoch resume's random states
         module = self.lightning_module
         if module is not None and self._engine is not None and self.zero_config.stage == 3:
             # an AveragedModel a callback made from the sharded model (on_fit_start, on_train_start)
             shard_averaged_copies(getattr(trainer, "callbacks", []), module, self._engine)
         super().on_train_start()
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._parallel.pipelined:
-            return self._pipeline_eval("val", *args, **kwargs)
-        try:
-            with self._ddp_forward(), self._step_scope():
-                return super().validation_step(*args, **kwargs)
-        finally:
-            self._end_pass()
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._parallel.pipelined:
-            return self._pipeline_eval("test", *args, **kwargs)
-        try:
-            with self._step_scope():
-                return super().test_step(*args, **kwargs)
-        finally:
-            self._end_pass()
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            with self._step_scope():
-                return super().predict_step(*args, **kwargs)
-        finally:
-            self._end_pass()
-
-    # -- pipeline parallelism: the strategy runs the schedule in place of the step hooks ----------
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under pipeline parallelism: forward and backward of every micro-batch by the schedule
-        (ZeRO's reductions complete after each backward), and ``train_<name>`` logged: the true mean
-        loss, sent from the last stage. Otherwise the LightningModule's ``training_step``."""
-        with self._ddp_forward():
-            if not self._parallel.pipelined:
-                with self._step_scope():
-                    return super().training_step(*args, **kwargs)
-            return self._pipeline_train(*args, **kwargs)
-
-    def _pipeline_train(self, *args: Any, **kwargs: Any) -> Any:
-        runner, module, precision = self._parallel.runner, self.lightning_module, self.precision_plugin
-        assert runner is not None and module is not None
-        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
-        with precision.train_step_context():
-            loss = runner.run(
-                args[0],
-                train=True,
-                scale=1.0 / accumulate,  # the runner weighs each micro-batch by its share of the rows
-                scale_loss=lambda t: t * precision.loss_scale,  # no per-micro-batch backward hooks
-                after_backward=self._engine.backward_done if self._engine is not None else None,
-            )
-        assert self._parallel.spec is not None
-        module.log(f"train_{self._parallel.spec.name}", loss, prog_bar=True)
-        return loss
-
-    def _ddp_forward(self) -> AbstractContextManager:  # broadcast_buffers around what DDP's forward runs in fit
-        module = self.lightning_module
-        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
-            return nullcontext()
-        manual = not module.automatic_optimization
-        return self._buffer_sync.forward(self.config.data_parallel, module, self.data_parallel_group, manual)
-
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
-            self._buffer_sync.manual_backward()  # DDP's prepare_for_backward
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-batches: ZeRO's buckets hold them; buffers as under DDP's ``no_sync``."""
-        with self._buffer_sync.blocking():
-            yield
-
-    def _pipeline_eval(self, prefix: str, *args: Any, **kwargs: Any) -> Any:
-        runner, module = self._parallel.runner, self.lightning_module
-        assert runner is not None and module is not None and self._parallel.spec is not None
-        with self.precision_plugin.val_step_context() if prefix == "val" else self.precision_plugin.test_step_context():
-            loss = runner.run(args[0], train=False)
-        # Every rank holds its data-parallel shard's loss: the mean over the world is the dp mean.
-        module.log(f"{prefix}_{self._parallel.spec.name}", loss, prog_bar=True, sync_dist=True)
-        if self._parallel.spec.on_eval is not None:
-            self._parallel.spec.on_eval(loss, args[0])
-        return loss
 
     # -- training hooks ---------------------------------------------------------------------------
 

@@ -105,6 +105,35 @@ class CheckpointWriting:
         else:
             ckpt_save.commit_save(pending)
 
+    def _async_save_at_step_boundary(self: _Saving) -> None:
+        """At the start of a training batch: reserve the async save's host copy once the optimizer
+        states exist, and publish an async save whose writers have all finished."""
+        if (
+            self.config.checkpoint.async_save
+            and not self._save_buffer.reserved
+            and self._engine is not None
+            and self.lightning_module is not None
+            and self.lightning_module.trainer.global_step > 0
+        ):
+            # after the first optimizer step (the states exist): the host copy's memory, allocated in a thread
+            ckpt_save.reserve_host_buffer(self._save_buffer, self.lightning_module, self._engine, self.optimizers)
+        if self._pending_save is not None:
+            # A step boundary (every rank passes it alike): publish the async save if every rank's
+            # writer has finished, raising a writer's failure on every rank; one small all-gather.
+            pending, self._pending_save = self._pending_save, None
+            if not ckpt_save.poll_save(pending):
+                self._pending_save = pending
+
+    def _finish_saves(self: _Saving, interrupted: bool) -> None:
+        """At teardown: the end of fit publishes an async save; after a failure (``interrupted``) only
+        this rank's writer is awaited (committing is a collective a crashed rank would never join): the
+        save stays an unpublished temporary directory, and the previous checkpoint stays in place.
+        Replaced checkpoints still being deleted are waited for."""
+        self._finish_pending_save(abandon=interrupted)
+        self._save_buffer = ckpt_save.HostBuffer()  # the host copy is not kept past fit
+        while self._deletions:
+            self._deletions.pop().join()
+
     def _in_fit(self: _Saving) -> bool:
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         return (

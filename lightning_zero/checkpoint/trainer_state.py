@@ -15,6 +15,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning_zero import comm
 from lightning_zero.checkpoint import load as ckpt_load
 from lightning_zero.checkpoint import pieces as ckpt_pieces
+from lightning_zero.checkpoint import rng as ckpt_rng
 from lightning_zero.checkpoint.load import current_model_source
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class _State(Protocol):
     _engine: ZeroEngine | None
     _module_state_out: dict[str, Any] | None
     _parallel: ParallelSetup
+    _resume_rng: dict[str, Any] | None
 
     @property
     def lightning_module(self) -> pl.LightningModule | None: ...
@@ -48,6 +50,7 @@ class CheckpointState:
     Trainer strategy (see the module docstring)."""
 
     _module_state_out: dict[str, Any] | None  # the last lightning_module_state_dict() (stage 3, sharded)
+    _resume_rng: dict[str, Any] | None  # random states to restore at the first resumed batch
 
     def lightning_module_state_dict(self: _State) -> dict[str, Any]:
         """Stages 1/2: the module's whole state dict, as under DDP (views of the parameters, no copy),
@@ -100,3 +103,14 @@ class CheckpointState:
         ckpt_load.load_window(checkpoint, self._engine)  # a checkpoint saved mid accumulation window
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, self.root_device)
+
+    def _restore_resume_rng(self: _State, trainer: pl.Trainer | None) -> None:
+        """At ``on_train_start`` of a resumed fit: the random states of the checkpoint (kept by
+        ``load_checkpoint``) once more, for a mid-epoch resume."""
+        if self._resume_rng is not None and trainer is not None and trainer.fit_loop.restarted_mid_epoch:
+            # A mid-epoch resume has just created its train loader's iterator (drawing a base seed from the
+            # random states the checkpoint restored), which the uninterrupted run did not do at that point:
+            # the states are restored again, so the rest of the epoch draws what that run drew. (After an
+            # epoch-end save both runs create an iterator first: nothing to undo then.)
+            ckpt_rng.restore(self._resume_rng)
+        self._resume_rng = None
