@@ -32,8 +32,14 @@ ACCEPTED_ANY = {
 
 #: torch DDP's keyword arguments refused unless left at DDP's default: ``name -> (default, why and what to use)``.
 REFUSED: dict[str, tuple[Any, str]] = {
-    "device_ids": (None, "Lightning places each rank on its device; choose devices with Trainer(devices=...)"),
-    "output_device": (None, "Lightning places each rank on its device; choose devices with Trainer(devices=...)"),
+    "device_ids": (
+        None,
+        "Lightning places each rank on its device; choose devices with Trainer(devices=...) or Fabric(devices=...)",
+    ),
+    "output_device": (
+        None,
+        "Lightning places each rank on its device; choose devices with Trainer(devices=...) or Fabric(devices=...)",
+    ),
     "dim": (0, "the DataLoader's distributed sampler splits batches across ranks; DDP's dim is for its scatter"),
     "init_sync": (
         True,
@@ -46,7 +52,10 @@ REFUSED: dict[str, tuple[Any, str]] = {
     ),
     "delay_all_reduce_named_params": (None, "ZeRO reduces every parameter in its buckets during backward"),
     "param_to_hook_all_reduce": (None, "ZeRO reduces every parameter in its buckets during backward"),
-    "mixed_precision": (None, "use Trainer(precision=...) and ZeroStrategy(reduce_dtype=...)"),
+    "mixed_precision": (
+        None,
+        "use Trainer(precision=...) or Fabric(precision=...), and ZeroStrategy(reduce_dtype=...)",
+    ),
     "device_mesh": (
         None,
         "use tensor_parallel_size / pipeline_parallel_size; ZeRO shards over the data-parallel ranks",

@@ -62,6 +62,9 @@ steps them and publishes. What differs from the Trainer:
   naming the model, instead of hanging (:mod:`lightning_zero.lockstep`).
 * Stage 3 evaluation: a forward without backward (under ``torch.no_grad()``) ends its pass at the
   model's forward hook (the Trainer ends it after ``validation_step``).
+
+The strategy's setup calls are its mixin :class:`~lightning_zero.fabric_setup.FabricSetup`'s, and
+``fabric.save`` / ``fabric.load`` its mixin :class:`~lightning_zero.checkpoint.fabric_saves.FabricCheckpoints`'s.
 """
 
 from __future__ import annotations
@@ -90,11 +93,11 @@ from lightning_zero.lockstep import Lockstep
 from lightning_zero.memory import memory_breakdown
 from lightning_zero.options import (
     STRATEGY_OPTIONS,
-    as_offload_precision,
     check_signature,
     new_precision,
     register_names,
     strategy_config,
+    strategy_precision,
 )
 from lightning_zero.zero import Continuation, ZeroEngine
 
@@ -165,7 +168,7 @@ class FabricZeroStrategy(FabricCheckpoints, FabricSetup, DDPStrategy):  # type: 
         self._engine: ZeroEngine | None = None
         self._module: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back (lifecycle.py)
+        self._life = Lifecycle(self.config, "fabric")  # what a run changes in this process and puts back
         self._continuation: Continuation | None = None  # recording what runs on the meta model until setup
         self._deferred = False  # stage 3 setup_module: the engine waits for setup_optimizers (or a use)
         self._state_hooks: FullStateDictHooks | None = None  # model.load_state_dict / state_dict, full
@@ -203,9 +206,8 @@ class FabricZeroStrategy(FabricCheckpoints, FabricSetup, DDPStrategy):  # type: 
 
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
-        self._precision = as_offload_precision(precision, self.config, self._loss_scale, FabricOffloadPrecision)
-        if self._precision is not None:
-            deepspeed_config.check_precision(self.deepspeed, self._precision.precision)
+        cls = FabricOffloadPrecision
+        self._precision = strategy_precision(precision, self.config, self._loss_scale, self.deepspeed, cls)
 
     # -- processes ----------------------------------------------------------------------------------
 
@@ -242,7 +244,7 @@ class FabricZeroStrategy(FabricCheckpoints, FabricSetup, DDPStrategy):  # type: 
         """This rank's bytes by category (see :func:`lightning_zero.memory.memory_breakdown`)."""
         return memory_breakdown(self._saved_module(), self._engine, self.root_device)
 
-    # -- model and optimizers -------------------------------------------------------------------------
+    # -- the model before setup (setup itself: fabric_setup.FabricSetup) ------------------------------
 
     @contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -243,13 +243,28 @@ def _quarter(name: str, value: int | str) -> str:
     return f"{name}={max(size // 4, 1):_} (now {now})"
 
 
+#: The first setting to try against an out-of-memory error, as each API accumulates gradients: the
+#: Trainer by its argument, a Fabric program in its own loop.
+SMALLER_MICRO_BATCH = {
+    "trainer": "a smaller micro-batch with Trainer(accumulate_grad_batches=...) to keep the global batch;",
+    "fabric": "a smaller micro-batch, accumulating its gradients over several fabric.backward() calls (inside "
+    "fabric.no_backward_sync) before each optimizer.step(), to keep the global batch;",
+}
+
+
 def oom_message(
-    error: BaseException, breakdown: dict[str, dict[str, int]] | None, config: ZeroConfig, registered: list[str]
+    error: BaseException,
+    breakdown: dict[str, dict[str, int]] | None,
+    config: ZeroConfig,
+    registered: list[str],
+    *,
+    api: Literal["trainer", "fabric"],
 ) -> str:
     """The text to put in front of an out-of-memory error: what this rank holds and what to try.
 
     ``config`` is the strategy's :class:`~lightning_zero.config.ZeroConfig`; ``registered`` the
-    strategy names Lightning knows (offload is only suggested when it exists)."""
+    strategy names Lightning knows (offload is only suggested when it exists); ``api``: ``"trainer"``
+    or ``"fabric"``, whose way of accumulating gradients the advice names (:data:`SMALLER_MICRO_BATCH`)."""
     lines = ["Out of memory during a ZeRO step."]
     if breakdown is not None:
         for where, categories in breakdown.items():
@@ -258,7 +273,7 @@ def oom_message(
                 parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in used.items())
                 lines.append(f"This rank holds on {where}: {parts} (total {sum(used.values()) / 2**20:.1f} MiB).")
     lines.append("Settings to try, cheapest first:")
-    lines.append("- a smaller micro-batch with Trainer(accumulate_grad_batches=...) to keep the global batch;")
+    lines.append(f"- {SMALLER_MICRO_BATCH[api]}")
     lines.append(f"- {_quarter('reduce_bucket_size', config.reduce_bucket_size)}: smaller gradient buckets;")
     if config.stage == 3:
         lines.append(

@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -51,11 +51,13 @@ def on_meta(module: nn.Module) -> bool:
 class Lifecycle:
     """What one strategy changes in its process for a run, and the steps that change and restore it.
 
-    One per strategy object, made with its validated options; the strategy calls the steps from the
-    hooks of its API (see the module docstring)."""
+    One per strategy object, made with its validated options and the name of its API; the strategy
+    calls the steps from the hooks of its API (see the module docstring)."""
 
-    def __init__(self, config: StrategyConfig) -> None:
+    def __init__(self, config: StrategyConfig, api: Literal["trainer", "fabric"]) -> None:
         self.config = config
+        #: The API whose strategy drives this lifecycle: its messages name what a user of that API does.
+        self.api = api
         #: Host and pid of every rank (from :func:`lightning_zero.failures.register_rank`), to name a lost one.
         self.rank_processes: failures.Processes = {}
         #: The data-parallel group wrapped by the collective checker (``debug_collectives``), once made.
@@ -245,7 +247,7 @@ class Lifecycle:
                 except Exception:  # noqa: BLE001 - no model or engine yet: the advice alone still helps
                     held = None
                 config = engine.config.zero if engine is not None else self.config.zero
-                text: str | None = failures.oom_message(error, held, config, registered)
+                text: str | None = failures.oom_message(error, held, config, registered, api=self.api)
             else:
                 last = engine.last_gathered() if engine is not None else None
                 text = failures.lost_rank_message(error, rank, world_size, self.rank_processes, last)

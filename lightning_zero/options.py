@@ -14,7 +14,8 @@ sections. From that one table:
 * :func:`document` writes the options into a strategy's docstring (``Args:``), which LightningCLI's help reads.
 
 :func:`as_offload_precision` converts whatever precision plugin Lightning or Fabric assigns a strategy
-chosen by name into an :class:`~lightning_zero.OffloadPrecision` with the same precision string.
+chosen by name into an :class:`~lightning_zero.OffloadPrecision` with the same precision string
+(:func:`strategy_precision`: and checks it against the strategy's DeepSpeed config).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 
 from lightning_zero.config import LossScaleConfig, StrategyConfig, normalize_precision
+from lightning_zero.deepspeed_config import DeepSpeedConfig, check_precision
 from lightning_zero.option_fields import FIELD_DEFAULT, OMIT, OptionField
 from lightning_zero.precision import OffloadPrecision
 
@@ -226,6 +228,21 @@ def as_offload_precision(
     # Trainer's precision flag.)
     requested = normalize_precision(getattr(plugin, "precision", "32-true"))
     return new_precision(requested, config, loss_scale, cls)
+
+
+def strategy_precision(
+    plugin: FabricPrecision | None,
+    config: StrategyConfig,
+    loss_scale: LossScaleConfig | None,
+    deepspeed: DeepSpeedConfig | None,
+    cls: type[OffloadPrecision] = OffloadPrecision,
+) -> OffloadPrecision | None:
+    """What a strategy keeps of the precision plugin Lightning or Fabric assigns it: the plugin as a
+    ``cls`` (:func:`as_offload_precision`), whose precision the DeepSpeed config (``config=``) must allow."""
+    converted = as_offload_precision(plugin, config, loss_scale, cls)
+    if converted is not None:
+        check_precision(deepspeed, converted.precision)
+    return converted
 
 
 #: The names both strategy registries (Lightning's ``StrategyRegistry`` and Fabric's ``STRATEGY_REGISTRY``)

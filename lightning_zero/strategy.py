@@ -63,7 +63,7 @@ from lightning_zero.ddp_args import BufferSync
 from lightning_zero.lifecycle import Lifecycle
 from lightning_zero.lockstep import StepLockstep, watch_trainer_steps
 from lightning_zero.memory import memory_breakdown
-from lightning_zero.options import as_offload_precision, new_precision, register_names, strategy_config
+from lightning_zero.options import new_precision, register_names, strategy_config, strategy_precision
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.precision import OffloadPrecision
 from lightning_zero.sync_batchnorm import zero_layer_sync
@@ -164,7 +164,7 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, TrainerSteps):
         self._save_buffer = ckpt_save.HostBuffer()  # an async save's host copy, reused by the next one
         self._deletions: list[threading.Thread] = []  # replaced checkpoints being deleted, joined at teardown
         self._resume_rng: dict[str, Any] | None = None  # random states to restore at the first resumed batch
-        self._life = Lifecycle(self.config)  # what a run changes in this process and puts back
+        self._life = Lifecycle(self.config, "trainer")  # what a run changes in this process and puts back
         self._loss_scale = loss_scale
         self._engine: ZeroEngine | None = None
         self._state_hooks: FullStateDictHooks | None = None  # the module's own load_state_dict into the shards
@@ -201,24 +201,15 @@ class ZeroStrategy(CheckpointWriting, CheckpointState, TrainerSteps):
     @property
     def precision_plugin(self) -> OffloadPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = self._new_precision("32-true")
+            self._precision_plugin = new_precision("32-true", self.config, self._loss_scale, OffloadPrecision)
         plugin = self._precision_plugin
         assert isinstance(plugin, OffloadPrecision)  # the setter converts whatever Lightning assigns
         return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = self._as_offload_precision(plugin)
-
-    def _as_offload_precision(self, plugin: Precision | None) -> OffloadPrecision | None:
-        """Lightning assigns a generic plugin to a strategy chosen by name: keep its precision string."""
-        converted = as_offload_precision(plugin, self.config, self._loss_scale)
-        if converted is not None:
-            deepspeed_config.check_precision(self.deepspeed, converted.precision)
-        return converted
-
-    def _new_precision(self, precision: str) -> OffloadPrecision:
-        return new_precision(precision, self.config, self._loss_scale, OffloadPrecision)
+        # Lightning assigns a generic plugin to a strategy chosen by name: its precision string is kept
+        self._precision_plugin = strategy_precision(plugin, self.config, self._loss_scale, self.deepspeed)
 
     # -- setup and teardown ---------------------------------------------------------------------
 

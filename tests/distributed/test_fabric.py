@@ -289,6 +289,17 @@ def _errors_worker(rank: int) -> dict:
     fabric.backward(loss_of(fabric_model, tokens))
     expect("norm_type", ValueError, lambda: fabric.clip_gradients(fabric_model, optimizer, max_norm=1.0, norm_type=1))
     fabric.strategy.teardown()
+    # an out-of-memory error in a forward gets the advice of a Fabric program (its own loop accumulates)
+    fabric = make_fabric("zero2")
+    model = ParityModel()
+    fabric_model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+
+    def out_of_memory(module: Any, args: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    model.register_forward_pre_hook(out_of_memory)
+    expect("out_of_memory", torch.OutOfMemoryError, lambda: loss_of(fabric_model, tokens))
+    fabric.strategy.teardown()
     # the disk tier's files must fit in nvme_path's free space, checked before anything is allocated
     import shutil
     import tempfile
@@ -311,8 +322,13 @@ def _errors_worker(rank: int) -> dict:
     return messages
 
 
-def test_fabric_bad_input_raises_before_work():
-    messages = run_ranks(_errors_worker)[0]
+@pytest.fixture(scope="module")
+def error_messages() -> dict[str, str]:
+    return run_ranks(_errors_worker)[0]
+
+
+def test_fabric_bad_input_raises_before_work(error_messages):
+    messages = error_messages
     assert "outside the model" in messages["foreign"] and "model.parameters()" in messages["foreign"]
     assert "needs the optimizer set up" in messages["no_optimizer"]
     assert "1 optimizer step(s)" in messages["stage3_two_step"]
@@ -323,3 +339,13 @@ def test_fabric_bad_input_raises_before_work():
     assert "reduce_bucket" in messages["unknown_option"]
     assert "norm_type=1" in messages["norm_type"]
     assert "only 1000 bytes" in messages["nvme_space"] and messages["nvme_created"] == "False"
+
+
+def test_fabric_out_of_memory_advice_is_fabric_s(error_messages):
+    """The Trainer's run gets Trainer(accumulate_grad_batches=...) (test_failures.py); a Fabric program
+    has no such argument: its advice names what its own loop does."""
+    message = error_messages["out_of_memory"]
+    assert message.startswith("Out of memory during a ZeRO step."), message
+    assert "This rank holds on device: parameters" in message
+    assert "fabric.no_backward_sync" in message and "Trainer" not in message, message
+    assert message.rstrip().endswith("CUDA out of memory. Tried to allocate 20.00 GiB")

@@ -56,15 +56,18 @@ def test_store_host_gone_is_named(monkeypatch):
 
 def test_oom_advice_follows_the_settings():
     stage2 = failures.oom_message(
-        RuntimeError("x"), {"device": {"parameters": 3 * 2**20, "gradients": 0}}, ZeroConfig(stage=2), []
+        RuntimeError("x"), {"device": {"parameters": 3 * 2**20, "gradients": 0}}, ZeroConfig(stage=2), [], api="trainer"
     )
     assert "This rank holds on device: parameters 3.0 MiB (total 3.0 MiB)." in stage2
     assert "stage=3 (now 2)" in stage2 and "prefetch_bucket_size" not in stage2 and "offload" not in stage2
     assert "reduce_bucket_size=1_250_000 (now 'auto', at most 5_000_000)" in stage2  # before the engine resolves it
     config = ZeroConfig(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=400)
-    stage3 = failures.oom_message(RuntimeError("x"), None, config, ["zero3", "zero3_offload"])
+    stage3 = failures.oom_message(RuntimeError("x"), None, config, ["zero3", "zero3_offload"], api="fabric")
     assert "reduce_bucket_size=250 (now 1_000)" in stage3 and "prefetch_bucket_size=100 (now 400)" in stage3
     assert "strategy='zero3_offload'" in stage3 and "stage=" not in stage3
+    # each API's own way of accumulating gradients
+    assert "Trainer(accumulate_grad_batches=...)" in stage2 and "fabric" not in stage2
+    assert "fabric.no_backward_sync" in stage3 and "Trainer" not in stage3
 
 
 def test_nccl_defaults_only_on_nccl_and_restored(monkeypatch):
