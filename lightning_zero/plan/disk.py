@@ -221,6 +221,44 @@ def disk_plan(recorder: DiskRecorder, before: tuple[int, int], after: tuple[int,
     )
 
 
+class DiskClock:
+    """The disk beside the step's compute clock (:func:`.timing.step_time`): reads and writes queue
+    separately (the store's two pools, and a drive serves both directions at once), each from when
+    the engine issues it; the compute waits only where the engine waits (:meth:`SwapStore.wait`)."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+        self.rates = {"read": machine.nvme_read, "write": machine.nvme_write}
+        self.free = {"read": 0.0, "write": 0.0}
+        self._ends: dict[int, float] = {}
+        #: seconds of I/O, and seconds the compute waited for it
+        self.busy = self.stalled = 0.0
+
+    @property
+    def end(self) -> float:
+        """When the last request ends."""
+        return max(self.free.values())
+
+    def replay(self, event: Event, compute: float) -> float:
+        """One ``("io", kind, bytes, token)`` or ``("io_wait", token)`` at compute time ``compute``;
+        the compute clock after it."""
+        if event[0] == "io":
+            _, kind, nbytes, token = event
+            if self.rates[kind] <= 0:
+                raise ValueError(
+                    f"machine {self.machine.name!r} has no NVMe {kind} rate: give Machine(nvme_read=..., "
+                    "nvme_write=...) in bytes/s, or calibrate(nvme_path=...) (--nvme-path) to measure a disk."
+                )
+            seconds = nbytes / self.rates[kind]
+            self.busy += seconds
+            self.free[kind] = max(self.free[kind], compute) + seconds
+            self._ends[token] = self.free[kind]
+            return compute
+        end = self._ends.pop(event[1], 0.0)
+        self.stalled += max(0.0, end - compute)
+        return max(compute, end)
+
+
 # -- this machine's disk ----------------------------------------------------------------------------
 
 
@@ -250,4 +288,3 @@ def measure_disk(path: str, seconds: float = 1.0, nbytes: int = 64 << 20) -> tup
         store.close(bring_back=False)
         os.rmdir(config.path)
     return rounds * nbytes / read, rounds * nbytes / write
-

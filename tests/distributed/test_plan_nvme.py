@@ -19,13 +19,14 @@ from lightning_zero.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-# (stage, offload_parameters, aio_engine, param_buffer_count): the optimizer tier at stages 2 and 3
-# (with the gradient tier), the parameter tier at stage 3 read ahead 2 shards at a time, and the
-# Python engine, whose files are not padded to whole blocks
+# (stage, offload_parameters, aio_engine, buffer_count, param_buffer_count): the optimizer tier at
+# stages 2 and 3 (with the gradient tier), its step reading 1 or 2 sub-groups ahead (of 3 and 5),
+# the parameter tier at stage 3 reading 2 shards ahead, and the Python engine, whose files are not
+# padded to whole blocks
 CASES = [
-    (2, False, "auto", 5),
-    (3, "nvme", "auto", 2),
-    (3, False, "python", 5),
+    (2, False, "auto", 2, 5),
+    (3, "nvme", "auto", 3, 2),
+    (3, False, "python", 5, 5),
 ]
 # Small buckets: several flat buffers (sub-groups); 4 KiB blocks, so some files are padded and
 # some span several blocks.
@@ -48,10 +49,12 @@ class Wide(nn.Module):
         return self.out(self.norm(self.mid(torch.tanh(self.inp(x))))) * self.scale
 
 
-def _offload(path: str, offload_parameters: object, engine: str, param_buffer_count: int):  # noqa: ANN202
+def _offload(path: str, offload_parameters: object, engine: str, buffers: int, param_buffers: int):  # noqa: ANN202
     from lightning_zero.config import NvmeConfig, OffloadConfig
 
-    nvme = NvmeConfig(path=path, block_size=4096, aio_engine=engine, param_buffer_count=param_buffer_count)
+    nvme = NvmeConfig(
+        path=path, block_size=4096, aio_engine=engine, buffer_count=buffers, param_buffer_count=param_buffers
+    )
     return OffloadConfig(offload_optimizer="nvme", offload_parameters=offload_parameters, nvme=nvme)
 
 
@@ -75,7 +78,10 @@ def _counting(traffic: dict[str, int]):  # noqa: ANN202 - a context manager
         held[id(tensor)] = tensor
         traffic["staging"] = max(traffic["staging"], sum(t.untyped_storage().nbytes() for t in held.values()))
 
-    with mock.patch.object(SwapStore, "_submit", counted_submit), mock.patch.object(SwapStore, "allocate", counted_allocate):
+    with (
+        mock.patch.object(SwapStore, "_submit", counted_submit),
+        mock.patch.object(SwapStore, "allocate", counted_allocate),
+    ):
         yield
 
 
@@ -88,11 +94,11 @@ def _real_worker(rank: int, root: str) -> list[tuple[dict, dict, dict]]:
     cpu = torch.device("cpu")
     out = []
     try:
-        for index, (stage, params, engine_name, count) in enumerate(CASES):
+        for index, (stage, params, engine_name, *counts) in enumerate(CASES):
             torch.manual_seed(0)
             model = Wide()
             optimizer = torch.optim.AdamW(model.parameters())
-            offload = _offload(os.path.join(root, str(index)), params, engine_name, count)
+            offload = _offload(os.path.join(root, str(index)), params, engine_name, *counts)
             config = StrategyConfig(zero=ZeroConfig(stage=stage, **ZERO), offload=offload)
             engine = ZeroEngine(model, [optimizer], config=config, precision="bf16-mixed", device=cpu)
             traffic = {"read": 0, "written": 0, "staging": 0}
@@ -103,7 +109,9 @@ def _real_worker(rank: int, root: str) -> list[tuple[dict, dict, dict]]:
                     engine.backward_done()
                     engine.step(optimizer)
             directory = engine.swap.store.directory
-            files = {f[: -len(".swp")]: os.stat(directory / f).st_size for f in os.listdir(directory) if f.endswith(".swp")}
+            files = {
+                f[: -len(".swp")]: os.stat(directory / f).st_size for f in os.listdir(directory) if f.endswith(".swp")
+            }
             out.append((memory_breakdown(model, engine, cpu), files, traffic))
             engine.close()
     finally:
@@ -116,14 +124,14 @@ def test_planned_nvme_tiers_equal_a_real_run(tmp_path):
     from lightning_zero.plan import plan
 
     measured = run_ranks(_real_worker, str(tmp_path), world_size=2)[0]  # rank 0, as the plan
-    for index, ((stage, params, engine_name, count), (breakdown, files, traffic)) in enumerate(
+    for index, ((stage, params, engine_name, *counts), (breakdown, files, traffic)) in enumerate(
         zip(CASES, measured, strict=True)
     ):
         planned = plan(
             f"{__name__}:Wide",
             2,
             zero=ZeroConfig(stage=stage, **ZERO),
-            offload=_offload(str(tmp_path / "plan" / str(index)), params, engine_name, count),
+            offload=_offload(str(tmp_path / "plan" / str(index)), params, engine_name, *counts),
             device="cpu",
             inputs=[((5, 7), torch.float32)],
         )
@@ -135,6 +143,8 @@ def test_planned_nvme_tiers_equal_a_real_run(tmp_path):
         assert planned.nvme.read_per_step == traffic["read"] > 0, case
         assert planned.nvme.written_per_step == traffic["written"] > 0, case
         assert planned.nvme.staging_bytes == traffic["staging"] > 0, case
+        if counts[0] < 5:  # a window of sub-groups, not the whole slice at once
+            assert planned.nvme.staging_bytes < planned.nvme.read_per_step, case
         # the compiled engines pad each file to whole 4 KiB blocks, the Python one does not
         padded = all(size % 4096 == 0 for size in files.values())
         assert padded == (engine_name != "python"), case
