@@ -41,6 +41,8 @@ NOT_MODELED = (
     "kernels slower than their roofline (small or odd-shaped products), the network's contention",
     "tensor and pipeline parallelism (the data-parallel group only)",
     "loss scaling (16-mixed), gradient clipping's norm all-reduce",
+    "NVMe tiers: each request's latency, the page cache (the Python engine reads through it), the drives' "
+    "sharing beyond the machine's per-rank rates; their staging buffers (nvme.staging_bytes) are not in peak",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
 )
 
