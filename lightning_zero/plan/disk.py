@@ -153,6 +153,8 @@ class DiskRecorder:
         self._token = 0
         self._known: set[int] = set()
         self._counted = 0
+        self._states: set[int] = set()
+        self._states_counted = -1
 
     def is_host(self, tensor: torch.Tensor) -> bool:
         """A CPU rank's tensors are all host memory; an accelerator's are where the engine put them:
@@ -165,8 +167,11 @@ class DiskRecorder:
         key = tensor.untyped_storage()._cdata
         if key in self._known:
             return True
-        states = (v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v))
-        return any(v.untyped_storage()._cdata == key for v in states)
+        if self._states_counted != sum(len(s) for o in self.optimizers for s in o.state.values()):
+            states = [v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+            self._states = {v.untyped_storage()._cdata for v in states}
+            self._states_counted = sum(len(s) for o in self.optimizers for s in o.state.values())
+        return key in self._states
 
     def issue(self, kind: str, nbytes: int) -> int:
         self._token += 1
