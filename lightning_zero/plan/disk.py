@@ -121,9 +121,6 @@ class RecordingStore(SwapStore):
                 self.recorder.waited(self._tokens.pop(name))
         super().wait(items)
 
-    def done(self, name: str) -> bool:
-        return True
-
     def mapped(self, tensor: torch.Tensor) -> torch.Tensor | None:
         return None  # nothing is on disk: checkpoints are not planned
 
