@@ -88,8 +88,9 @@ def test_the_engine_reads_parameters_ahead_of_their_gathers(device):
     assert 0 < t.exposed_disk < t.disk  # some reads run under compute (read-ahead, the step's window)
     slower = p.step_time(dataclasses.replace(DISK, nvme_read=1e7, nvme_write=1e7))
     assert slower.seconds > t.seconds and slower.disk > t.disk
-    # a wider window holds more shards at once
-    assert _stack_plan(device, param_buffer_count=5, block_size=4096).nvme.staging_bytes >= p.nvme.staging_bytes
+    # the step's window: buffer_count sub-groups read ahead and written behind at once
+    narrow, wide = (_stack_plan(device, buffer_count=n, block_size=4096).nvme for n in (2, 8))
+    assert narrow.staging_bytes < wide.staging_bytes and narrow.read_per_step == wide.read_per_step
 
 
 def test_the_swap_files_at_1024_ranks_follow_the_tiers_formulas(tmp_path):
