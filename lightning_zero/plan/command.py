@@ -67,6 +67,9 @@ def _machine(args: argparse.Namespace) -> Any:
             raise ValueError("--interconnect applies to a machine of the table, not to 'calibrate'.")
         if args.device != "cpu":
             raise ValueError("--machine calibrate measures this machine's CPU ranks: plan them with --device cpu.")
+        disk = "nvme" in (args.offload_optimizer, args.offload_parameters) or (args.search and args.nvme)
+        if disk and not args.nvme_path:
+            raise ValueError("the NVMe tiers' step time needs this machine's disk: give --nvme-path DIR to measure it.")
         return calibrate(args.world_size, nvme_path=args.nvme_path)
     return known(name, args.interconnect)
 

@@ -143,6 +143,8 @@ def test_the_plan_command_plans_the_nvme_tiers(capsys):
     assert "NVMe: " not in capsys.readouterr().out
     assert main([*args, "--search", "--machine", "H100", "--micro-batches", "1", "--nvme", "1"]) == 0
     assert "optimizer:nvme" in capsys.readouterr().out
+    assert main([*args, "--device", "cpu", *disk, "--machine", "calibrate"]) == 2  # before measuring anything
+    assert "--nvme-path" in capsys.readouterr().err
     assert known("H100").nvme_read == NVME["read"] and known("A100").nvme_write == NVME["write"]
 
 
