@@ -196,6 +196,8 @@ def disk_tier(offload: OffloadConfig, host: list[tuple[torch.Tensor, bool]], dev
     store = type("PlanStore", (RecordingStore,), {"recorder": recorder})
     with ExitStack() as stack:
         if offload.nvme is not None:
+            import lightning_zero.zero  # noqa: F401  (every module that makes a store is loaded before the patch)
+
             for name, module in list(sys.modules.items()):
                 if name.startswith("lightning_zero.") and getattr(module, "SwapStore", None) is SwapStore:
                     stack.enter_context(mock.patch.object(module, "SwapStore", store))
