@@ -249,6 +249,11 @@ class SwapStore:
         """Whether ``tensor``'s values are in memory (not swapped out)."""
         return tensor.untyped_storage().nbytes() > 0
 
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory, which this store can swap (the tiers ask before they
+        take a tensor; the planner's store, :mod:`lightning_zero.plan.disk`, answers for meta tensors)."""
+        return tensor.device.type == "cpu"
+
     def allocate(self, tensor: torch.Tensor) -> None:
         """Give a swapped-out ``tensor`` (storage of zero bytes) memory for its elements (values
         undefined): 4096-aligned under a compiled engine with ``direct_io``, so its whole blocks go
@@ -336,7 +341,7 @@ class SwapStore:
             return
         assert name not in self._tensors, f"swap file {name} is taken"
         self.wait([(old, tensor)])
-        os.replace(self.directory / f"{old}.swp", self.directory / f"{name}.swp")
+        self._move(old, name)
         if old in self._fds:
             self._fds[name] = self._fds.pop(old)
         self._tensors[name] = self._tensors.pop(old)
@@ -366,14 +371,32 @@ class SwapStore:
         """Start writing ``items`` to their files (created the first time). :meth:`release` frees
         their memory once written."""
         for name, tensor in items:
-            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            if not self.is_host(tensor) or not tensor.is_contiguous():
                 raise ValueError(f"swap tensor {name} must be contiguous host memory (got {tensor.device})")
             if name not in self._fds:
-                self._fds[name] = fd = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
-                self._reserve(fd, tensor)
+                self._fds[name] = self._create(name, tensor)
             self.wait([(name, tensor)])
             self._tensors[name] = tensor
             self._submit(name, tensor, write=True)
+
+    # -- the file system (what the planner's store records instead: lightning_zero.plan.disk) ---------
+
+    def _create(self, name: str, tensor: torch.Tensor) -> int:
+        """Create ``name``'s file for ``tensor`` with its blocks reserved; its descriptor."""
+        fd = os.open(self.directory / f"{name}.swp", os.O_RDWR | os.O_CREAT, 0o600)
+        self._reserve(fd, tensor)
+        return fd
+
+    def _move(self, old: str, name: str) -> None:
+        """Rename the file ``old`` to ``name``."""
+        os.replace(self.directory / f"{old}.swp", self.directory / f"{name}.swp")
+
+    def file_bytes(self, tensor: torch.Tensor) -> int:
+        """Bytes of ``tensor``'s file: padded to whole ``block_size`` blocks under the compiled engines."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.engine != "python":
+            nbytes = -(-nbytes // self.config.block_size) * self.config.block_size
+        return nbytes
 
     def _reserve(self, fd: int, tensor: torch.Tensor) -> None:
         """Allocate a new file's blocks up front (its padded size under the compiled engines): its
@@ -381,9 +404,7 @@ class SwapStore:
         under a shared lock, so concurrent O_DIRECT requests into one file proceed in parallel and
         io_uring need not hand them to its worker threads; a full disk fails here (ENOSPC), before
         any request. File systems without fallocate (tmpfs before 3.5, some network ones) skip it."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.engine != "python":
-            nbytes = -(-nbytes // self.config.block_size) * self.config.block_size
+        nbytes = self.file_bytes(tensor)
         if nbytes > 0:
             with contextlib.suppress(AttributeError):  # (no posix_fallocate: not Linux)
                 try:

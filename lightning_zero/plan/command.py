@@ -20,8 +20,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pl.add_argument("--stage", type=int, default=2, help="1, 2 or 3 (default 2)")
     pl.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed or bf16-true")
     pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the ranks' accelerator")
-    pl.add_argument("--offload-optimizer", action="store_true")
-    pl.add_argument("--offload-parameters", action="store_true")
+    for tier in ("optimizer", "parameters"):
+        pl.add_argument(
+            f"--offload-{tier}",
+            nargs="?",
+            const=True,
+            default=False,
+            choices=["cpu", "nvme"],
+            help="to host memory (no value, or cpu) or to NVMe swap files (nvme)",
+        )
+    pl.add_argument(
+        "--nvme", type=float, help="GiB of NVMe per rank: checks the swap files; --search tries the NVMe tiers"
+    )
+    pl.add_argument(
+        "--nvme-path", help="the swap directory: with --machine calibrate, its disk is measured (about a second)"
+    )
     pl.add_argument("--no-pin-memory", action="store_true")
     for name in ("reduce-bucket-size", "param-persistence-threshold", "prefetch-bucket-size"):
         pl.add_argument(f"--{name}", help="elements (default: the strategy's)")
@@ -54,7 +67,10 @@ def _machine(args: argparse.Namespace) -> Any:
             raise ValueError("--interconnect applies to a machine of the table, not to 'calibrate'.")
         if args.device != "cpu":
             raise ValueError("--machine calibrate measures this machine's CPU ranks: plan them with --device cpu.")
-        return calibrate(args.world_size)
+        disk = "nvme" in (args.offload_optimizer, args.offload_parameters) or (args.search and args.nvme)
+        if disk and not args.nvme_path:
+            raise ValueError("the NVMe tiers' step time needs this machine's disk: give --nvme-path DIR to measure it.")
+        return calibrate(args.world_size, nvme_path=args.nvme_path)
     return known(name, args.interconnect)
 
 
@@ -68,6 +84,14 @@ def _policy(names: str | None) -> Any:
 
     policy.__name__ = "classes named " + ",".join(sorted(wanted))
     return policy
+
+
+def _nvme(args: argparse.Namespace) -> Any:
+    from lightning_zero.config import NvmeConfig
+
+    if args.nvme is not None and args.nvme <= 0:
+        raise ValueError(f"--nvme {args.nvme} must be positive GiB per rank.")
+    return NvmeConfig(path=args.nvme_path or "nvme")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                 offload_optimizer=args.offload_optimizer,
                 offload_parameters=args.offload_parameters,
                 pin_memory=not args.no_pin_memory,
+                nvme=_nvme(args) if "nvme" in (args.offload_optimizer, args.offload_parameters) else None,
             ),
             inputs=inputs,
             micro_batch=args.micro_batch,
@@ -114,12 +139,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightning-zero plan: error: {error}", file=sys.stderr)
         return 2
     print(format_plan(result))
+    if args.nvme is not None and result.nvme_bytes > args.nvme * 2**30:
+        print(
+            f"lightning-zero plan: the swap files need {result.nvme_bytes / 2**30:.2f} GiB per rank, more than "
+            f"--nvme {args.nvme} GiB: more ranks, or fewer tiers on disk.",
+            file=sys.stderr,
+        )
+        return 1
     if machine is not None:
         t = result.step_time(machine)
         print(
             f"step time on {t.machine}: {t.seconds * 1e3:.2f} ms (forward {t.forward * 1e3:.2f}, backward "
             f"{t.backward * 1e3:.2f}, optimizer {t.optimizer * 1e3:.2f}, of which on the host {t.host * 1e3:.2f}; "
-            f"communication {t.communication * 1e3:.2f}, exposed {t.exposed_communication * 1e3:.2f})"
+            f"communication {t.communication * 1e3:.2f}, exposed {t.exposed_communication * 1e3:.2f}"
+            + (f"; NVMe {t.disk * 1e3:.2f}, exposed {t.exposed_disk * 1e3:.2f}" if result.nvme is not None else "")
+            + ")"
         )
     return 0
 
@@ -147,6 +181,8 @@ def _search(args: argparse.Namespace, machine: Any, policy: Any, sizes: dict, in
         micro_batches=batches,
         checkpoint_policy=policy,
         make_inputs=make_inputs,
+        nvme_memory=int(args.nvme * 2**30) if args.nvme else 0,
+        nvme=_nvme(args),
         zero=ZeroConfig(**sizes),
         **common,
     )

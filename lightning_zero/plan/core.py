@@ -22,6 +22,7 @@ from lightning_zero import comm
 from lightning_zero.activations import apply_activation_checkpointing
 from lightning_zero.config import PRECISIONS, ActivationCheckpointConfig, OffloadConfig, StrategyConfig, ZeroConfig
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
+from lightning_zero.plan.disk import DiskPlan, disk_plan, disk_tier
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
 from lightning_zero.plan.peak import LiveBytes
@@ -39,7 +40,9 @@ NOT_MODELED = (
     "step time: the overlap of host-device copies with compute (they are counted as compute), "
     "kernels slower than their roofline (small or odd-shaped products), the network's contention",
     "tensor and pipeline parallelism (the data-parallel group only)",
-    "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
+    "loss scaling (16-mixed), gradient clipping's norm all-reduce",
+    "NVMe tiers: each request's latency, the page cache (the Python engine reads through it), the drives' "
+    "sharing beyond the machine's per-rank rates; their staging buffers (nvme.staging_bytes) are not in peak",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
 )
 
@@ -94,6 +97,13 @@ class Plan:
     """The second step's ops, collectives and waits in order (:mod:`.timing`)."""
     step_calls: tuple[tuple[str, int], ...] = field(default=(), repr=False)
     """The second step's collectives in order: ``(op, whole-buffer bytes)``."""
+    nvme: DiskPlan | None = None
+    """The NVMe tiers' swap files, staging memory and traffic (:mod:`.disk`); None without them."""
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's swap files (0 without the NVMe tiers)."""
+        return self.nvme.nvme_bytes if self.nvme is not None else 0
 
     def total(self, where: str) -> int:
         """Bytes of every category on ``where`` ("device" or "host")."""
@@ -154,8 +164,6 @@ def plan(
         raise ValueError(f"precision={precision!r}: the plan models {usable} (16-mixed's loss scaling is not modeled).")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} must be 'cuda' or 'cpu'.")
-    if offload.nvme is not None:
-        raise ValueError("the NVMe tiers are not modeled by the plan; plan offload to 'cpu' instead.")
     activations = activations or ActivationCheckpointConfig()
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch={micro_batch} and seq_len={seq_len} must be >= 1.")
@@ -166,7 +174,7 @@ def plan(
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
-    with fake_world(world_size) as group, host_on_meta(host), gloo:
+    with fake_world(world_size) as group, host_on_meta(host), gloo, disk_tier(offload, host, device) as disk:
         from lightning_zero.zero import ZeroEngine
 
         groups = {id(group): "data"}
@@ -175,6 +183,7 @@ def plan(
         specs = inputs if inputs is not None else default_inputs(module, micro_batch, seq_len)
         params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
         optimizer = torch.optim.AdamW(params)
+        disk.optimizers.append(optimizer)
         checkpointed = apply_activation_checkpointing(module, activations, None, zero.stage == 3)
         if activations.policy is not None and not checkpointed:
             kinds = sorted({type(m).__name__ for m in module.modules()})
@@ -185,8 +194,10 @@ def plan(
         meter = ActivationMeter(include_meta=True)
         events: list[Event] = []
         lives: list[LiveBytes] = []
+        setup_written = disk.traffic()[1]
         for step in range(2):
             trace = events if step else []
+            disk.events, disk.staging_peak, traffic = (trace, 0, disk.traffic()) if step else (None, 0, (0, 0))
             # the first step allocates the offloaded step's host buffers: known by the second
             host_storages = None if device == "cpu" else {t.untyped_storage()._cdata for t, _ in host}
             live = LiveBytes()
@@ -209,6 +220,7 @@ def plan(
                 trace.append(("phase", "optimizer"))
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
+        nvme = disk_plan(disk, traffic, disk.traffic(), setup_written)
         untracked = _untracked(module, engine, lives)
         resolved = engine.config.zero
         flat = len(engine.memory_tensors()["parameters"])
@@ -233,6 +245,7 @@ def plan(
         activation_checkpointing=tuple(checkpointed),
         trace=tuple(events),
         step_calls=tuple((c.op, c.nbytes) for c in step_calls),
+        nvme=nvme,
     )
 
 

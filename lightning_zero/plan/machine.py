@@ -86,12 +86,17 @@ class Machine:
     and NICs (a GPU); measured on CPU ranks, whose collectives share the cores with the compute."""
     source: str = "table"
     """``"table"`` or ``"calibrated on N ranks"``."""
+    nvme_read: float = 0.0
+    """Bytes/s one rank reads from its NVMe swap files (the ranks of a node share its drives); 0:
+    unknown (a plan with the NVMe tiers then cannot be timed on this machine)."""
+    nvme_write: float = 0.0
+    """Bytes/s one rank writes to its NVMe swap files; 0: unknown."""
 
     def __post_init__(self) -> None:
         rates = [*self.flops.values(), *self.dtype_bandwidth.values(), *self.large_bandwidth.values()]
         rates += [self.memory_bandwidth, self.host_link]
         rates += [link.bandwidth for link in self.collectives.values()]
-        if not self.flops or min(rates) <= 0 or self.host_bandwidth < 0:
+        if not self.flops or min(rates) <= 0 or min(self.host_bandwidth, self.nvme_read, self.nvme_write) < 0:
             raise ValueError(f"machine {self.name!r}: every rate must be positive ({self})")
         if not 0 < self.efficiency <= 1 or not 0 <= self.overlap <= 1:
             raise ValueError(
@@ -148,6 +153,12 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 
+#: Per-rank NVMe rates (bytes/s) assumed for the table's machines: a node's array of data-center
+#: PCIe 4.0 drives at about 25 GB/s sequential read and 12 GB/s write, shared by its 8 ranks (an
+#: assumption, not measured; ``calibrate(nvme_path=...)`` measures a disk).
+NVME = {"read": 3.1e9, "write": 1.5e9}
+
+
 def known(device: str, interconnect: str | None = None, efficiency: float = 0.5) -> Machine:
     """A :class:`Machine` from the table: ``device`` in :data:`DEVICES`, ``interconnect`` in
     :data:`INTERCONNECTS` (default: the device's NVLink, for ranks within one node)."""
@@ -167,6 +178,8 @@ def known(device: str, interconnect: str | None = None, efficiency: float = 0.5)
         op_overhead=5e-6,
         efficiency=efficiency,
         overlap=1.0,
+        nvme_read=NVME["read"],
+        nvme_write=NVME["write"],
     )
 
 
@@ -220,7 +233,7 @@ def _collective(op: str, nbytes: int, group: object) -> Callable[[], object]:
     return calls[op]
 
 
-def _measure(rank: int, seconds: float) -> dict[str, object]:
+def _measure(rank: int, seconds: float, nvme_path: str | None = None) -> dict[str, object]:
     """One rank's measurements (all ranks measure the same thing at the same moment)."""
     import torch.distributed as dist
 
@@ -262,6 +275,11 @@ def _measure(rank: int, seconds: float) -> dict[str, object]:
                 links[op] = (max(t_small - ring_bytes(op, small, n) * per_byte, 0.0), 1 / per_byte)
             out["overlap"] = _overlap(group, step)
         out["collectives"] = links
+        if nvme_path is not None:  # every rank at once: they share the disk
+            from lightning_zero.plan.disk import measure_disk
+
+            comm.barrier(group)
+            out["nvme"] = measure_disk(nvme_path, seconds=1.0)
         return out
     finally:
         dist.destroy_process_group()
@@ -292,18 +310,25 @@ def _overlap(group: object, seconds: float) -> float:
     return min(1.0, max(0.0, hidden / min(compute_time, reduce_time)))
 
 
-def calibrate(world_size: int = 2, seconds: float = 4.0) -> Machine:
+def calibrate(world_size: int = 2, seconds: float = 4.0, nvme_path: str | None = None) -> Machine:
     """Measure this machine as ``world_size`` CPU ranks (gloo, one thread each, as the tests and
     benchmarks run them) see it, in about ``seconds``: every rank's matrix-product FLOP/s in float32
     and bfloat16, element-wise bandwidth, the cost of one op, each collective's latency and bandwidth
     as :mod:`lightning_zero.comm` runs it on gloo, and how much of an all-reduce hides under compute.
-    Rates are the mean over ranks; latency and bandwidth those of rank 0."""
+    Rates are the mean over ranks; latency and bandwidth those of rank 0. ``nvme_path``: also each
+    rank's NVMe read and write rates, all ranks writing and reading swap files there at once for
+    about a second (:func:`lightning_zero.plan.disk.measure_disk`)."""
     if world_size < 1 or seconds <= 0:
         raise ValueError(f"calibrate(world_size={world_size}, seconds={seconds}): both must be positive.")
     from lightning_zero.testing import run_ranks
 
     results = run_ranks(
-        _measure, seconds, world_size=world_size, timeout=60 + 10 * seconds, run_id="lightning_zero_calibrate"
+        _measure,
+        seconds,
+        nvme_path,
+        world_size=world_size,
+        timeout=60 + 10 * seconds,
+        run_id="lightning_zero_calibrate",
     )
     first = results[0]
     flops = {k: statistics.mean(r["flops"][k] for r in results) for k in first["flops"]}
@@ -326,6 +351,8 @@ def calibrate(world_size: int = 2, seconds: float = 4.0) -> Machine:
         efficiency=1.0,
         overlap=float(first.get("overlap", 1.0)),
         source=f"calibrated on {world_size} ranks",
+        nvme_read=statistics.mean(r["nvme"][0] for r in results) if nvme_path is not None else 0.0,
+        nvme_write=statistics.mean(r["nvme"][1] for r in results) if nvme_path is not None else 0.0,
     )
 
 
@@ -336,4 +363,4 @@ def to_dict(machine: Machine) -> dict[str, object]:
     return values
 
 
-__all__ = ["DEVICES", "INTERCONNECTS", "OPS", "Link", "Machine", "calibrate", "known", "ring_bytes", "to_dict"]
+__all__ = ["DEVICES", "INTERCONNECTS", "NVME", "OPS", "Link", "Machine", "calibrate", "known", "ring_bytes", "to_dict"]

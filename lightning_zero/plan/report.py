@@ -39,6 +39,13 @@ def format_plan(p: Plan) -> str:
     if p.activation_checkpointing:
         lines.append(f"activation checkpointing: {len(p.activation_checkpointing)} modules")
     lines.append(f"pinned host memory: {p.pinned_host_bytes / 2**20:.2f} MiB")
+    if p.nvme is not None:
+        d = p.nvme
+        lines.append(
+            f"NVMe: {d.nvme_bytes / 2**20:.2f} MiB in {len(d.files)} swap files ({d.engine} engine); host memory the "
+            f"tier holds during a step {d.staging_bytes / 2**20:.2f} MiB; per step read {d.read_per_step / 2**20:.2f} "
+            f"MiB, written {d.written_per_step / 2**20:.2f} MiB"
+        )
     lines.append(
         f"buckets: reduce_bucket_size {z.reduce_bucket_size:,} elements, allgather_bucket_size "
         f"{z.allgather_bucket_size:,}; {p.flat_buffers} flat buffers"

@@ -3,7 +3,8 @@
 Each candidate is a full :func:`~.core.plan` (the engine on meta tensors), so what fits is what the
 engine would allocate, and its speed is its recorded step replayed on the machine
 (:meth:`~.core.Plan.step_time`). Candidates: stages 1-3; the optimizer on the device, offloaded, and
-(stage 3) the parameters offloaded too; with and without activation checkpointing of the given module
+(stage 3) the parameters offloaded too; given the machine's NVMe bytes, the NVMe tiers as well
+(the optimizer on disk at stages 2 and 3, and the parameters too at stage 3); with and without activation checkpointing of the given module
 classes; the given micro-batch sizes. A layout that does not fit at one micro-batch is not tried at a
 larger one. Tensor- and pipeline-parallel sizes are not searched (the plan models the data-parallel
 group only).
@@ -16,13 +17,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_zero.config import ActivationCheckpointConfig, OffloadConfig, ZeroConfig
+from lightning_zero.config import ActivationCheckpointConfig, NvmeConfig, OffloadConfig, ZeroConfig
 from lightning_zero.plan.core import Plan, plan
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.timing import StepTime
 
 #: (stage, offload optimizer, offload parameters)
-LAYOUTS = [(1, False, False), (2, False, False), (3, False, False), (2, True, False), (3, True, False), (3, True, True)]
+LAYOUTS: list[tuple[int, bool | str, bool | str]] = [
+    (1, False, False),
+    (2, False, False),
+    (3, False, False),
+    (2, True, False),
+    (3, True, False),
+    (3, True, True),
+]
+#: tried when the machine has NVMe bytes (``nvme_memory``)
+NVME_LAYOUTS: list[tuple[int, bool | str, bool | str]] = [(2, "nvme", False), (3, "nvme", False), (3, "nvme", "nvme")]
 
 
 @dataclass(frozen=True)
@@ -30,14 +40,15 @@ class Candidate:
     """One layout, its plan and its predicted step."""
 
     stage: int
-    offload_optimizer: bool
-    offload_parameters: bool
+    offload_optimizer: bool | str
+    offload_parameters: bool | str
     checkpointing: bool
     micro_batch: int
     plan: Plan
     time: StepTime
     fits: bool
-    """Device peak within the device memory, host total within the host memory."""
+    """Device peak within the device memory, host total within the host memory (each with the NVMe
+    tiers' staging buffers where they live), swap files within the NVMe bytes."""
 
     @property
     def samples_per_second(self) -> float:
@@ -47,7 +58,9 @@ class Candidate:
     def describe(self) -> str:
         """The layout as strategy options."""
         offload = "+".join(
-            n for n, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_parameters)) if on
+            n + (":nvme" if on == "nvme" else "")
+            for n, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_parameters))
+            if on
         )
         return (
             f"stage={self.stage} offload={offload or 'none'} "
@@ -65,20 +78,29 @@ def search(
     micro_batches: Sequence[int] = (1, 2, 4, 8),
     checkpoint_policy: Any = None,
     make_inputs: Callable[[int], Any] | None = None,
+    nvme_memory: int = 0,
+    nvme: NvmeConfig | None = None,
     **plan_kwargs: Any,
 ) -> list[Candidate]:
     """Every candidate layout, those that fit first, each group by predicted samples/s (the
     recommended layout first). ``device_memory``/``host_memory``: bytes per rank and per rank's share
     of the host. ``checkpoint_policy``: activation checkpointing's policy to try besides none.
     ``make_inputs(micro_batch)``: the forward's input specs (default: the plan's, from ``micro_batch``).
-    Other keyword arguments go to :func:`~.core.plan` (``precision``, ``device``, ``seq_len``, ...)."""
-    if device_memory <= 0 or host_memory <= 0:
-        raise ValueError(f"device_memory={device_memory} and host_memory={host_memory} must be positive bytes.")
+    ``nvme_memory``: bytes of NVMe per rank; when positive the NVMe tiers are tried too, with the I/O
+    knobs of ``nvme`` (its path is not written to). Other keyword arguments go to :func:`~.core.plan`
+    (``precision``, ``device``, ``seq_len``, ...)."""
+    if device_memory <= 0 or host_memory <= 0 or nvme_memory < 0:
+        raise ValueError(
+            f"device_memory={device_memory} and host_memory={host_memory} must be positive bytes, "
+            f"nvme_memory={nvme_memory} >= 0."
+        )
+    nvme = nvme or NvmeConfig(path="nvme")
     if not micro_batches or min(micro_batches) < 1:
         raise ValueError(f"micro_batches={list(micro_batches)} must be sizes >= 1.")
     base_zero = plan_kwargs.pop("zero", None) or ZeroConfig()
     found: list[Candidate] = []
-    for stage, offload_optimizer, offload_parameters in LAYOUTS:
+    for stage, offload_optimizer, offload_parameters in LAYOUTS + (NVME_LAYOUTS if nvme_memory > 0 else []):
+        disk = nvme if offload_optimizer == "nvme" else None
         for checkpointing in (False, True) if checkpoint_policy is not None else (False,):
             for micro_batch in sorted(micro_batches):
                 extra = {"inputs": make_inputs(micro_batch)} if make_inputs else {"micro_batch": micro_batch}
@@ -87,13 +109,18 @@ def search(
                     model,
                     world_size,
                     zero=zero,
-                    offload=OffloadConfig(offload_optimizer=offload_optimizer, offload_parameters=offload_parameters),
+                    offload=OffloadConfig(
+                        offload_optimizer=offload_optimizer, offload_parameters=offload_parameters, nvme=disk
+                    ),
                     activations=ActivationCheckpointConfig(policy=checkpoint_policy if checkpointing else None),
                     **extra,
                     **plan_kwargs,
                 )
                 host = p.total("host") if p.device == "cuda" else 0
-                fits = p.peak <= device_memory and host <= host_memory
+                staging = p.nvme.staging_bytes if p.nvme is not None else 0  # host memory: the device's on a CPU rank
+                peak = p.peak + (staging if p.device == "cpu" else 0)
+                host += staging if p.device == "cuda" else 0
+                fits = peak <= device_memory and host <= host_memory and p.nvme_bytes <= nvme_memory
                 found.append(
                     Candidate(
                         stage,
@@ -113,13 +140,17 @@ def search(
 
 def format_search(candidates: Sequence[Candidate]) -> str:
     """The search as a table, the recommended layout first."""
-    lines = [f"{'':2}{'layout':72} {'peak MiB':>10} {'host MiB':>10} {'step ms':>9} {'samples/s':>10}  fits"]
+    lines = [
+        f"{'':2}{'layout':72} {'peak MiB':>10} {'host MiB':>10} {'NVMe MiB':>10} {'step ms':>9} {'samples/s':>10}  fits"
+    ]
     for i, c in enumerate(candidates):
         mark = "* " if i == 0 and c.fits else "  "
         lines.append(
             f"{mark}{c.describe():72} {c.plan.peak / 2**20:10.1f} {c.plan.total('host') / 2**20:10.1f} "
+            f"{c.plan.nvme_bytes / 2**20:10.1f} "
             f"{c.time.seconds * 1e3:9.2f} {c.samples_per_second:10.2f}  {'yes' if c.fits else 'no'}"
         )
     if not any(c.fits for c in candidates):
-        lines.append("no layout fits: more ranks, a smaller micro-batch, or NVMe tiers (not planned) are left")
+        tiers = "" if any(c.plan.nvme is not None for c in candidates) else ", or the NVMe tiers (--nvme GiB)"
+        lines.append(f"no layout fits: more ranks or a smaller micro-batch are left{tiers}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from lightning_zero.plan.disk import DiskClock
 from lightning_zero.plan.machine import Machine
 
 # ops that allocate without writing, or only relabel a storage: no bytes move
@@ -36,7 +37,8 @@ _COMMUNICATION = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 
 Event = tuple[Any, ...]
 """``("op", where, dtype, flops, bytes)``, ``("issue", call, synchronous)``, ``("wait", call)``,
-``("phase", name)``; ``call`` indexes the plan's list of the step's collectives."""
+``("phase", name)``; ``call`` indexes the plan's list of the step's collectives; the NVMe tiers'
+``("io", "read"|"write", bytes, token)`` and ``("io_wait", token)`` (:mod:`.disk`)."""
 
 
 class OpRecorder(TorchDispatchMode):
@@ -92,6 +94,10 @@ class StepTime:
     exposed_communication: float
     """Of ``communication``, what the step waits for."""
     machine: str
+    disk: float = 0.0
+    """The NVMe tiers' reads and writes of the step at the machine's rates, as if nothing ran beside them."""
+    exposed_disk: float = 0.0
+    """Of ``disk``, what the step waits for (the rest runs under compute: read-ahead, write-behind)."""
 
     @property
     def overlapped(self) -> float:
@@ -123,6 +129,7 @@ def step_time(events: Sequence[Event], calls: Sequence[tuple[str, int]], world_s
     ends: dict[int, float] = {}
     phases = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     phase, host, communication = "forward", 0.0, 0.0
+    disk = DiskClock(machine)
     for event in events:
         kind = event[0]
         if kind == "op":
@@ -142,8 +149,10 @@ def step_time(events: Sequence[Event], calls: Sequence[tuple[str, int]], world_s
             compute = max(compute, ends.get(event[1], 0.0))
         elif kind == "phase":
             phase = event[1]
+        elif kind in ("io", "io_wait"):
+            compute = disk.replay(event, compute)
     busy = sum(phases.values())
-    end = max(compute, network)
+    end = max(compute, network, disk.end)
     exposed = min(communication, max(0.0, end - busy))
     seconds = end + (1 - machine.overlap) * (communication - exposed)
     return StepTime(
@@ -155,4 +164,6 @@ def step_time(events: Sequence[Event], calls: Sequence[tuple[str, int]], world_s
         communication=communication,
         exposed_communication=exposed,
         machine=machine.name,
+        disk=disk.busy,
+        exposed_disk=disk.stalled,
     )

@@ -257,9 +257,7 @@ class ZeroEngine(GradientWindow, CheckpointSurface):
                 self.param_tier = ParamTier(sharded_buffers, store, nvme)
             if self.swap is not None and config.zero.stage >= 2:
                 # gradient slices on disk too (zero/swap_grads.py); stage 1 keeps whole buckets in memory
-                on_host = [
-                    b for b in self.swap.buffers() if b.grad_shard is not None and b.grad_shard.device.type == "cpu"
-                ]
+                on_host = [b for b in self.swap.buffers() if b.grad_shard is not None and store.is_host(b.grad_shard)]
                 self.grad_tier = GradTier(on_host, store, nvme) if on_host else None
             if self.swap is None and self.param_tier is None:
                 store.close(bring_back=False)  # nothing to keep on disk after all

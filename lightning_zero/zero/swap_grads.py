@@ -104,7 +104,7 @@ class GradTier:
         self.direct = 0
         self._squared: dict[int, torch.Tensor] = {}
         for b in buffers:
-            assert b.grad_shard is not None and b.grad_shard.device.type == "cpu" and b.grad_state is GradState.EMPTY
+            assert b.grad_shard is not None and store.is_host(b.grad_shard) and b.grad_state is GradState.EMPTY
             b.attach_grad_tier(self)
             b.grad_shard.untyped_storage().resize_(0)  # EMPTY: zero, nothing to keep
 
