@@ -215,6 +215,9 @@ class StageRun:
         tensor-parallel plan on this rank's group, through the pipeline's layers (not recorded)."""
         assert self.setup.groups is not None
         whole = meta_model(self.model, self.model_kwargs)
+        for param in whole.parameters():  # as the engine casts the stage's parameters (not its buffers)
+            if param.is_floating_point():
+                param.data = param.data.to(self.dtype)
         if self.tensor.size > 1:
             plan = self.setup.resolve_plan(whole)
             apply_tensor_parallel(whole, plan, self.setup.groups.tp, sequence_parallel=self.tensor.sequence_parallel)
