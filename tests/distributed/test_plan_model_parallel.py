@@ -31,6 +31,7 @@ CASES = [
     (1, 2, 1, "1f1b", 1),  # D=2 x P=2, the tied embedding/head across the two stages
     (2, 2, 2, "gpipe", 1),  # T=2 x P=2
     (1, 4, 2, "1f1b", 1),  # P=4: the two middle stages are equal, planned once
+    (1, 2, 1, "1f1b", 2),  # D=2 x P=2 interleaved: 2 chunks per stage, messages both ways on each
 ]
 MICRO_BATCHES = 4
 ROWS = 8  # the batch of one data-parallel replica: (8, 17) token ids, inputs and shifted labels

@@ -10,15 +10,18 @@ from lightning_zero import PipelineSpec
 
 
 class PlannedGPT(nn.Module):
-    """The recipes' GPT-2 (tied embedding and LM head) with odd-ish sizes: vocabulary 96, 48 wide,
+    """The recipes' GPT-2 (tied embedding and LM head), by default tiny: vocabulary 96, 48 wide,
     4 heads, 17 positions. ``forward(ids)`` returns the logits; the pipeline's batch is ``(rows,)``
     of ``seq + 1`` token ids (inputs and the shifted labels), as a DataLoader over a TensorDataset yields."""
 
-    def __init__(self, n_layer: int = 3, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, n_layer: int = 3, vocab_size: int = 96, n_embd: int = 48, n_head: int = 4, seq: int = 16
+    ) -> None:
         super().__init__()
         from recipes.gpt2.model import GPT, GPTConfig
 
-        self.model = GPT(GPTConfig(vocab_size=96, block_size=17, n_layer=n_layer, n_head=4, n_embd=48))
+        config = GPTConfig(vocab_size=vocab_size, block_size=seq + 1, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        self.model = GPT(config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)

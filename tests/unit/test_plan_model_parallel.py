@@ -1,0 +1,134 @@
+"""The plan with tensor and pipeline parallelism at 1,024 ranks, and what it refuses.
+
+GPT-2 small's widths (recipes' GPT: 8 blocks, 768 wide, vocabulary 50,304, tied embedding and LM head)
+at D=64 x T=4 x P=4, stage 1: every stage's rank holds its share of the parameters (the TP split
+divides the blocks' matrices by T, the pipeline keeps a stage's layers), its ZeRO states follow the
+formulas' 1/D terms of that share, and its pipeline messages are what the schedule sends: per
+micro-batch one activation forward and one gradient back across each stage boundary, each a header
+and one tensor. Checked against real runs on 4 ranks in tests/distributed/test_plan_model_parallel.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
+from lightning_zero.plan import plan
+from lightning_zero.plan.machine import known
+
+MODEL = "tests.helpers.plan_models:PlannedGPT"
+GPT2 = {"n_layer": 8, "vocab_size": 50304, "n_embd": 768, "n_head": 12, "seq": 64}
+N, T, P, M = 1024, 4, 4, 4
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    """The planner makes its own fake process group; an earlier test may have left Lightning's."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _gpt2():
+    return plan(
+        MODEL,
+        N,
+        model_kwargs=GPT2,
+        zero=ZeroConfig(stage=1),
+        inputs=[((16, 65), torch.int64)],  # one replica's batch: 16 rows of 64 tokens + the shifted label
+        tensor=TensorParallelConfig(size=T),
+        pipeline=PipelineConfig(stages=P, micro_batches=M),
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan():
+    """One plan for the tests below (and its CPU seconds)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    start = time.process_time()
+    p = _gpt2()
+    return p, time.process_time() - start
+
+
+def test_a_gpt2_plan_with_tensor_and_pipeline_parallelism_at_1024_ranks(gpt2_plan):
+    p, seconds = gpt2_plan
+    info = p.parallel
+    assert (info.data, info.tensor, info.pipeline) == (N // (T * P), T, P)
+    stages = {q.parallel.stage: q for q in info.stages}
+    assert sorted(stages) == [0, 1, 3], "the two middle stages hold equal blocks: planned once"
+    assert stages[1].parallel.represents == (1, 2)
+    assert stages[0].parallel.group_sizes == {"data": 64, "tensor": T, "pipeline": P, "tied": 2}
+    assert stages[1].parallel.group_sizes == {"data": 64, "tensor": T, "pipeline": P}
+    d = info.data
+    for s, q in stages.items():
+        local = q.parallel.local_numel  # after the TP split: this rank's share of the stage
+        dev = q.memory["device"]
+        # bf16-mixed Adam at stage 1 over D ranks; the padding of each flat buffer to a multiple of D
+        # is the only slack (at most one element per buffer in a slice)
+        assert 4 * local / d <= dev["master_weights"] <= 4 * (local / d + q.flat_buffers)
+        assert 8 * local / d <= dev["optimizer_states"] <= 8 * (local / d + q.flat_buffers)
+        assert 2 * local <= dev["parameters"] <= 2 * (local + d * q.flat_buffers)
+        # the blocks' matrices are split by T: well under a quarter of the whole model per stage
+        assert local < p.numel / P
+        calls = {(t.group, t.op): t.count for t in q.step}
+        boundaries = (s > 0) + (s < P - 1)  # stage boundaries this stage sends and receives across
+        # per micro-batch and boundary one message each way, each a header and one tensor
+        assert calls[("pipeline", "send")] == calls[("pipeline", "recv")] == 2 * M * boundaries
+        assert calls[("tensor", "all_reduce")] > 0 and ("data", "reduce_scatter") in calls
+        assert q.parallel.in_flight == min(P - s, M)  # 1F1B: P - s micro-batches alive on stage s
+    # the tied embedding/head: one all-reduce of its gradient between the first and last stage
+    assert ("tied", "all_reduce") in {(t.group, t.op) for t in stages[0].step}
+    assert ("tied", "all_reduce") not in {(t.group, t.op) for t in stages[1].step}
+    assert seconds < 120, seconds  # a few seconds on a quiet machine: a bound that only catches a hang
+
+
+def test_the_step_time_adds_the_pipeline_bubble_to_the_slowest_stage(gpt2_plan):
+    p, _ = gpt2_plan
+    machine = known("H100", "ib-ndr400")
+    t = p.step_time(machine)
+    # each stage's plan alone: its own replayed step (and a bubble of its own, taken off here)
+    alone = [q.step_time(machine) for q in p.parallel.stages]
+    steps = [a.seconds - a.bubble for a in alone]
+    busy = max(a.seconds - a.bubble - a.optimizer for a in alone)  # the schedule: forwards and backwards
+    # (P - 1) / m of the busy time idle: 1F1B's bubble with equal micro-batch times
+    assert t.bubble == pytest.approx(busy * (P - 1) / M, rel=1e-9) and t.bubble > 0
+    assert t.seconds == pytest.approx(max(steps) + t.bubble, rel=1e-9)
+    assert 0 < t.exposed_communication <= t.communication
+    # the tensor group's all-reduces cost its 4 ranks' ring (2 * 3/4 of each buffer), not the world's:
+    # on a slower network the step grows, and by less than the whole step
+    slow = p.step_time(known("H100", "ethernet-100g"))
+    assert t.seconds < slow.seconds
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="stage=3 is not supported"):
+        plan(MODEL, 4, zero=ZeroConfig(stage=3), tensor=TensorParallelConfig(size=2), inputs=[((2, 16), torch.int64)])
+    with pytest.raises(ValueError, match="does not divide world_size"):
+        plan(MODEL, 6, tensor=TensorParallelConfig(size=4), inputs=[((2, 16), torch.int64)])
+    with pytest.raises(ValueError, match="needs a plan"):
+        plan(
+            "torch.nn:Linear",
+            4,
+            model_kwargs={"in_features": 4, "out_features": 4},
+            tensor=TensorParallelConfig(size=2),
+            inputs=[((2, 4), torch.float32)],
+        )
+    with pytest.raises(ValueError, match="configure_pipeline"):
+        plan(
+            "torch.nn:Linear",
+            4,
+            model_kwargs={"in_features": 4, "out_features": 4},
+            pipeline=PipelineConfig(stages=2),
+            inputs=[((2, 4), torch.float32)],
+        )
+    with pytest.raises(ValueError, match="exceed"):
+        plan(MODEL, 8, pipeline=PipelineConfig(stages=8), inputs=[((8, 17), torch.int64)])
+    with pytest.raises(ValueError, match="batch_keys"):
+        plan(MODEL, 4, tensor=TensorParallelConfig(size=2), batch_keys=("input_ids",), inputs=[((2, 16), torch.int64)])
