@@ -161,7 +161,7 @@ def plan(
     is of one rank per differing pipeline stage (:mod:`.model_parallel`; ``batch_keys``: the names of
     the inputs in a pipeline's dict batch).
     """
-    if _stage is None and ((tensor and tensor.size > 1) or (pipeline and pipeline.stages > 1)):
+    if _stage is None and ((tensor and tensor.size > 1) or (pipeline and pipeline.stages > 1) or batch_keys):
         from lightning_zero.plan.model_parallel import plan_model_parallel
 
         return plan_model_parallel(
