@@ -132,3 +132,24 @@ def test_refusals():
         plan(MODEL, 8, pipeline=PipelineConfig(stages=8), inputs=[((8, 17), torch.int64)])
     with pytest.raises(ValueError, match="batch_keys"):
         plan(MODEL, 4, tensor=TensorParallelConfig(size=2), batch_keys=("input_ids",), inputs=[((2, 16), torch.int64)])
+
+
+def test_the_command_plans_and_searches_tensor_and_pipeline_sizes(capsys):
+    from lightning_zero.cli import main
+
+    args = ["plan", MODEL, "--world-size", "8", "--stage", "1", "--input", "8,17:int64", "--machine", "H100"]
+    parallel = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--pipeline-micro-batches", "4"]
+    assert main([*args, *parallel]) == 0
+    out = capsys.readouterr().out
+    assert "8 ranks = data 2 x tensor 2 x pipeline 2" in out and "the pipeline's bubble" in out
+    for group, op in (("tensor", "all_reduce"), ("pipeline", "send"), ("pipeline", "recv"), ("tied", "all_reduce")):
+        assert any(line.split()[:2] == [group, op] for line in out.splitlines()), (group, op, out)
+    # T=8 cannot split 4 heads: reported, the other sizes searched
+    search = ["--search", "--tensor-sizes", "1,8", "--pipeline-sizes", "1,2", "--micro-batches", "8"]
+    assert main([*args[:4], "--input", "8,17:int64", "--machine", "H100", *search]) == 0
+    out = capsys.readouterr().out
+    assert "tp=1 pp=2 stage=1" in out and "not planned: tp=8 pp=1" in out
+    assert "tp=8 pp=2" not in out  # 16 ranks do not divide 8: not tried
+    assert "stage=3" in out.split("tp=1 pp=2")[0] and "tp=1 pp=2 stage=3" not in out  # refused beside a pipeline
+    assert main([*args, "--tensor-parallel-size", "2", "--stage", "3"]) == 2  # the strategy's refusal
+    assert "stage=3 is not supported" in capsys.readouterr().err
