@@ -53,6 +53,12 @@ from lightning_zero.plan.model import InputSpec, default_inputs, meta_model
 from lightning_zero.plan.timing import StepTime, step_time
 from lightning_zero.plan.world import Call, record_collectives
 
+NOT_MODELED = (
+    "with a pipeline: the stages wait for one another only as the bubble's equal micro-batch times say "
+    "(a slower stage's extra wait, and messages overlapping compute, are not replayed)",
+    "every group (data, tensor, pipeline) runs on the machine's one interconnect",
+)
+
 Shapes = dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype, bool]]]
 """``(micro-batch, virtual stage)`` -> its outputs: shape, dtype, whether a gradient comes back."""
 
@@ -131,7 +137,8 @@ def plan_model_parallel(
         run = StageRun(layout, tensor, pipeline, stage, represents, batch_keys, model, kwargs, shapes)
         plans.append(plan_fn(model, world_size, tensor=tensor, pipeline=pipeline, _stage=run, **kwargs))
     main = max(plans, key=lambda p: p.peak)
-    return dataclasses.replace(main, parallel=dataclasses.replace(main.parallel, stages=tuple(plans)))
+    parallel = dataclasses.replace(main.parallel, stages=tuple(plans))
+    return dataclasses.replace(main, parallel=parallel, not_modeled=main.not_modeled + NOT_MODELED)
 
 
 def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:

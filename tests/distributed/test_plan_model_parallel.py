@@ -24,24 +24,25 @@ from lightning_zero.testing import run_ranks
 pytestmark = pytest.mark.distributed
 
 MODEL = "tests.helpers.plan_models:PlannedGPT"
-# (tensor, pipeline, stage, schedule, chunks): D x T x P = 4 ranks. overlap_comm=False: which gradient
+# (tensor, pipeline, stage, schedule, chunks, sequence parallel): D x T x P = 4 ranks. overlap_comm=False: which gradient
 # buckets the pool keeps does not depend on gloo's speed (the plan states that dependence).
 CASES = [
-    (2, 1, 2, "1f1b", 1),  # D=2 x T=2
-    (1, 2, 1, "1f1b", 1),  # D=2 x P=2, the tied embedding/head across the two stages
-    (2, 2, 2, "gpipe", 1),  # T=2 x P=2
-    (1, 4, 2, "1f1b", 1),  # P=4: the two middle stages are equal, planned once
-    (1, 2, 1, "1f1b", 2),  # D=2 x P=2 interleaved: 2 chunks per stage, messages both ways on each
+    (2, 1, 2, "1f1b", 1, False),  # D=2 x T=2
+    (1, 2, 1, "1f1b", 1, False),  # D=2 x P=2, the tied embedding/head across the two stages
+    (2, 2, 2, "gpipe", 1, False),  # T=2 x P=2
+    (1, 4, 2, "1f1b", 1, False),  # P=4: the two middle stages are equal, planned once
+    (1, 2, 1, "1f1b", 2, False),  # D=2 x P=2 interleaved: 2 chunks per stage, messages both ways on each
+    (2, 2, 1, "1f1b", 1, True),  # T=2 x P=2 with sequence parallelism: each message holds half the sequence
 ]
 MICRO_BATCHES = 4
 ROWS = 8  # the batch of one data-parallel replica: (8, 17) token ids, inputs and shifted labels
 ZERO = {"reduce_bucket_size": 3000, "overlap_comm": False}
 
 
-def _configs(tensor: int, pipeline: int, schedule: str, chunks: int):  # noqa: ANN202
+def _configs(tensor: int, pipeline: int, schedule: str, chunks: int, sequence: bool):  # noqa: ANN202
     from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
 
-    return TensorParallelConfig(size=tensor), PipelineConfig(
+    return TensorParallelConfig(size=tensor, sequence_parallel=sequence), PipelineConfig(
         stages=pipeline, micro_batches=MICRO_BATCHES, schedule=schedule, chunks=chunks
     )
 
@@ -82,9 +83,9 @@ def _worker(rank: int) -> list[tuple[dict, Counter]]:
     cpu = torch.device("cpu")
     out = []
     try:
-        for tensor, pipeline, stage, schedule, chunks in CASES:
+        for tensor, pipeline, stage, schedule, chunks, sequence in CASES:
             torch.manual_seed(0)
-            tp, pp = _configs(tensor, pipeline, schedule, chunks)
+            tp, pp = _configs(tensor, pipeline, schedule, chunks, sequence)
             model = PlannedGPT()
             setup = ParallelSetup(tensor=tp, pipeline=pp)
             setup.build_groups(dist.get_world_size(), "cpu")
@@ -125,8 +126,8 @@ def test_model_parallel_plan_equals_four_real_ranks():
     from lightning_zero.plan import plan
 
     measured = run_ranks(_worker, world_size=4, timeout=600)
-    for index, (tensor, pipeline, stage, schedule, chunks) in enumerate(CASES):
-        tp, pp = _configs(tensor, pipeline, schedule, chunks)
+    for index, (tensor, pipeline, stage, schedule, chunks, sequence) in enumerate(CASES):
+        tp, pp = _configs(tensor, pipeline, schedule, chunks, sequence)
         # the pipeline's batch is the rows (inputs and labels); without one the forward's token ids
         inputs = [((ROWS, 17), torch.int64)] if pipeline > 1 else [((ROWS, 16), torch.int64)]
         planned = plan(

@@ -153,3 +153,15 @@ def test_the_command_plans_and_searches_tensor_and_pipeline_sizes(capsys):
     assert "stage=3" in out.split("tp=1 pp=2")[0] and "tp=1 pp=2 stage=3" not in out  # refused beside a pipeline
     assert main([*args, "--tensor-parallel-size", "2", "--stage", "3"]) == 2  # the strategy's refusal
     assert "stage=3 is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "send", "recv", "broadcast"])
+@pytest.mark.parametrize("size", [2, 4, 64])
+def test_each_call_is_costed_on_its_own_group_size(op, size):
+    from lightning_zero.plan.machine import Link
+    from lightning_zero.plan.model_parallel import _group_bytes
+
+    link = Link(latency=1e-5, bandwidth=1e9)
+    nbytes = 3 * 2**20
+    # the replay runs every call as on 2 ranks: the stand-in bytes give the group's own ring cost
+    assert link.seconds(op, _group_bytes(op, nbytes, size), 2) == pytest.approx(link.seconds(op, nbytes, size))
