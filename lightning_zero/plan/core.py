@@ -58,7 +58,8 @@ class CollectiveTotal:
 
 @dataclass(frozen=True)
 class Plan:
-    """One rank of ``world_size`` data-parallel ranks under a layout; bytes are per rank."""
+    """One rank of ``world_size`` ranks under a layout (all data-parallel, or D x T x P with
+    :attr:`parallel`); bytes are per rank."""
 
     world_size: int
     precision: str
