@@ -165,3 +165,32 @@ def test_each_call_is_costed_on_its_own_group_size(op, size):
     nbytes = 3 * 2**20
     # the replay runs every call as on 2 ranks: the stand-in bytes give the group's own ring cost
     assert link.seconds(op, _group_bytes(op, nbytes, size), 2) == pytest.approx(link.seconds(op, nbytes, size))
+
+
+def test_a_hugging_face_llama_split_by_a_plan_given_to_the_plan(tmp_path):
+    import json
+
+    import transformers  # noqa: F401  (the test extra installs it: missing is a failure, not a skip)
+
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {"model_type": "llama", "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 64}
+        )
+    )  # fmt: skip
+    tp_plan = {
+        "model.layers.*.self_attn.[qkv]_proj": "column",
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_proj": "column",
+        "model.layers.*.mlp.up_proj": "column",
+        "model.layers.*.mlp.down_proj": "row",
+        "lm_head": "column",
+    }
+    p = plan(str(config), N, zero=ZeroConfig(stage=2), tensor=TensorParallelConfig(size=2, plan=tp_plan), seq_len=16)
+    calls = {(t.group, t.op): t.count for t in p.step}
+    # Megatron's arithmetic per layer: forward one all-reduce after each row-parallel layer (2), backward
+    # one for the input of each column-parallel layer (q, k, v, gate, up: 5); the LM head's input once in
+    # backward, and the vocabulary-parallel cross entropy's three in forward
+    assert calls[("tensor", "all_reduce")] == 2 * (2 + 5) + 1 + 3
+    assert p.parallel.data == N // 2 and p.parallel.local_numel < p.numel
