@@ -36,6 +36,7 @@ CASES = [
 ]
 MICRO_BATCHES = 4
 ROWS = 8  # the batch of one data-parallel replica: (8, 17) token ids, inputs and shifted labels
+PRECISION = "bf16-mixed"
 ZERO = {"reduce_bucket_size": 3000, "overlap_comm": False}
 
 
@@ -71,11 +72,12 @@ def _counting(calls: list[tuple[str, str, int]], names: dict[int, str]):
         yield
 
 
-def _worker(rank: int) -> list[tuple[dict, Counter]]:
+def _worker(rank: int) -> list[tuple[dict, Counter, int]]:
     from lightning_zero.config import StrategyConfig, ZeroConfig
     from lightning_zero.memory import memory_breakdown
     from lightning_zero.parallel.setup import ParallelSetup
     from lightning_zero.parallel.vocab import vocab_parallel_cross_entropy
+    from lightning_zero.plan.peak import LiveBytes
     from lightning_zero.zero import ZeroEngine
     from tests.helpers.plan_models import PlannedGPT
 
@@ -97,13 +99,12 @@ def _worker(rank: int) -> list[tuple[dict, Counter]]:
             optimizer = torch.optim.AdamW(params)
             config = StrategyConfig(zero=ZeroConfig(stage=stage, **ZERO), tensor=tp, pipeline=pp)
             parallel = setup.context(setup.dp_group)
-            engine = ZeroEngine(
-                model, [optimizer], config=config, precision="bf16-mixed", device=cpu, parallel=parallel
-            )
+            engine = ZeroEngine(model, [optimizer], config=config, precision=PRECISION, device=cpu, parallel=parallel)
             rows = torch.randint(0, 96, (ROWS, 17), generator=torch.Generator().manual_seed(1 + setup.groups.coords.dp))
             calls: list[tuple[str, str, int]] = []
             for step in range(2):  # the second step is compared, as the plan reports it
-                with _counting(calls if step else [], names):
+                live = LiveBytes()  # the plan's storage counter, here on the real tensors
+                with _counting(calls if step else [], names), live:
                     if setup.runner is not None:
                         setup.runner.run((rows,), train=True, after_backward=engine.backward_done)
                     else:
@@ -114,7 +115,7 @@ def _worker(rank: int) -> list[tuple[dict, Counter]]:
                         loss.backward()
                         engine.backward_done()
                     engine.step(optimizer)
-            out.append((memory_breakdown(model, engine, cpu), Counter(calls)))
+            out.append((memory_breakdown(model, engine, cpu), Counter(calls), live.peak))
             engine.close()
     finally:
         dist.destroy_process_group()
@@ -131,7 +132,14 @@ def test_model_parallel_plan_equals_four_real_ranks():
         # the pipeline's batch is the rows (inputs and labels); without one the forward's token ids
         inputs = [((ROWS, 17), torch.int64)] if pipeline > 1 else [((ROWS, 16), torch.int64)]
         planned = plan(
-            MODEL, 4, zero=ZeroConfig(stage=stage, **ZERO), device="cpu", tensor=tp, pipeline=pp, inputs=inputs
+            MODEL,
+            4,
+            zero=ZeroConfig(stage=stage, **ZERO),
+            device="cpu",
+            tensor=tp,
+            pipeline=pp,
+            inputs=inputs,
+            precision=PRECISION,
         )
         info = planned.parallel
         assert (info.data, info.tensor, info.pipeline) == (4 // (tensor * pipeline), tensor, pipeline)
@@ -144,7 +152,7 @@ def test_model_parallel_plan_equals_four_real_ranks():
         for q in info.stages:
             for represented in q.parallel.represents:
                 rank = represented * info.data * info.tensor  # data- and tensor-parallel rank 0 of it
-                breakdown, calls = measured[rank][index]
+                breakdown, calls, peak = measured[rank][index]
                 case = f"tp {tensor} pp {pipeline} stage {stage}: pipeline stage {represented} (rank {rank})"
                 for where in ("device", "host"):
                     for category, nbytes in breakdown[where].items():
@@ -159,5 +167,14 @@ def test_model_parallel_plan_equals_four_real_ranks():
                 got_bytes = {(t.group, t.op): t.nbytes for t in q.step}
                 assert got_calls == dict(want_calls), (case, got_calls, dict(want_calls))
                 assert got_bytes == dict(want_bytes), (case, got_bytes, dict(want_bytes))
+                if represented == q.parallel.stage:
+                    # The step's transient peak (the plan's storage counter, on meta tensors and here on the
+                    # real ones) is an upper bound here: planned/measured 1.16-2.3x on these tiny stages in
+                    # bf16-mixed (23-93 KB), 1.00-1.06x in 32-true; not traced, and as large without a
+                    # pipeline (D2xT2: 1.18x), so not the schedule's. Equal stages planned once are bounded
+                    # by the first's (1F1B keeps the most micro-batches in flight there).
+                    assert q.transient_peak >= peak, (case, q.transient_peak, peak)
+                else:
+                    assert q.transient_peak >= peak and q.parallel.in_flight > 1, (case, q.transient_peak, peak)
         groups = {t.group for q in info.stages for t in q.step}
         assert ("tensor" in groups) == (tensor > 1) and ("pipeline" in groups) == (pipeline > 1), groups
