@@ -167,9 +167,11 @@ def run(args: argparse.Namespace) -> int:
             f"{t.backward * 1e3:.2f}, optimizer {t.optimizer * 1e3:.2f}, of which on the host {t.host * 1e3:.2f}; "
             f"communication {t.communication * 1e3:.2f}, exposed {t.exposed_communication * 1e3:.2f})"
         )
-        bubble = getattr(t, "bubble", 0.0)  # a pipeline's step (model_parallel.PipelineStepTime)
+        bubble = getattr(t, "bubble", 0.0)  # a pipeline's step (pipeline_time.PipelineStepTime)
         if bubble:
-            print(f"  of it the pipeline's bubble {bubble * 1e3:.2f} ms; stage {getattr(t, 'stage', 0)} sets the pace")
+            print(
+                f"  of it the pipeline's bubble {bubble * 1e3:.2f} ms (the idle time of stage {getattr(t, 'stage', 0)}, the busiest)"
+            )
     return 0
 
 

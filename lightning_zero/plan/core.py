@@ -113,7 +113,7 @@ class Plan:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
         recorded step replayed on the machine's rates, with the overlap the engine does."""
         if self.parallel is not None:  # each call on its own group's size, and the pipeline's bubble
-            from lightning_zero.plan.model_parallel import parallel_step_time
+            from lightning_zero.plan.pipeline_time import parallel_step_time
 
             return parallel_step_time(self, machine)
         return step_time(self.trace, self.step_calls, self.world_size, machine)

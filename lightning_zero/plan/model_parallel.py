@@ -43,19 +43,17 @@ from lightning_zero.config import PRECISIONS, OffloadConfig, StrategyConfig, Zer
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.pipeline import plan_stages, resolve_spec
 from lightning_zero.parallel.runner import _HEADER, ACTIVATION, Peer, _as_tuple, split_batch
-from lightning_zero.parallel.schedules import bubble_fraction, interleavable, max_in_flight
+from lightning_zero.parallel.schedules import interleavable, max_in_flight
 from lightning_zero.parallel.setup import ParallelSetup
 from lightning_zero.parallel.tensor import ColumnParallelLinear, apply_tensor_parallel, check_plan
 from lightning_zero.parallel.vocab import vocab_parallel_cross_entropy
 from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
-from lightning_zero.plan.machine import Machine, ring_bytes
 from lightning_zero.plan.model import InputSpec, default_inputs, meta_model
-from lightning_zero.plan.timing import StepTime, step_time
 from lightning_zero.plan.world import Call, record_collectives
 
 NOT_MODELED = (
-    "with a pipeline: the stages wait for one another only as the bubble's equal micro-batch times say "
-    "(a slower stage's extra wait, and messages overlapping compute, are not replayed)",
+    "with a pipeline, the step time charges each action of the schedule its own asynchronous "
+    "communication (it does not overlap the next action)",
     "every group (data, tensor, pipeline) runs on the machine's one interconnect",
 )
 
@@ -255,8 +253,9 @@ class StageRun:
             first = [True]
             run_forward, run_backward = runner._run_forward, runner._run_backward
 
+            # each action's events follow its marker: the step time replays the schedule across stages
             def forward(*args: Any) -> Any:
-                trace.append(("phase", "forward"))
+                trace.extend([("phase", "forward"), ("action", "F", args[0], args[1])])
                 out = run_forward(*args)
                 if first:  # activations: what one micro-batch's forward through one chunk saves
                     meter.stop(module)
@@ -264,7 +263,7 @@ class StageRun:
                 return out
 
             def backward(*args: Any) -> Any:
-                trace.append(("phase", "backward"))
+                trace.extend([("phase", "backward"), ("action", "B", args[0], args[1])])
                 return run_backward(*args)
 
             with (
@@ -354,53 +353,6 @@ def _planned_recv(shapes: Shapes) -> Callable[..., tuple[list[torch.Tensor], lis
         return tensors, [grad for _, _, grad in sent]
 
     return recv
-
-
-@dataclass(frozen=True)
-class PipelineStepTime(StepTime):
-    """A model-parallel step: the slowest planned stage's, plus the pipeline's idle time."""
-
-    bubble: float = 0.0
-    """Seconds every stage idles while the pipeline fills and drains (in ``seconds``)."""
-    stage: int = 0
-    """The stage that sets the pace."""
-
-
-def _group_bytes(op: str, nbytes: int, size: int) -> int:
-    """Bytes whose cost on 2 ranks is ``op``'s over a whole buffer of ``nbytes`` on ``size`` ranks."""
-    per_rank = ring_bytes(op, 1, 2)
-    return round(ring_bytes(op, nbytes, size) / per_rank) if per_rank else 0
-
-
-def _stage_time(p: Any, machine: Machine) -> StepTime:
-    sizes = p.parallel.group_sizes
-    calls = [
-        (op, _group_bytes(op, nbytes, sizes.get(group, 2)))
-        for (op, nbytes), group in zip(p.step_calls, p.parallel.call_groups, strict=True)
-    ]
-    return step_time(p.trace, calls, 2, machine)
-
-
-def parallel_step_time(p: Any, machine: Machine) -> PipelineStepTime:
-    """The step of a D x T x P layout on ``machine``: each planned stage's recorded step replayed
-    (:func:`~.timing.step_time`) with every collective costed on its own group's size (a pipeline's
-    sends and receives block as the runner does: each one's transfer, not the wait for the other
-    stage); the slowest stage sets the pace, and under a pipeline every stage also idles
-    ``(P - 1) / (v m)`` of the slowest stage's forwards and backwards (the bubble: equal
-    micro-batch times assumed, as :func:`~lightning_zero.parallel.schedules.bubble_fraction`). Every
-    group runs on the machine's one interconnect."""
-    info = p.parallel
-    plans = info.stages or (p,)
-    times = [(_stage_time(q, machine), q.parallel.stage) for q in plans]
-    slowest, stage = max(times, key=lambda t: t[0].seconds)
-    bubble = 0.0
-    if info.pipeline > 1:
-        fraction = bubble_fraction(info.pipeline, info.micro_batches, info.chunks)
-        busy = max(t.seconds - t.optimizer for t, _ in times)
-        bubble = busy * fraction / (1 - fraction)  # (P-1)/(vm) of the busy time
-    fields = {f.name: getattr(slowest, f.name) for f in dataclasses.fields(StepTime)}
-    fields["seconds"] = slowest.seconds + bubble
-    return PipelineStepTime(**fields, bubble=bubble, stage=stage)
 
 
 def format_model_parallel(p: Any) -> list[str]:

@@ -89,22 +89,38 @@ def test_a_gpt2_plan_with_tensor_and_pipeline_parallelism_at_1024_ranks(gpt2_pla
     assert seconds < 120, seconds  # a few seconds on a quiet machine: a bound that only catches a hang
 
 
-def test_the_step_time_adds_the_pipeline_bubble_to_the_slowest_stage(gpt2_plan):
+def test_the_step_time_replays_the_schedule_across_the_stages(gpt2_plan):
     p, _ = gpt2_plan
     machine = known("H100", "ib-ndr400")
     t = p.step_time(machine)
-    # each stage's plan alone: its own replayed step (and a bubble of its own, taken off here)
-    alone = [q.step_time(machine) for q in p.parallel.stages]
-    steps = [a.seconds - a.bubble for a in alone]
-    busy = max(a.seconds - a.bubble - a.optimizer for a in alone)  # the schedule: forwards and backwards
-    # (P - 1) / m of the busy time idle: 1F1B's bubble with equal micro-batch times
-    assert t.bubble == pytest.approx(busy * (P - 1) / M, rel=1e-9) and t.bubble > 0
-    assert t.seconds == pytest.approx(max(steps) + t.bubble, rel=1e-9)
+    # each stage's plan alone: its own step with its own waits (a one-stage replay has no one to wait for)
+    alone = {q.parallel.stage: q.step_time(machine) for q in p.parallel.stages}
+    busy = max(a.seconds - a.bubble for a in alone.values())
+    assert t.stage in alone and t.bubble > 0 and t.seconds == pytest.approx(busy + t.bubble, rel=0.05)
+    # the equal-time bound: (P - 1) / m of the busiest stage's work idle at most
+    assert t.bubble <= busy * (P - 1) / M
     assert 0 < t.exposed_communication <= t.communication
-    # the tensor group's all-reduces cost its 4 ranks' ring (2 * 3/4 of each buffer), not the world's:
-    # on a slower network the step grows, and by less than the whole step
-    slow = p.step_time(known("H100", "ethernet-100g"))
-    assert t.seconds < slow.seconds
+    assert t.seconds < p.step_time(known("H100", "ethernet-100g")).seconds  # a slower network, a slower step
+
+
+@pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("gpipe", 1), ("1f1b", 2), ("gpipe", 2)])
+def test_the_schedule_replay_gives_the_textbook_bubble_with_equal_times(name, chunks):
+    from lightning_zero.parallel.schedules import schedule
+    from lightning_zero.plan.pipeline_time import simulate
+
+    stages, m = 4, 8
+    f, b = 1.0 / chunks, 2.0 / chunks  # one micro-batch through one chunk: a stage's work split v ways
+    durations = [
+        {(a.kind, a.micro_batch, a.chunk): f if a.kind == "F" else b for a in schedule(name, s, stages, m, chunks)}
+        for s in range(stages)
+    ]
+    ends = simulate(durations, [0.5] * stages, name, m, chunks)
+    # (v m + P - 1) (f + b): the idle fraction (P - 1) / (v m + P - 1) of bubble_fraction, then the tail
+    assert max(ends) == pytest.approx((chunks * m + stages - 1) * (f + b) + 0.5)
+    # one stage twice as slow: between m times its work and the equal-time bound at its pace
+    durations[2] = {a: 2 * d for a, d in durations[2].items()}
+    slow = max(simulate(durations, [0.0] * stages, name, m, chunks))
+    assert chunks * m * 2 * (f + b) <= slow <= (chunks * m + stages - 1) * 2 * (f + b)
 
 
 def test_refusals():
@@ -159,12 +175,12 @@ def test_the_command_plans_and_searches_tensor_and_pipeline_sizes(capsys):
 @pytest.mark.parametrize("size", [2, 4, 64])
 def test_each_call_is_costed_on_its_own_group_size(op, size):
     from lightning_zero.plan.machine import Link
-    from lightning_zero.plan.model_parallel import _group_bytes
+    from lightning_zero.plan.pipeline_time import group_bytes
 
     link = Link(latency=1e-5, bandwidth=1e9)
     nbytes = 3 * 2**20
     # the replay runs every call as on 2 ranks: the stand-in bytes give the group's own ring cost
-    assert link.seconds(op, _group_bytes(op, nbytes, size), 2) == pytest.approx(link.seconds(op, nbytes, size))
+    assert link.seconds(op, group_bytes(op, nbytes, size), 2) == pytest.approx(link.seconds(op, nbytes, size))
 
 
 def test_a_hugging_face_llama_split_by_a_plan_given_to_the_plan(tmp_path):
