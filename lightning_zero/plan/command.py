@@ -16,7 +16,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     pl = commands.add_parser("plan", help="per-rank memory, collectives and step time from the engine on meta tensors")
     pl.add_argument("model", help="package.module:Class, or a Hugging Face config.json (or its directory)")
     pl.add_argument("--kwargs", default="{}", help="the class's constructor arguments as JSON (default {})")
-    pl.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    pl.add_argument("--world-size", type=int, required=True, help="every rank: data x tensor x pipeline sizes")
     pl.add_argument("--stage", type=int, default=2, help="1, 2 or 3 (default 2)")
     pl.add_argument("--precision", default="bf16-mixed", help="32-true, bf16-mixed or bf16-true")
     pl.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the ranks' accelerator")
@@ -50,10 +50,55 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(measure this machine as --world-size gloo ranks, a few seconds)",
     )
     pl.add_argument("--interconnect", help=f"the data-parallel link: {sorted(INTERCONNECTS)} (default the NVLink)")
+    _model_parallel_options(pl)
     pl.add_argument("--search", action="store_true", help="every layout that fits, fastest first")
     pl.add_argument("--memory", type=float, help="GiB of device memory per rank (default: the machine's)")
     pl.add_argument("--host-memory", type=float, help="GiB of host memory per rank (default: no limit)")
     pl.add_argument("--micro-batches", default="1,2,4,8", help="--search: micro-batch sizes to try")
+    pl.add_argument("--tensor-sizes", default="1", help="--search: tensor-parallel sizes to try, e.g. 1,2,4")
+    pl.add_argument("--pipeline-sizes", default="1", help="--search: pipeline-parallel sizes to try, e.g. 1,2")
+
+
+def _model_parallel_options(pl: argparse.ArgumentParser) -> None:
+    """The strategy's tensor- and pipeline-parallel options, under their option names."""
+    pl.add_argument("--tensor-parallel-size", type=int, default=1, help="T (default 1)")
+    pl.add_argument(
+        "--tensor-parallel-plan",
+        help="the plan as JSON {pattern: style} (default: the model's tensor_parallel_plan())",
+    )
+    pl.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (with T > 1)")
+    pl.add_argument("--pipeline-parallel-size", type=int, default=1, help="P (default 1)")
+    pl.add_argument("--pipeline-micro-batches", type=int, help="m, micro-batches per batch (default P)")
+    pl.add_argument("--pipeline-schedule", default="1f1b", help="1f1b (default) or gpipe")
+    pl.add_argument("--pipeline-chunks", type=int, default=1, help="v, interleaved chunks per stage (default 1)")
+    pl.add_argument("--pipeline-partition", default="parameters", help="parameters, uniform or type:<regex>")
+    pl.add_argument(
+        "--batch-keys",
+        help="a pipeline's batch as a dict: the names of the --input tensors, comma-separated (default: a tuple)",
+    )
+
+
+def _parallel(args: argparse.Namespace) -> dict[str, Any]:
+    """``tensor``, ``pipeline`` and ``batch_keys`` for :func:`~lightning_zero.plan.core.plan` (the
+    configs validate the values as the strategy does)."""
+    from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
+
+    plan = json.loads(args.tensor_parallel_plan) if args.tensor_parallel_plan else None
+    if plan is not None and not isinstance(plan, dict):
+        raise ValueError(f"--tensor-parallel-plan {args.tensor_parallel_plan!r} must be a JSON object")
+    return {
+        "tensor": TensorParallelConfig(
+            size=args.tensor_parallel_size, plan=plan, sequence_parallel=args.sequence_parallel
+        ),
+        "pipeline": PipelineConfig(
+            stages=args.pipeline_parallel_size,
+            micro_batches=args.pipeline_micro_batches,
+            schedule=args.pipeline_schedule,
+            chunks=args.pipeline_chunks,
+            partition=args.pipeline_partition,
+        ),
+        "batch_keys": tuple(k.strip() for k in args.batch_keys.split(",")) if args.batch_keys else None,
+    }
 
 
 def _machine(args: argparse.Namespace) -> Any:
@@ -114,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             "device": args.device,
             "model_kwargs": kwargs,
             "seq_len": args.seq_len,
+            **_parallel(args),
         }
         inputs = [parse_input(text) for text in args.input] if args.input else None
         policy = _policy(args.activation_checkpointing)
@@ -155,6 +201,11 @@ def run(args: argparse.Namespace) -> int:
             + (f"; NVMe {t.disk * 1e3:.2f}, exposed {t.exposed_disk * 1e3:.2f}" if result.nvme is not None else "")
             + ")"
         )
+        bubble = getattr(t, "bubble", 0.0)  # a pipeline's step (pipeline_time.PipelineStepTime)
+        if bubble:
+            print(
+                f"  of it the pipeline's bubble {bubble * 1e3:.2f} ms (the idle time of stage {getattr(t, 'stage', 0)}, the busiest)"
+            )
     return 0
 
 
@@ -169,6 +220,9 @@ def _search(args: argparse.Namespace, machine: Any, policy: Any, sizes: dict, in
     if not device_memory:
         raise ValueError(f"--search needs the device memory per rank: give --memory GiB (machine {args.machine!r}).")
     batches = [int(n) for n in args.micro_batches.split(",")]
+    tensor_sizes = [int(n) for n in args.tensor_sizes.split(",")]
+    pipeline_sizes = [int(n) for n in args.pipeline_sizes.split(",")]
+    refused: list[str] = []
     make_inputs = None
     if inputs:  # the first dimension of every input is the micro-batch
         make_inputs = lambda mb: [((mb, *shape[1:]), dtype) for shape, dtype in inputs]  # noqa: E731
@@ -183,6 +237,9 @@ def _search(args: argparse.Namespace, machine: Any, policy: Any, sizes: dict, in
         make_inputs=make_inputs,
         nvme_memory=int(args.nvme * 2**30) if args.nvme else 0,
         nvme=_nvme(args),
+        tensor_sizes=tensor_sizes,
+        pipeline_sizes=pipeline_sizes,
+        refused=refused,
         zero=ZeroConfig(**sizes),
         **common,
     )
@@ -190,4 +247,6 @@ def _search(args: argparse.Namespace, machine: Any, policy: Any, sizes: dict, in
         f"search: {args.model} on {args.world_size} ranks of {machine.name}, {math.ceil(device_memory / 2**20)} MiB each"
     )
     print(format_search(found))
+    for reason in refused:
+        print(f"not planned: {reason}")
     return 0

@@ -22,6 +22,7 @@ from lightning_zero import comm
 from lightning_zero.activations import apply_activation_checkpointing
 from lightning_zero.config import PRECISIONS, ActivationCheckpointConfig, OffloadConfig, StrategyConfig, ZeroConfig
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
+from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
 from lightning_zero.plan.disk import DiskPlan, disk_plan, disk_tier
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
@@ -39,7 +40,6 @@ NOT_MODELED = (
     "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
     "step time: the overlap of host-device copies with compute (they are counted as compute), "
     "kernels slower than their roofline (small or odd-shaped products), the network's contention",
-    "tensor and pipeline parallelism (the data-parallel group only)",
     "loss scaling (16-mixed), gradient clipping's norm all-reduce",
     "NVMe tiers: each request's latency, the page cache (the Python engine reads through it), the drives' "
     "sharing beyond the machine's per-rank rates; their staging buffers (nvme.staging_bytes) are not in peak",
@@ -61,7 +61,8 @@ class CollectiveTotal:
 
 @dataclass(frozen=True)
 class Plan:
-    """One rank of ``world_size`` data-parallel ranks under a layout; bytes are per rank."""
+    """One rank of ``world_size`` ranks under a layout (all data-parallel, or D x T x P with
+    :attr:`parallel`); bytes are per rank."""
 
     world_size: int
     precision: str
@@ -97,6 +98,9 @@ class Plan:
     """The second step's ops, collectives and waits in order (:mod:`.timing`)."""
     step_calls: tuple[tuple[str, int], ...] = field(default=(), repr=False)
     """The second step's collectives in order: ``(op, whole-buffer bytes)``."""
+    parallel: Any = None
+    """With tensor or pipeline parallelism: the layout, this rank's stage and the other planned
+    stages (:class:`~lightning_zero.plan.model_parallel.ModelParallelPlan`)."""
     nvme: DiskPlan | None = None
     """The NVMe tiers' swap files, staging memory and traffic (:mod:`.disk`); None without them."""
 
@@ -118,6 +122,10 @@ class Plan:
     def step_time(self, machine: Machine) -> StepTime:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
         recorded step replayed on the machine's rates, with the overlap the engine does."""
+        if self.parallel is not None:  # each call on its own group's size, and the pipeline's bubble
+            from lightning_zero.plan.pipeline_time import parallel_step_time
+
+            return parallel_step_time(self, machine)
         return step_time(self.trace, self.step_calls, self.world_size, machine)
 
 
@@ -145,6 +153,10 @@ def plan(
     micro_batch: int = 1,
     seq_len: int = 128,
     activations: ActivationCheckpointConfig | None = None,
+    tensor: TensorParallelConfig | None = None,
+    pipeline: PipelineConfig | None = None,
+    batch_keys: tuple[str, ...] | None = None,
+    _stage: Any = None,
 ) -> Plan:
     """Plan one rank of ``world_size`` data-parallel ranks training ``model`` (``"pkg.mod:Class"``
     with ``model_kwargs``, or a Hugging Face ``config.json``: see :func:`~.model.meta_model`) with
@@ -155,8 +167,19 @@ def plan(
     ``memory_breakdown()`` does on a CPU rank). ``inputs``: the forward's positional inputs; by
     default token ids ``(micro_batch, seq_len)`` for a Hugging Face model or a LightningModule's
     ``example_input_array``. ``activations``: activation checkpointing, as the strategy's
-    ``activation_checkpointing`` option applies it.
+    ``activation_checkpointing`` option applies it. ``tensor``/``pipeline``: the strategy's
+    tensor- and pipeline-parallel options; ``world_size`` is then every rank, D x T x P, and the plan
+    is of one rank per differing pipeline stage (:mod:`.model_parallel`; ``batch_keys``: the names of
+    the inputs in a pipeline's dict batch).
     """
+    if _stage is None and ((tensor and tensor.size > 1) or (pipeline and pipeline.stages > 1) or batch_keys):
+        from lightning_zero.plan.model_parallel import plan_model_parallel
+
+        return plan_model_parallel(
+            plan, model, world_size, tensor=tensor, pipeline=pipeline, batch_keys=batch_keys, zero=zero,
+            offload=offload, precision=precision, device=device, model_kwargs=model_kwargs, inputs=inputs,
+            micro_batch=micro_batch, seq_len=seq_len, activations=activations,
+        )  # fmt: skip
     zero = zero or ZeroConfig()
     offload = offload or OffloadConfig()
     if precision not in PRECISIONS or precision == "16-mixed":
@@ -167,20 +190,27 @@ def plan(
     activations = activations or ActivationCheckpointConfig()
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch={micro_batch} and seq_len={seq_len} must be >= 1.")
-    config = StrategyConfig(zero=zero, offload=offload, activations=activations)
+    tensor, pipeline = tensor or TensorParallelConfig(), pipeline or PipelineConfig()
+    config = StrategyConfig(zero=zero, offload=offload, activations=activations, tensor=tensor, pipeline=pipeline)
     host: list[tuple[torch.Tensor, bool]] = []
     setup_calls: list[Call] = []
     step_calls: list[Call] = []
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
-    with fake_world(world_size) as group, host_on_meta(host), gloo, disk_tier(offload, host, device) as disk:
+    with (
+        fake_world(world_size, _stage.rank if _stage else 0) as group,
+        host_on_meta(host),
+        gloo,
+        disk_tier(offload, host, device) as disk,
+    ):
         from lightning_zero.zero import ZeroEngine
 
         groups = {id(group): "data"}
         module = meta_model(model, model_kwargs)
         numel = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
         specs = inputs if inputs is not None else default_inputs(module, micro_batch, seq_len)
+        context = _stage.prepare(module, groups, setup_calls, specs, precision) if _stage else None
         params = [p for p in {id(p): p for p in module.parameters()}.values() if p.requires_grad]
         optimizer = torch.optim.AdamW(params)
         disk.optimizers.append(optimizer)
@@ -189,9 +219,13 @@ def plan(
             kinds = sorted({type(m).__name__ for m in module.modules()})
             raise ValueError(f"activation_checkpointing={activations.policy!r} selects no module of {kinds}.")
         with record_collectives(setup_calls, groups):
-            engine = ZeroEngine(module, [optimizer], config=config, precision=precision, device=torch.device("meta"))
-        forward = loss_fn(module, specs, PRECISIONS[precision][0])
+            engine = ZeroEngine(
+                module, [optimizer], config=config, precision=precision, device=torch.device("meta"), parallel=context
+            )
         meter = ActivationMeter(include_meta=True)
+        forward: Any = (
+            _stage.forward(module, engine, meter) if _stage else loss_fn(module, specs, PRECISIONS[precision][0])
+        )
         events: list[Event] = []
         lives: list[LiveBytes] = []
         setup_written = disk.traffic()[1]
@@ -206,7 +240,7 @@ def plan(
             with recorders[0], recorders[1], live:
                 meter.start()
                 try:
-                    loss = forward()
+                    loss = forward(trace) if _stage else forward()
                 except (RuntimeError, TypeError, IndexError) as error:
                     raise ValueError(
                         f"{type(module).__name__}'s forward failed on meta inputs {[(s, str(d)) for s, d in specs]}: "
@@ -215,8 +249,9 @@ def plan(
                 finally:
                     meter.stop(module)
                 trace.append(("phase", "backward"))
-                loss.backward()
-                engine.backward_done()
+                if loss is not None:  # else the pipeline's schedule ran the backwards and reductions
+                    loss.backward()
+                    engine.backward_done()
                 trace.append(("phase", "optimizer"))
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
@@ -246,6 +281,7 @@ def plan(
         trace=tuple(events),
         step_calls=tuple((c.op, c.nbytes) for c in step_calls),
         nvme=nvme,
+        parallel=_stage.result(module, step_calls) if _stage else None,
     )
 
 

@@ -24,7 +24,8 @@ def format_plan(p: Plan) -> str:
     buckets, the stage-3 gather window, collectives per step, and what is not modeled."""
     z = p.zero
     lines = [
-        f"plan: {p.numel:,} parameters, {p.world_size} data-parallel ranks, stage {z.stage}, {p.precision}, "
+        f"plan: {p.numel:,} parameters, {p.world_size} {'ranks' if p.parallel else 'data-parallel ranks'}, "
+        f"stage {z.stage}, {p.precision}, "
         f"device {p.device}, offload optimizer={p.offload.offload_optimizer} parameters={p.offload.offload_parameters}",
         f"per rank, MiB   {'device':>12} {'host':>12}",
     ]
@@ -56,6 +57,10 @@ def format_plan(p: Plan) -> str:
             f"{z.max_live_parameters:,}, param_persistence_threshold {z.param_persistence_threshold:,}; "
             f"largest all-gather {p.largest_gather_bytes / 2**20:.2f} MiB"
         )
+    if p.parallel is not None:
+        from lightning_zero.plan.model_parallel import format_model_parallel
+
+        lines += format_model_parallel(p)
     lines += _collectives("collectives per training step", p.step)
     lines += _collectives("collectives at setup (once)", p.setup)
     lines.append("not modeled: " + "; ".join(p.not_modeled))

@@ -26,10 +26,10 @@ COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "send"
 
 
 @contextmanager
-def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
-    """Make this process rank 0 of a fake process group of ``world_size`` ranks for the block."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1.")
+def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """Make this process ``rank`` of a fake process group of ``world_size`` ranks for the block."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"world_size={world_size} must be >= 1 and rank={rank} one of its ranks.")
     if dist.is_initialized():
         raise ValueError(
             "a process group already exists in this process; the planner makes its own fake one. "
@@ -40,7 +40,7 @@ def fake_world(world_size: int) -> Iterator[dist.ProcessGroup]:
     except ImportError as error:
         raise RuntimeError(f"this torch ({torch.__version__}) has no fake process group to plan in: {error}") from error
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         group = dist.group.WORLD
         assert group is not None
