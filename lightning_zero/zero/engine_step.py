@@ -29,7 +29,7 @@ import torch
 from lightning_zero import comm
 from lightning_zero.config import StrategyConfig
 from lightning_zero.zero.engine_checkpoint import _unwrap
-from lightning_zero.zero.flat import GradState
+from lightning_zero.zero.flat_grads import GradState
 from lightning_zero.zero.grads import ExposedGrads
 from lightning_zero.zero.publish import Publisher, publish
 from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
