@@ -20,10 +20,10 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.checkpoint.agreement import agree, guarded
 from lightning_zero.checkpoint.consolidate import assemble
+from lightning_zero.checkpoint.lightning_dict import lightning_state
 from lightning_zero.checkpoint.merge import Placement, merge_reports
 from lightning_zero.checkpoint.pieces import overrides, rank_payload, rank_report
 from lightning_zero.checkpoint.reader import ShardedReader
-from lightning_zero.checkpoint.save import _lightning_state
 
 if TYPE_CHECKING:
     from lightning_zero.layout import ParallelLayout
@@ -102,7 +102,7 @@ def gather_full(
     if failed:
         rank, message = failed[0]
         raise RuntimeError(f"collecting the pieces of {path} failed on rank {rank}:\n{message}")
-    state = _lightning_state(checkpoint, merged)
+    state = lightning_state(checkpoint, merged)
     meta = {"params": merged["params"], "state_dict_keys": merged["state_dict_keys"]}
     reader = ShardedReader.in_memory(path, meta, state.get("state_dict", {}), [_unpack(data) for _, data in gathered])
     return assemble(reader, state)

@@ -43,7 +43,9 @@ finds every writer done.
 
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
-``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
+``strategy.optimizer_state`` are only the parameter groups' hyperparameters
+(:func:`~lightning_zero.checkpoint.lightning_dict.optimizer_groups`, with the rest of what Lightning's
+own dict holds in :mod:`~lightning_zero.checkpoint.lightning_dict`).
 """
 
 from __future__ import annotations
@@ -68,11 +70,16 @@ from lightning_zero.checkpoint.agreement import agree, guarded
 from lightning_zero.checkpoint.commit import PendingSave, commit_save, discard, poll_save
 from lightning_zero.checkpoint.host_buffer import HostBuffer
 from lightning_zero.checkpoint.io import Location
+from lightning_zero.checkpoint.lightning_dict import (
+    SHARDED_OPTIMIZER_MARKER,
+    lightning_state,
+    loader_state,
+    optimizer_groups,
+)
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
 from lightning_zero.checkpoint.pieces import (
     local_shards,
     overrides,
-    param_names,
     partitioned_params,
     rank_payload,
     rank_report,
@@ -98,24 +105,6 @@ __all__ = [
     "save_sharded",
 ]
 
-SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
-
-
-def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
-    parameter names (the states themselves are in the rank files). Local, no communication."""
-    names = param_names(module)
-    groups = [
-        {**group.hyper, "param_names": [names[id(p)] for p in group.params]} for group in engine.param_groups(optimizer)
-    ]
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(optimizer).__name__, "param_groups": groups}
-
-
-def loader_state(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The fit loop's stateful train data loader states in Lightning's dict (``None`` without)."""
-    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
-
 
 def _write(obj: Any, file: Location) -> tuple[int, int]:
     """``torch.save``, streamed: locally with fsync (the rename that publishes the checkpoint must not
@@ -137,24 +126,6 @@ def _write(obj: Any, file: Location) -> tuple[int, int]:
         f.flush()
         os.fsync(f.fileno())
     return file.as_path().stat().st_size, out.crc32
-
-
-def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's dict as rank 0 writes it: without the tensors that the rank files hold, and with
-    every ZeRO optimizer's parameter names of all ranks (each pipeline stage holds some)."""
-    state = dict(checkpoint)
-    state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in merged["alias_of"]}
-    if "optimizer_states" in checkpoint:
-        state["optimizer_states"] = []
-        for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"], strict=True):
-            if names is not None and saved.get("format") == SHARDED_OPTIMIZER_MARKER:
-                groups = [
-                    {**group, "param_names": group_names}
-                    for group, group_names in zip(saved["param_groups"], names, strict=True)
-                ]
-                saved = {**saved, "param_groups": groups}
-            state["optimizer_states"].append(saved)
-    return state
 
 
 def _write_files(
@@ -324,7 +295,7 @@ class ShardedSave:
         lightning_bytes = None
         if self.rank == 0:
             buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
-            torch.save(_lightning_state(src.checkpoint, self.merged), buffer)
+            torch.save(lightning_state(src.checkpoint, self.merged), buffer)
             lightning_bytes = buffer.getvalue()
         return payload, lightning_bytes
 
