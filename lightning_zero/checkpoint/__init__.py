@@ -4,9 +4,11 @@
 parameter (what each rank holds and writes); ``merge.py`` the ranks' reports merged into one
 metadata (tensor-parallel parts, pipeline stages, tied names); ``io.py`` where a checkpoint goes (a
 local path or any fsspec URL) and the check that every rank sees it; ``save.py`` the atomic parallel
-save (a transaction: prepare, write, commit, publish; ``files.py`` its file operations); ``store.py``
-its commit protocol on object stores (no rename: ``metadata.json`` last); ``reader.py`` any range of any tensor-parallel part of a saved tensor; ``load.py`` resharding loads
-(and plain Lightning checkpoints); ``consolidate.py`` one plain state dict without a process group;
+save (a transaction: prepare, write, commit, publish; ``commit.py`` the last two, ``agreement.py``
+every rank's outcome exchanged, ``files.py`` its file operations, ``lightning_dict.py`` what
+Lightning's own dict holds); ``store.py`` its commit protocol on object stores (no rename:
+``metadata.json`` last); ``reader.py`` any range of any tensor-parallel part of a saved tensor;
+``load.py`` resharding loads (and plain Lightning checkpoints); ``consolidate.py`` one plain state dict without a process group;
 ``rng.py`` random states; ``fabric_state.py`` Fabric's ``state`` dict in the same format.
 
 Why not ``torch.distributed.checkpoint`` (DCP), which also reshards on load: a ZeRO slice cuts

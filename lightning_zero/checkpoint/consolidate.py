@@ -31,8 +31,8 @@ import torch
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint.io import Location
+from lightning_zero.checkpoint.lightning_dict import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.checkpoint.reader import ShardedReader
-from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from lightning_zero import comm
+from lightning_zero.checkpoint.agreement import agree, guarded
 from lightning_zero.checkpoint.consolidate import assemble
+from lightning_zero.checkpoint.lightning_dict import lightning_state
 from lightning_zero.checkpoint.merge import Placement, merge_reports
 from lightning_zero.checkpoint.pieces import overrides, rank_payload, rank_report
 from lightning_zero.checkpoint.reader import ShardedReader
-from lightning_zero.checkpoint.save import _agree, _guarded, _lightning_state
 
 if TYPE_CHECKING:
     from lightning_zero.layout import ParallelLayout
@@ -83,8 +84,8 @@ def gather_full(
     (the caller reports rank 0's outcome to every rank). Call on all ranks."""
     group = None  # the whole world: under tensor/pipeline parallelism the engine's group is a part of it
     placement = Placement.of(comm.rank(group), comm.world_size(group), layout)
-    reports = _agree(
-        _guarded(lambda: rank_report(module, engine, optimizers, placement)), group, f"starting the save of {path}"
+    reports = agree(
+        guarded(lambda: rank_report(module, engine, optimizers, placement)), group, f"starting the save of {path}"
     )
     merged = merge_reports(reports)
     has_optimizer_states = "optimizer_states" in checkpoint
@@ -94,14 +95,14 @@ def gather_full(
         values, optim = rank_payload(module, engine, optimizers, merged, placement.rank, replaced)
         return _pack({"params": values, "optim": optim if has_optimizer_states else []})
 
-    gathered = comm.gather_object(_guarded(payload), 0, group)
+    gathered = comm.gather_object(guarded(payload), 0, group)
     if gathered is None:
         return None
     failed = [(r, message) for r, (ok, message) in enumerate(gathered) if not ok]
     if failed:
         rank, message = failed[0]
         raise RuntimeError(f"collecting the pieces of {path} failed on rank {rank}:\n{message}")
-    state = _lightning_state(checkpoint, merged)
+    state = lightning_state(checkpoint, merged)
     meta = {"params": merged["params"], "state_dict_keys": merged["state_dict_keys"]}
     reader = ShardedReader.in_memory(path, meta, state.get("state_dict", {}), [_unpack(data) for _, data in gathered])
     return assemble(reader, state)

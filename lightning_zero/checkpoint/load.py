@@ -37,10 +37,10 @@ from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import rng
 from lightning_zero.checkpoint.io import Location
+from lightning_zero.checkpoint.lightning_dict import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.checkpoint.merge import Placement, Split
 from lightning_zero.checkpoint.pieces import PartitionedParam, non_partitioned_state_dict, partitioned_params
 from lightning_zero.checkpoint.reader import FullReader, ShardedReader
-from lightning_zero.checkpoint.save import SHARDED_OPTIMIZER_MARKER
 from lightning_zero.layout import ParallelLayout
 from lightning_zero.parallel.tensor import is_tensor_parallel
 from lightning_zero.zero import HeldParam, OptimizerPiece, placeholders_allowed

@@ -10,7 +10,10 @@ so a failure on one rank raises on every rank instead of leaving the others wait
 
 The steps are those of a :class:`ShardedSave`: ``prepare`` (the first agreement), ``write``,
 ``commit`` (the second) and ``publish`` (the third); :func:`save_sharded` runs them in one call.
-The file operations (checksummed, flushed writes; the renames) are in :mod:`~lightning_zero.checkpoint.files`.
+The last two, and the :class:`~lightning_zero.checkpoint.commit.PendingSave` an asynchronous save
+returns, are in :mod:`~lightning_zero.checkpoint.commit`; the agreements in
+:mod:`~lightning_zero.checkpoint.agreement`; the file operations (checksummed, flushed writes; the
+renames) in :mod:`~lightning_zero.checkpoint.files`.
 
 So a kill at any moment leaves either the previous checkpoint at PATH (or, between the two renames,
 at .zero-old-HASH, which :func:`~lightning_zero.checkpoint.format.resolve` finds), or the new one;
@@ -40,7 +43,9 @@ finds every writer done.
 
 Nothing is gathered: rank r's file holds only the pieces in r's slices (see
 :mod:`~lightning_zero.checkpoint.format`), and the optimizer states Lightning asks for through
-``strategy.optimizer_state`` are only the parameter groups' hyperparameters (:func:`optimizer_groups`).
+``strategy.optimizer_state`` are only the parameter groups' hyperparameters
+(:func:`~lightning_zero.checkpoint.lightning_dict.optimizer_groups`, with the rest of what Lightning's
+own dict holds in :mod:`~lightning_zero.checkpoint.lightning_dict`).
 """
 
 from __future__ import annotations
@@ -49,10 +54,8 @@ import io
 import os
 import shutil
 import threading
-import traceback
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning
@@ -63,13 +66,20 @@ from lightning_zero import comm
 from lightning_zero.checkpoint import files, rng, store
 from lightning_zero.checkpoint import format as fmt
 from lightning_zero.checkpoint import io as ckpt_io
+from lightning_zero.checkpoint.agreement import agree, guarded
+from lightning_zero.checkpoint.commit import PendingSave, commit_save, discard, poll_save
 from lightning_zero.checkpoint.host_buffer import HostBuffer
 from lightning_zero.checkpoint.io import Location
+from lightning_zero.checkpoint.lightning_dict import (
+    SHARDED_OPTIMIZER_MARKER,
+    lightning_state,
+    loader_state,
+    optimizer_groups,
+)
 from lightning_zero.checkpoint.merge import Placement, keep_copies, merge_reports
 from lightning_zero.checkpoint.pieces import (
     local_shards,
     overrides,
-    param_names,
     partitioned_params,
     rank_payload,
     rank_report,
@@ -80,42 +90,20 @@ from lightning_zero.ops import checksum
 if TYPE_CHECKING:
     from lightning_zero.zero import ZeroEngine
 
-SHARDED_OPTIMIZER_MARKER = "lightning_zero.sharded"
-
-
-def optimizer_groups(module: nn.Module, engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """What Lightning stores for a ZeRO-managed optimizer: its parameter groups' hyperparameters and
-    parameter names (the states themselves are in the rank files). Local, no communication."""
-    names = param_names(module)
-    groups = [
-        {**group.hyper, "param_names": [names[id(p)] for p in group.params]} for group in engine.param_groups(optimizer)
-    ]
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    return {"format": SHARDED_OPTIMIZER_MARKER, "class": type(optimizer).__name__, "param_groups": groups}
-
-
-def loader_state(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The fit loop's stateful train data loader states in Lightning's dict (``None`` without)."""
-    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
-
-
-def _agree(outcome: tuple[bool, Any], group: comm.ProcessGroup, what: str) -> list:
-    """Exchange every rank's ``(ok, value or traceback)``; return the values, or raise on every rank
-    if any rank failed. Call on all ranks."""
-    outcomes = comm.all_gather_object(outcome, group)
-    failed = [(r, value) for r, (ok, value) in enumerate(outcomes) if not ok]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(f"{what} failed on rank {rank} (of {len(outcomes)}):\n{message}")
-    return [value for _, value in outcomes]
-
-
-def _guarded(fn: Callable[[], Any]) -> tuple[bool, Any]:
-    """``(True, fn())``, or ``(False, traceback)`` when it raised (for :func:`_agree`)."""
-    try:
-        return True, fn()
-    except Exception:  # noqa: BLE001 - reported to every rank by _agree
-        return False, traceback.format_exc()
+__all__ = [
+    "SHARDED_OPTIMIZER_MARKER",
+    "HostBuffer",
+    "PendingSave",
+    "SaveSource",
+    "ShardedSave",
+    "commit_save",
+    "loader_state",
+    "optimizer_groups",
+    "poll_save",
+    "remove_sharded",
+    "reserve_host_buffer",
+    "save_sharded",
+]
 
 
 def _write(obj: Any, file: Location) -> tuple[int, int]:
@@ -140,24 +128,6 @@ def _write(obj: Any, file: Location) -> tuple[int, int]:
     return file.as_path().stat().st_size, out.crc32
 
 
-def _lightning_state(checkpoint: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's dict as rank 0 writes it: without the tensors that the rank files hold, and with
-    every ZeRO optimizer's parameter names of all ranks (each pipeline stage holds some)."""
-    state = dict(checkpoint)
-    state["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in merged["alias_of"]}
-    if "optimizer_states" in checkpoint:
-        state["optimizer_states"] = []
-        for saved, names in zip(checkpoint["optimizer_states"], merged["optimizer_names"], strict=True):
-            if names is not None and saved.get("format") == SHARDED_OPTIMIZER_MARKER:
-                groups = [
-                    {**group, "param_names": group_names}
-                    for group, group_names in zip(saved["param_groups"], names, strict=True)
-                ]
-                saved = {**saved, "param_groups": groups}
-            state["optimizer_states"].append(saved)
-    return state
-
-
 def _write_files(
     tmp: Location, rank: int, payload: dict[str, Any], lightning_bytes: bytes | None
 ) -> tuple[int, int, int | None]:
@@ -174,58 +144,6 @@ def _write_files(
                 os.fsync(f.fileno())
         lightning_crc = checksum.crc32(lightning_bytes)
     return size, crc, lightning_crc
-
-
-@dataclass(eq=False)
-class PendingSave:
-    """A save whose files are written by a background thread (``save_sharded(background=True)``);
-    published by :func:`commit_save` once every rank's thread has finished."""
-
-    path: Location
-    """The checkpoint directory (rank 0's resolution)."""
-    tmp: Location
-    """Where the rank files are written: locally the hidden temporary directory, on a store the
-    save's ``files-ID`` prefix (:mod:`~lightning_zero.checkpoint.store`)."""
-    marker: Location | None
-    """On a store, the pending marker rank 0 wrote (``None`` locally)."""
-    rank: int
-    writes: bool
-    """Whether this rank publishes (rank 0; under node-local storage each node's local rank 0)."""
-    group: comm.ProcessGroup
-    meta: Callable[[list[tuple[int, int, int | None]]], dict[str, Any]]
-    """``metadata.json``'s contents, given every rank's file size."""
-    outcome: tuple[bool, Any] | None = None
-    """``(True, file size)`` or ``(False, traceback)`` once the writer finished."""
-    deletions: list[threading.Thread] | None = None
-    """Where the deletion of the replaced checkpoint goes (``None``: deleted before publishing returns)."""
-    thread: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self, write: Callable[[], tuple[int, int, int | None]]) -> None:
-        def run() -> None:
-            self.outcome = _guarded(write)
-
-        self.thread = threading.Thread(target=run, name=f"lightning_zero-save-rank{self.rank}", daemon=True)
-        self.thread.start()
-
-    def done(self) -> bool:
-        """Whether this rank's writer has finished (local, no communication)."""
-        return self.thread is None or not self.thread.is_alive()
-
-    def wait(self) -> None:
-        """Wait for this rank's writer (local, no communication)."""
-        if self.thread is not None:
-            self.thread.join()
-
-
-def _discard(writes: bool, tmp: Location, marker: Location | None) -> None:
-    """A writer (rank 0, or a node's local rank 0): remove a failed save's files (locally its temporary
-    directory ``tmp``; on a store its prefix ``tmp`` and ``marker``). Other ranks: nothing."""
-    if not writes:
-        return
-    if marker is not None:
-        store.abort(tmp, marker)
-    else:
-        files.clear(tmp.as_path())
 
 
 @dataclass(frozen=True)
@@ -314,7 +232,7 @@ class ShardedSave:
             report = rank_report(src.module, src.engine, src.optimizers, self.placement, copies=node is not None)
             return (mine.path if self.writes else None), self.save_id, node, report
 
-        prepared = _agree(_guarded(start), self.group, f"starting the save of {mine}")
+        prepared = agree(guarded(start), self.group, f"starting the save of {mine}")
         everyone = None if node is None else [where for _, _, where, _ in prepared]
         nodes = self.nodes = None if everyone is None else [r.node for r in everyone]
         writer_of = {0: 0} if everyone is None else ckpt_io.writers([w for w in everyone if w is not None])
@@ -350,7 +268,7 @@ class ShardedSave:
         blind = [r for r, (ok, _) in enumerate(flags) if not ok]
         sharing = sorted({nodes[r] for r, (_, shared) in enumerate(flags) if shared}) if nodes is not None else []
         if blind or sharing:
-            _discard(self.writes, tmp, marker)
+            discard(self.writes, tmp, marker)
             if sharing:
                 raise ckpt_io.shared_storage_error(path, sharing)
             raise ckpt_io.not_visible_error(path, seen, blind, self.world_size)
@@ -377,7 +295,7 @@ class ShardedSave:
         lightning_bytes = None
         if self.rank == 0:
             buffer = io.BytesIO()  # small (no partitioned tensors): serialized now, as Lightning's dict may change
-            torch.save(_lightning_state(src.checkpoint, self.merged), buffer)
+            torch.save(lightning_state(src.checkpoint, self.merged), buffer)
             lightning_bytes = buffer.getvalue()
         return payload, lightning_bytes
 
@@ -398,7 +316,7 @@ class ShardedSave:
             deletions=self.deletions,
         )
         if not background and node is None:
-            pending.outcome = _guarded(lambda: _write_files(tmp, rank, *self.snapshot()))
+            pending.outcome = guarded(lambda: _write_files(tmp, rank, *self.snapshot()))
             return pending
         taken: list[tuple[dict[str, Any], bytes | None]] = []
         buffer = host_buffer if host_buffer is not None else HostBuffer()
@@ -409,14 +327,14 @@ class ShardedSave:
             return own if node is not None else None  # rank 0's bytes, for the other nodes' writers
 
         try:
-            sent = _agree(_guarded(take), self.group, f"copying the shards of {self.path} to host")
+            sent = agree(guarded(take), self.group, f"copying the shards of {self.path} to host")
         except RuntimeError:
-            _discard(self.writes, tmp, self.marker)
+            discard(self.writes, tmp, self.marker)
             raise
         payload, own = taken.pop()
         lightning_bytes = own if node is None else (sent[0] if self.writes else None)
         if not background:
-            pending.outcome = _guarded(lambda: _write_files(tmp, rank, payload, lightning_bytes))
+            pending.outcome = guarded(lambda: _write_files(tmp, rank, payload, lightning_bytes))
             return pending
         pending.start(lambda: _write_files(tmp, rank, payload, lightning_bytes))
         buffer.user = pending
@@ -447,54 +365,6 @@ class ShardedSave:
             "torch_version": torch.__version__,
             "lightning_version": lightning.__version__,
         }
-
-
-def commit(pending: PendingSave) -> list[tuple[int, int, int | None]]:
-    """Wait for this rank's writer and agree on every rank's outcome: every rank's ``(file size,
-    CRC-32, lightning.pt's CRC-32)``. A failed write on any rank raises on every rank, naming it, and
-    the writer removes the temporary files. Call on all ranks, from the main thread."""
-    pending.wait()
-    assert pending.outcome is not None
-    try:
-        return _agree(
-            pending.outcome, pending.group, f"writing the sharded checkpoint {pending.path} (files in {pending.tmp})"
-        )
-    except RuntimeError:
-        # Every rank has reported, so no rank still writes into tmp: remove the partial save (the
-        # previous checkpoint at ``path`` was never touched).
-        _discard(pending.writes, pending.tmp, pending.marker)
-        raise
-
-
-def publish(pending: PendingSave, written: list[tuple[int, int, int | None]]) -> None:
-    """The writer writes ``metadata.json`` last and renames the directory into place (on a store:
-    commits the marker); the outcome is agreed, so a failure raises on every rank. Call on all ranks."""
-    path, tmp = pending.path, pending.tmp
-
-    def finish() -> None:
-        if pending.marker is not None:
-            store.commit(path, pending.marker, pending.meta(written))
-            return
-        fmt.write_metadata(tmp, pending.meta(written))
-        files.rename_into_place(tmp.as_path(), path.as_path(), pending.deletions)
-
-    ok = _guarded(finish) if pending.writes else (True, None)
-    _agree(ok, pending.group, f"publishing the sharded checkpoint {path}")
-
-
-def commit_save(pending: PendingSave) -> None:
-    """:func:`commit` then :func:`publish`: a written save becomes the checkpoint at its path, or fails
-    on every rank leaving the previous one. Call on all ranks, from the main thread."""
-    publish(pending, commit(pending))
-
-
-def poll_save(pending: PendingSave) -> bool:
-    """Commit ``pending`` if every rank's writer has finished (one small all-gather; True then), else
-    leave it (False). Call on all ranks, from the main thread."""
-    if not all(comm.all_gather_object(pending.done(), pending.group)):
-        return False
-    commit_save(pending)
-    return True
 
 
 def save_sharded(

@@ -1,10 +1,12 @@
 """The ZeRO data path, one file per step of a parameter's life, read top to bottom:
 
 ``partition.py`` (pure layout arithmetic) -> ``build.py`` (model and optimizers into flat buffers;
-``flat.py`` holds their tensors and states) -> ``gather.py`` (stage 3 module hooks) -> ``reduce.py``
-(gradient buckets) -> ``step.py`` (the optimizer on this rank's slices; ``step_kernels.py`` the
-compiled kernels it may use) -> ``publish.py`` (updated slices back into whole parameters).
-``engine.py`` owns them all.
+``flat.py`` and ``flat_grads.py`` hold their tensors and states) -> ``gather.py`` (stage 3 module
+hooks) -> ``reduce.py`` (gradient buckets) -> ``step.py`` (the optimizer on this rank's slices;
+``step_kernels.py``, ``step_lamb.py`` and ``step_mapping.py`` the compiled kernels it may use) ->
+``publish.py`` (updated slices back into whole parameters). ``engine.py`` owns them all; its surface
+comes in mixins (``engine_step.py``, ``engine_gather.py``, ``engine_grads.py``, ``engine_groups.py``,
+``engine_checkpoint.py``).
 
 This package's namespace is the engine's surface: the names below are everything the other layers
 (strategies, checkpoint, activation checkpointing, pretrained loading, memory report, plan) use.

@@ -22,17 +22,22 @@ Per micro-step and optimizer step (the precision plugin, the pipeline runner and
 
 Checkpoints and reports: :meth:`held_params`, :meth:`publish`, :meth:`param_groups`,
 :meth:`memory_tensors`, and the checkpoint surface of :mod:`~lightning_zero.zero.engine_checkpoint`
-(``local_pieces``, ``load_pieces``, ``load_optimizer_pieces``, ``load_consolidated``), a mixin.
+(``local_pieces``, ``load_pieces``, ``load_optimizer_pieces``, ``load_consolidated``).
+
+This module builds the engine and holds what it owns; its surface comes in mixins, one per concern:
+:mod:`~lightning_zero.zero.engine_step` (``step``, ``step_through``, ``grad_norm``, the clipping,
+``zero_grad``), :mod:`~lightning_zero.zero.engine_gather` (stage 3: ``end_pass``, ``step_scope``,
+``gathered_parameters``), :mod:`~lightning_zero.zero.engine_grads` (``param.grad`` for user code:
+``full_gradients``, ``expose_window``), :mod:`~lightning_zero.zero.engine_groups`
+(``add_param_groups``: parameter groups added during fit) and :mod:`~lightning_zero.zero.engine_checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,14 +57,16 @@ from lightning_zero.zero.build import (
 )
 from lightning_zero.zero.deferred import Recording
 from lightning_zero.zero.engine_checkpoint import CheckpointSurface, _unwrap
+from lightning_zero.zero.engine_gather import GatherSurface
 from lightning_zero.zero.engine_grads import GradientWindow
-from lightning_zero.zero.flat import FlatBuffer, GradState
-from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.engine_groups import AddedGroups
+from lightning_zero.zero.engine_step import OptimizerSteps
+from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.gather import GatherCoordinator
 from lightning_zero.zero.grads import ExposedGrads
-from lightning_zero.zero.publish import Publisher, publish
-from lightning_zero.zero.reduce import BACKWARD_OUTSIDE, GradReducer
-from lightning_zero.zero.released import real_parameter
-from lightning_zero.zero.replicated import ReplicatedCall, ReplicatedOptimizer, check_whole_model
+from lightning_zero.zero.publish import publish
+from lightning_zero.zero.reduce import GradReducer
+from lightning_zero.zero.replicated import ReplicatedOptimizer, check_whole_model
 from lightning_zero.zero.shared import SharedGrads
 from lightning_zero.zero.step import ShardedOptimizer, check_optimizer, state_tensors
 from lightning_zero.zero.surface import (
@@ -69,11 +76,10 @@ from lightning_zero.zero.surface import (
 )
 from lightning_zero.zero.swap import BuildToDisk, EngineSwap, ParamTier
 from lightning_zero.zero.swap_grads import GradTier
-from lightning_zero.zero.user_step import UserStep
 from lightning_zero.zero.whole import declared_whole_model, host_held
 
 
-class ZeroEngine(GradientWindow, CheckpointSurface):
+class ZeroEngine(OptimizerSteps, AddedGroups, GatherSurface, GradientWindow, CheckpointSurface):
     """Flat buffers, gradient reduction and sharded steps for ``optimizers`` of ``module``.
 
     Args:
@@ -271,319 +277,6 @@ class ZeroEngine(GradientWindow, CheckpointSurface):
             self.grad_tier.flush()  # every slice of this backward written and freed
         self.end_pass()
 
-    def end_pass(self) -> None:
-        """Stage 3: release what is still gathered; this pass's module order plans the next one."""
-        if self._coordinator is not None:
-            self._coordinator.end_pass()
-
-    def last_gathered(self) -> str | None:
-        """Stage 3, for error messages: the module this rank gathered last in the current (or just
-        ended) pass, and how many gathers that pass made; ``None`` otherwise."""
-        coordinator = self._coordinator
-        trace = getattr(coordinator, "trace", None) or getattr(coordinator, "previous", None)
-        names = getattr(coordinator, "names", None)
-        if not trace or not names:
-            return None
-        return f"{names[trace[-1]]} (gather {len(trace)} of its pass)"
-
-    def step_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Stage 3, around a training/validation/test/predict step: the root unit (parameters the
-        root module holds itself) is gathered, and any released parameter the step reads (as a
-        module attribute or through an op) is gathered on use and kept until the end of the pass.
-        A no-op at stages 1 and 2. Call on all ranks."""
-        return self._coordinator.step() if self._coordinator is not None else contextlib.nullcontext()
-
-    def watch_steps(self, lockstep: Any) -> None:
-        """Stage 3 under the Trainer: tell ``lockstep`` (:class:`~lightning_zero.lockstep.StepLockstep`)
-        of every step and of every forward outside the steps that gathers. A no-op at stages 1 and 2."""
-        if self._coordinator is not None:
-            self._coordinator.lockstep = lockstep
-
-    def step_on_root_forward(self) -> None:
-        """Stage 3: the root module's forward is a step (see :meth:`step_scope`): Fabric's, where the
-        loop calls the model and no step hook exists. A no-op at stages 1 and 2."""
-        if self._coordinator is not None:
-            self._coordinator.step_on_root_forward()
-
-    @contextmanager
-    def gathered_parameters(
-        self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
-    ) -> Iterator[None]:
-        """Full parameters of ``module`` inside the block (stage 3; a no-op otherwise). Edits made by
-        group rank ``modifier_rank`` are scattered back into every rank's shards and fp32 masters.
-        With grad enabled and ``for_backward``, they stay gathered until the end of the pass (a
-        backward may need them); False releases them at exit (the step follows: a buffer kept
-        gathered across it would hold the weights from before the step). Call on all ranks."""
-        ids = {id(p) for p in module.parameters()}
-        # Whole parameters (stage 1/2, small ones under stage 3) are edited in place as well.
-        persistent = [b for b in self._buffers if b.persistent and any(id(p) in ids for p in b.params)]
-        sharded = self._coordinator.gathered_buffers(module) if self._coordinator is not None else []
-        if self._coordinator is not None:
-            self._coordinator.acquire(sharded)
-        try:
-            yield
-            if modifier_rank is not None:
-                # scatter_back writes the masters, which may be on disk (shards: through their tier)
-                with self.swap.resident() if self.swap is not None else contextlib.nullcontext():
-                    scatter_back(sharded + persistent, modifier_rank, self.group)
-        finally:
-            if self._coordinator is not None:
-                if torch.is_grad_enabled() and for_backward:
-                    self._coordinator.pin(sharded)
-                self._coordinator.drop(sharded)
-
-    # -- per optimizer step -------------------------------------------------------------------
-
-    def manages(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` (or the one a ``LightningOptimizer`` wraps) steps ZeRO slices."""
-        return id(_unwrap(optimizer)) in self._sharded
-
-    def replicates(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` is a whole-model one (LBFGS): its own ``step`` runs the closure (:meth:`step_through`)."""
-        return isinstance(self._get(optimizer), ReplicatedOptimizer)
-
-    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        return self._sharded[id(_unwrap(optimizer))]
-
-    def optimizer_index(self, optimizer: torch.optim.Optimizer) -> int | None:
-        """Position of ``optimizer`` in the list the engine was built with (the indices of
-        :attr:`HeldParam.optimizers`), ``None`` for one the engine does not manage."""
-        target = _unwrap(optimizer)
-        return next((i for i, o in enumerate(self._optimizers) if o is target), None)
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        inv_scale: float = 1.0,
-        check_overflow: bool = False,
-        before_update: Callable[[], None] | None = None,
-        update: bool = True,
-        step_kwargs: Mapping[str, Any] | None = None,
-    ) -> bool:
-        """One optimizer step on this rank's slices. Call on all ranks.
-
-        The reduced gradient slices become ``master.grad``, multiplied by ``inv_scale``;
-        ``before_update`` then runs (the user's hooks, clipping: :meth:`grad_norm` and
-        :meth:`clip_grad_norm` are valid there). Unless ``update`` is False (no backward ran), the
-        optimizer steps the slices and they are published; with ``check_overflow`` a non-finite
-        global norm skips that (one scalar all-reduce and one host sync, before anything is
-        written, so a bad batch never reaches the weights). The gradients are dropped either way.
-        Returns True when the update was skipped for non-finite gradients. ``step_kwargs`` go to the
-        optimizer's own ``step`` (see :meth:`ShardedOptimizer.step`).
-        """
-        sharded = self._prepare(optimizer, inv_scale)
-        if before_update is not None:
-            before_update()
-        overflow = False
-        sharded.note_gradients(set(self._reducer.got_gradient))  # the others are skipped, as under DDP
-        if update:
-            # (known_finite: clipped gradients on the disk tier, not read again for the check)
-            overflow = check_overflow and not (
-                sharded.known_finite() or bool(torch.isfinite(self.grad_norm(optimizer)))
-            )
-            if not overflow:
-                self._update(sharded, step_kwargs=step_kwargs)
-        self._drop_grads(optimizer)  # (a shared parameter's accumulated gradient stays: zero_grad clears it)
-        return overflow
-
-    def step_through(
-        self,
-        optimizer: torch.optim.Optimizer,
-        closure: Callable[[], Any],
-        *,
-        inv_scale: float = 1.0,
-        check_overflow: bool = False,
-        before_update: Callable[[], None] | None = None,
-        automatic: bool = True,
-        step_kwargs: Mapping[str, Any] | None = None,
-    ) -> UserStep | ReplicatedCall:
-        """The step as the user's own ``optimizer.step(closure=..., **step_kwargs)`` (the Trainer's
-        path, :mod:`lightning_zero.zero.user_step`): the closure handed to it runs ``closure``, the
-        preparation of :meth:`step` and ``before_update``; the class's step then updates the master
-        slices (or the kernels do) and they are published (a whole-model optimizer: :mod:`~lightning_zero.zero.replicated`).
-        Returns the record of what happened (``output``: what the user's ``step`` returned). Call on all ranks."""
-        kind = ReplicatedCall if self.replicates(optimizer) else UserStep
-        call = kind(
-            self,
-            _unwrap(optimizer),
-            closure,
-            inv_scale=inv_scale,
-            check_overflow=check_overflow,
-            before_update=before_update,
-            automatic=automatic,
-        )
-        call.output = call(**(step_kwargs or {}))
-        return call
-
-    def _update(
-        self, sharded: ShardedOptimizer, *, step_kwargs: Mapping[str, Any] | None = None, stepped_by_torch: bool = False
-    ) -> None:
-        """Update the master slices of a prepared optimizer and publish them (``stepped_by_torch``:
-        the class's own step already updated them; only the copy and the publication are left)."""
-        if self.config.offload.pipeline and sharded.pipelines:
-            # each buffer's all-gather starts as soon as it is stepped (zero/publish.py)
-            publisher = Publisher(self.group, self.config.zero.allgather_bucket_size)
-            sharded.step(publisher.send, step_kwargs)
-            publisher.finish(sharded.buffers)
-        else:
-            sharded.step(step_kwargs=step_kwargs, stepped_by_torch=stepped_by_torch)
-            if not isinstance(sharded, ReplicatedOptimizer):  # (replicated: every rank holds the update)
-                publish(sharded.buffers, self.group, self.config.zero.allgather_bucket_size)
-
-    def add_param_groups(self) -> None:
-        """Partition the parameter groups added to an optimizer since setup
-        (``optimizer.add_param_group`` during fit: Lightning's ``BackboneFinetuning`` unfreezing the
-        backbone) into flat buffers, with masters, gradient hooks and optimizer states, as if they
-        had been there from the start (their current values are every rank's: parameters are
-        broadcast at setup and frozen ones do not change). Stages 1/2: buffers of their own. Stage 3:
-        a frozen module's sharded buffer becomes trainable in place (:meth:`FlatBuffer.make_trainable`;
-        every parameter of it must join the group), small whole parameters get persistent buckets.
-        The strategy calls it before each batch, and the step before it steps (a gradient autograd
-        already left in ``param.grad`` is taken). Call on all ranks."""
-        known = {id(p) for b in self._buffers for p in b.params}
-        for sharded in self._sharded.values():
-            groups = sharded.optimizer.param_groups
-            if len(groups) == len(sharded.master_params):
-                continue
-            new: list[FlatBuffer] = []
-            for g_index in range(len(sharded.master_params), len(groups)):
-                # a module attribute read outside forward gave the metadata stand-in of a released parameter
-                groups[g_index]["params"] = [real_parameter(p) for p in groups[g_index]["params"]]
-                params = [p for p in reversed(groups[g_index]["params"]) if p.requires_grad]
-                for p in params:
-                    if id(p) in known:
-                        raise ValueError(
-                            f"optimizer.add_param_group() gave a parameter of shape {tuple(p.shape)} that an optimizer "
-                            "already holds; a parameter joins several optimizers only at setup (its flat buffer is "
-                            "built for all of them): give it to each of them in configure_optimizers."
-                        )
-                    known.add(id(p))
-                if self.config.zero.stage == 3:
-                    converted = self._unfreeze_sharded(params, g_index)
-                    done = {id(p) for b in converted for p in b.params}
-                    params = [p for p in params if id(p) not in done]
-                    new.extend(converted)
-                new.extend(self._ctx.buckets(params, g_index))
-            self._buffers.extend(new)
-            self._reducer.add_buffers(new)
-            sharded.add_groups(new)
-        self._held = self._describe()
-
-    def _unfreeze_sharded(self, params: list[nn.Parameter], g_index: int) -> list[FlatBuffer]:
-        """Stage 3: the frozen sharded buffers holding ``params`` (parameters of a group added during
-        fit), made trainable in place for group ``g_index``; ``ValueError`` before any change when
-        one holds a parameter the group does not take, or under a disk tier."""
-        ids = {id(p) for p in params}
-        touched = [b for b in self._frozen if any(id(p) in ids for p in b.params)]
-        for b in touched:
-            left = [tuple(p.shape) for p in b.params if id(p) not in ids]
-            if left:
-                raise ValueError(
-                    f"optimizer.add_param_group() under stage 3 took some parameters of a frozen module but not "
-                    f"those of shapes {left}: a module's frozen parameters are sharded together. Add all of the "
-                    "module's parameters to the group (requires_grad=True), or give the group to the optimizer in "
-                    "configure_optimizers."
-                )
-        if touched and (self.param_tier is not None or self.swap is not None):
-            raise ValueError(
-                "optimizer.add_param_group() under stage 3 with a disk tier (offload_optimizer or "
-                "offload_parameters='nvme') is not supported: the frozen shards live in files without masters. "
-                "Give every parameter group to the optimizer in configure_optimizers (lr=0 until it should train), "
-                "or use the host-memory tier."
-            )
-        for b in touched:
-            b.make_trainable(g_index, self._ctx.separate_master, self.config.offload)
-            self._frozen.remove(b)
-        return touched
-
-    def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer:
-        """Once per optimizer step: finish the window's reductions and expose the reduced, unscaled
-        slices as ``master.grad``. A second call before the step (or :meth:`zero_grad`) is a no-op,
-        so clipping or a norm asked for before ``optimizer.step()`` (manual optimization) sees the
-        gradients the step will use, as under DDP. Call on all ranks."""
-        self.add_param_groups()
-        sharded = self._get(optimizer)
-        key = id(sharded.optimizer)
-        self.release_window()
-        if key not in self._prepared:
-            if self._reducer.unfinished():
-                raise RuntimeError(
-                    f"gradients of an unfinished backward reached the optimizer step: {BACKWARD_OUTSIDE}."
-                )
-            # The user's in-place edits since the last step reach the master (not under the disk
-            # tier: its masters are on disk between steps; a checkpoint still absorbs them).
-            if self.config.zero.absorb_param_edits and self.swap is None:
-                for buffer in sharded.buffers:
-                    buffer.absorb_edits()
-            self._norms.pop(key, None)
-            self._reducer.reduce_for_step(sharded.buffers)
-            self._reducer.wait_host_copies()
-            self._reducer.add_tied(sharded.buffers)
-            self._shared.take(sharded.buffers, self._reducer, inv_scale)
-            sharded.prepare(inv_scale, given=self._shared.grads(sharded.buffers))
-            self._prepared.add(key)
-        return sharded
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        """Forget every gradient of ``optimizer``'s slices since its last step: what
-        ``optimizer.zero_grad()`` means (routed here, see :meth:`_route_zero_grad`), at any point;
-        also the accumulated gradient of parameters it shares with other optimizers, as DDP's
-        ``zero_grad`` clears their one ``param.grad``."""
-        self.release_window()
-        self._drop_grads(optimizer)
-        self._shared.clear(self._get(optimizer).buffers, set_to_none)
-
-    def _drop_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients held in ``optimizer``'s flat buffers back to zero (after its step)."""
-        sharded = self._get(optimizer)
-        key = id(sharded.optimizer)
-        self._reducer.wait_host_copies()  # an offloaded copy in flight must not land after the drop
-        sharded.release_grads()
-        if key in self._prepared or any(b.grad_state is not GradState.EMPTY for b in sharded.buffers):
-            self._reducer.zero_grad(sharded.buffers)
-        self._prepared.discard(key)
-        self._norms.pop(key, None)
-
-    def _route_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad()`` clears the master slices' ``.grad`` only; ZeRO also holds the
-        window's gradients in its flat buffers, so the call is extended to drop those (manual
-        optimization calls it anywhere, e.g. between two backwards). Undone by :meth:`close`."""
-        original = optimizer.zero_grad
-
-        optimizer.zero_grad = functools.partial(_routed_zero_grad, self, optimizer, original)  # type: ignore[method-assign]  # an instance attribute, removed at close
-        self._routed.append(optimizer)
-
-    def grad_norm(self, optimizer: torch.optim.Optimizer, inv_scale: float = 1.0) -> torch.Tensor:
-        """Global gradient L2 norm over all ranks (fp32 scalar), valid from the last backward of a
-        window until the step. Call on all ranks."""
-        sharded = self._prepare(optimizer, inv_scale)
-        key = id(sharded.optimizer)
-        if self._exposed is not None:
-            self._sync_exposed()
-            self._norms.pop(key, None)  # .grad may have been edited since
-        if key not in self._norms:
-            self._norms[key] = sharded.grad_norm()
-        return self._norms[key]
-
-    def clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float, inv_scale: float = 1.0) -> torch.Tensor:
-        """Clip to a global norm of ``max_norm``; returns the norm before clipping. Call on all ranks."""
-        # No isfinite() check here: it would synchronize the host. A non-finite norm makes the
-        # coefficient 0 or NaN, and "16-mixed" skips such a step anyway (as torch's clip_grad_norm_).
-        norm = self.grad_norm(optimizer, inv_scale)
-        self._get(optimizer).clip_grad_norm(max_norm, norm)
-        self._norms.pop(id(_unwrap(optimizer)), None)  # clipped: the next norm is another one
-        self._refresh_exposed()
-        return norm
-
-    def clip_grad_value(self, optimizer: torch.optim.Optimizer, clip_value: float, inv_scale: float = 1.0) -> None:
-        """Clamp every gradient element of this rank's slices to ``[-clip_value, clip_value]``."""
-        sharded = self._prepare(optimizer, inv_scale)
-        self._sync_exposed()
-        sharded.clip_grad_value(clip_value)
-        self._norms.pop(id(_unwrap(optimizer)), None)
-        self._refresh_exposed()
-
     # -- the state other layers read and write ------------------------------------------------------
 
     def _all_buffers(self) -> list[FlatBuffer]:
@@ -698,13 +391,3 @@ class ZeroEngine(GradientWindow, CheckpointSurface):
         if self._coordinator is not None:
             self._coordinator.remove_hooks()
             self._coordinator = None
-
-
-def _routed_zero_grad(
-    engine: ZeroEngine, optimizer: torch.optim.Optimizer, original: Callable[[bool], None], set_to_none: bool = True
-) -> None:
-    """``optimizer.zero_grad()`` under ZeRO (:meth:`ZeroEngine._route_zero_grad`); a module-level
-    function, so that an optimizer (and a trainer holding it) still pickles."""
-    engine.release_window()  # the exposed .grad go first: the class's zero_grad must not clear them
-    original(set_to_none)
-    engine.zero_grad(optimizer, set_to_none)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,11 +78,11 @@ class CheckpointSurface:
     _sharded: dict[int, ShardedOptimizer]
     _held: list[HeldParam]
 
-    def _all_buffers(self) -> list[FlatBuffer]:
-        raise NotImplementedError  # the engine's
-
-    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        raise NotImplementedError  # the engine's
+    if TYPE_CHECKING:
+        # The engine's (declared for the type checker only: a stub here would be found before the
+        # real method when this mixin comes before the one that defines it among the bases).
+        def _all_buffers(self) -> list[FlatBuffer]: ...
+        def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer: ...
 
     @contextmanager
     def _resident(self) -> Iterator[None]:

@@ -39,16 +39,14 @@ class GradientWindow:
     _exposed: ExposedGrads | None
     _window: ExposedGrads | None
 
-    def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
-        raise NotImplementedError  # the engine's
-
-    def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer:
-        raise NotImplementedError  # the engine's
-
-    def gathered_parameters(
-        self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
-    ) -> AbstractContextManager[None]:
-        raise NotImplementedError  # the engine's
+    if TYPE_CHECKING:
+        # The engine's optimizer step and gathers (declared for the type checker only: a stub here
+        # would be found before the real method when this mixin comes first among the bases).
+        def _get(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer: ...
+        def _prepare(self, optimizer: torch.optim.Optimizer, inv_scale: float) -> ShardedOptimizer: ...
+        def gathered_parameters(
+            self, module: nn.Module, modifier_rank: int | None = None, *, for_backward: bool = True
+        ) -> AbstractContextManager[None]: ...
 
     @contextmanager
     def full_gradients(

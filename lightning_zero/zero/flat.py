@@ -27,21 +27,12 @@ A sharded buffer is in one :class:`ParamState` at a time. While ``RELEASED`` eac
 none; in the parameter's shape where the piece is all of it): reading one as a module attribute
 outside its module's forward fails (:mod:`~lightning_zero.zero.gather`), and elementwise in-place
 edits land in the shard (and reach the master: :meth:`FlatBuffer.absorb_edits`).
-A trainable buffer's gradient roles are in one :class:`GradState` at a time; the methods under
-"gradients" are its transitions. :class:`~lightning_zero.zero.reduce.GradReducer` only decides
-when each happens (and issues the collectives)::
-
-    EMPTY --receive--> COLLECTING --start_reduce--> REDUCING --finish_reduce--> REDUCED (ON_HOST when offloaded)
-                                                       ^                           |
-                                                       +-- start_reduce --- ACCUMULATING <-- receive (next backward)
-    any state but REDUCING --drop_grads (after the step)--> EMPTY
-
-Stage 1 receives into a bucket kept across steps and reduces once, at the step (COLLECTING ->
-REDUCING -> REDUCED); stages 2 and 3 reduce after every backward, so from the second micro-step on a
-buffer accumulates (ACCUMULATING: the next reduction is added to ``grad_shard``, not written).
+A trainable buffer's gradient roles are in one :class:`~lightning_zero.zero.flat_grads.GradState` at
+a time; the methods of :class:`~lightning_zero.zero.flat_grads.GradRoles` (a mixin of
+:class:`FlatBuffer`, with the state diagram) are its transitions.
 
 Other modules read the roles and states (read-only properties) and ask for every change through a
-method: the reducer for the transitions above, the disk tiers (:mod:`~lightning_zero.zero.swap`,
+method: the reducer for the gradient transitions, the disk tiers (:mod:`~lightning_zero.zero.swap`,
 :mod:`~lightning_zero.zero.swap_grads`) to rest a role in a file (``attach_shard_tier``,
 ``attach_grad_tier``, ``split_master``), the step to leave ``master.grad`` on disk (``defer_grad``).
 
@@ -52,9 +43,7 @@ computed over whole slices are exact.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -63,6 +52,7 @@ from torch import nn
 from lightning_zero import comm
 from lightning_zero.config import OffloadConfig
 from lightning_zero.offload.host import host_copy, host_empty
+from lightning_zero.zero.flat_grads import GradRoles, GradState, PendingGrad
 from lightning_zero.zero.partition import FlatLayout
 from lightning_zero.zero.pools import BlockPool, empty_shell, lend, take_back
 
@@ -73,41 +63,6 @@ class ParamState(enum.Enum):
     RELEASED = "released"  # only param_shard exists
     GATHERING = "gathering"  # an all-gather into flat_param is in flight
     GATHERED = "gathered"  # flat_param is complete and the parameters are views into it
-
-
-class GradState(enum.Enum):
-    """What the gradient roles of a trainable flat buffer hold between two optimizer steps."""
-
-    EMPTY = "empty"  # grad_shard is zero since the last step (the first reduction writes straight into it)
-    COLLECTING = "collecting"  # grad_bucket receives this backward's gradients; grad_shard is still zero
-    ACCUMULATING = "accumulating"  # as COLLECTING, over a grad_shard holding earlier backwards' sums
-    REDUCING = "reducing"  # the bucket's reduce-scatter is in flight
-    REDUCED = "reduced"  # grad_shard holds the averaged gradients of every backward since the step
-    ON_HOST = "on_host"  # REDUCED, and host_grad a copy of it (complete once the reducer's event fired)
-
-
-# A gradient arriving: what the state becomes (REDUCING cannot receive: the reducer refuses first).
-_ON_RECEIVE = {
-    GradState.EMPTY: GradState.COLLECTING,
-    GradState.COLLECTING: GradState.COLLECTING,
-    GradState.ACCUMULATING: GradState.ACCUMULATING,
-    GradState.REDUCED: GradState.ACCUMULATING,
-    GradState.ON_HOST: GradState.ACCUMULATING,
-}
-
-
-@dataclass
-class PendingGrad:
-    """``master.grad`` of one buffer while its values rest in the gradient file (the gradient disk
-    tier, :mod:`~lightning_zero.zero.swap_grads`): the step computes ``grad_shard`` cast to the
-    master's dtype, times ``inv_scale`` (when not 1), then ``ops`` in order."""
-
-    inv_scale: float
-    squared: torch.Tensor | None
-    """The sum of squares of the cast slice, taken when it was reduced (valid while ``ops`` is empty
-    and ``inv_scale`` is 1); None: the slice is zero (no gradient since the last step)."""
-    zero: bool = False
-    ops: list[Callable[[torch.Tensor], object]] = field(default_factory=list)
 
 
 class ShardTier(Protocol):
@@ -122,27 +77,9 @@ class ShardTier(Protocol):
     def flush(self) -> None: ...
 
 
-class GradTierLike(Protocol):
-    """Where ``grad_shard`` rests between reductions and the step when it is not kept in memory: the
-    disk tier (:class:`lightning_zero.zero.swap_grads.GradTier`)."""
-
-    def before_reduce(self, b: FlatBuffer, fresh: bool) -> None: ...
-    def before_add(self, b: FlatBuffer) -> None: ...
-    def after_reduce(self, b: FlatBuffer) -> None: ...
-    def drop(self, b: FlatBuffer) -> None: ...
-    def resident(self, b: FlatBuffer, write: bool) -> AbstractContextManager[None]: ...
-    def pending(self, b: FlatBuffer, inv_scale: float) -> PendingGrad: ...
-    def squared(self, b: FlatBuffer) -> torch.Tensor: ...
-    def read_step_grad(self, b: FlatBuffer) -> torch.Tensor: ...
-    def materialize(self, b: FlatBuffer) -> None: ...
-    def step_items(self, b: FlatBuffer) -> list[tuple[str, torch.Tensor]]: ...
-    def step_grad(self, b: FlatBuffer) -> torch.Tensor: ...
-    def kernel_grad(self, b: FlatBuffer) -> tuple[torch.Tensor, float] | None: ...
-    def done_step(self, b: FlatBuffer) -> None: ...
-
-
-class FlatBuffer:
+class FlatBuffer(GradRoles):
     """One flat buffer: parameters of one optimizer parameter group, one dtype, one reduction bucket.
+    The gradient roles and their transitions come from :class:`~lightning_zero.zero.flat_grads.GradRoles`.
 
     Args:
         params: the parameters, in flat-buffer order; their current values are the initial values.
@@ -240,7 +177,7 @@ class FlatBuffer:
             self._host_grad = host_empty(layout.shard_numel, self.grad_dtype, pin=offload.pin_memory)
         self._grad_state = GradState.EMPTY
         # set by the gradient disk tier (attach_grad_tier): grad_shard has memory only while reduced into or stepped
-        self._grad_tier: GradTierLike | None = None
+        self._grad_tier = None
         # under the gradient disk tier, master.grad while its values rest on disk (defer_grad)
         self._pending_grad: PendingGrad | None = None
         self.arrived: set[int] = set()  # indices of the parameters whose gradient this backward brought
@@ -271,44 +208,14 @@ class FlatBuffer:
         return self._master
 
     @property
-    def grad_shard(self) -> torch.Tensor | None:
-        """(shard_numel,) gradient dtype: rank r's slice of the reduced gradients; None when frozen."""
-        return self._grad_shard
-
-    @property
-    def grad_bucket(self) -> torch.Tensor | None:
-        """(padded_numel,) gradient dtype: the gradients collected for one reduction, if any."""
-        return self._grad_bucket
-
-    @property
-    def host_grad(self) -> torch.Tensor | None:
-        """(shard_numel,) gradient dtype: ``grad_shard``'s host copy (offload with a GPU), else None."""
-        return self._host_grad
-
-    @property
     def state(self) -> ParamState:
         """Where the full parameters are (:class:`ParamState`)."""
         return self._state
 
     @property
-    def grad_state(self) -> GradState:
-        """What the gradient roles hold (:class:`GradState`)."""
-        return self._grad_state
-
-    @property
     def shard_tier(self) -> ShardTier | None:
         """The tier ``param_shard`` rests in while released (:meth:`attach_shard_tier`), or None."""
         return self._shard_tier
-
-    @property
-    def grad_tier(self) -> GradTierLike | None:
-        """The tier ``grad_shard`` rests in between reductions and the step (:meth:`attach_grad_tier`), or None."""
-        return self._grad_tier
-
-    @property
-    def pending_grad(self) -> PendingGrad | None:
-        """Under the gradient tier, ``master.grad`` while its values rest on disk (:meth:`defer_grad`)."""
-        return self._pending_grad
 
     # -- the disk tiers ask, the buffer changes ------------------------------------------------
 
@@ -333,26 +240,6 @@ class FlatBuffer:
     def detach_shard_tier(self) -> None:
         """``param_shard`` no longer rests in a tier (the tier is closing)."""
         self._shard_tier = None
-
-    def attach_grad_tier(self, tier: GradTierLike) -> None:
-        """``grad_shard`` rests in ``tier`` between reductions and the step from now on (EMPTY only)."""
-        assert self._grad_shard is not None and self._grad_state is GradState.EMPTY
-        self._grad_tier = tier
-
-    def detach_grad_tier(self) -> None:
-        """``grad_shard`` no longer rests in a tier (the tier is closing); no gradient is left pending."""
-        self._grad_tier = None
-        self._pending_grad = None
-
-    def defer_grad(self, inv_scale: float) -> None:
-        """The step's ``master.grad`` stays on disk under the gradient tier: record it as pending
-        (``inv_scale``, and the clipping the step records into it later)."""
-        assert self._grad_tier is not None
-        self._pending_grad = self._grad_tier.pending(self, inv_scale)
-
-    def drop_pending_grad(self) -> None:
-        """The pending ``master.grad`` was used (or read into memory, or the step is over)."""
-        self._pending_grad = None
 
     def unbind_params(self) -> None:
         """Point every parameter at an empty tensor of the compute dtype on the buffer's device (never
@@ -475,167 +362,7 @@ class FlatBuffer:
         self.gather_wait()
         self.persistent = True  # release() is a no-op from now on
 
-    # -- gradients and the step -------------------------------------------------------------------
-
-    @property
-    def complete(self) -> bool:
-        """Every parameter's gradient of this backward has arrived."""
-        return len(self.arrived) == len(self.params)
-
-    def keep_bucket(self) -> None:
-        """Stage 1: a zeroed bucket that accumulates over every micro-step and is reduced in place,
-        ``grad_shard`` being its slice r (the 2 bytes of full gradients of the ZeRO formula)."""
-        self._grad_bucket = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-        start, end = self.layout.shard_range(self.rank)
-        self._grad_shard = self._grad_bucket[start:end]
-        self._bucket_kept = True
-
-    def arrive(self, p_index: int) -> None:
-        """Parameter ``p_index``'s gradient of this backward is accounted for (in the bucket or elsewhere)."""
-        self.arrived.add(p_index)
-
-    def receive(self, p_index: int, grad: torch.Tensor, new_bucket: Callable[[], torch.Tensor]) -> None:
-        """Add parameter ``p_index``'s gradient into ``grad_bucket`` (taken from ``new_bucket`` when
-        there is none): EMPTY -> COLLECTING, REDUCED/ON_HOST -> ACCUMULATING."""
-        assert self._grad_state is not GradState.REDUCING, "a gradient arrived while its bucket is being reduced"
-        slot = self.layout.slots[p_index]
-        if self._grad_bucket is None and self.adopts(grad):
-            self._grad_bucket = grad.view(-1)
-            self._bucket_adopted = True
-        else:
-            if self._grad_bucket is None:
-                self._grad_bucket = new_bucket()
-            self._grad_bucket[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
-        self._grad_state = _ON_RECEIVE[self._grad_state]
-        self.arrive(p_index)
-
-    def adopts(self, grad: torch.Tensor) -> bool:
-        """Stages 2/3: whether autograd's ``grad`` can be this buffer's bucket itself, with no copy and
-        no block from the pool: the buffer holds one parameter and no padding (a parameter larger
-        than ``reduce_bucket_size`` is a buffer of its own), and ``grad`` owns all of its storage in
-        the bucket's dtype, device and layout. The caller gives up ``param.grad`` right after (the
-        reduction then overwrites the tensor in place). Saves the copy, and the block of the
-        parameter's size that the pool would otherwise keep for every step: the 12 MiB embedding of
-        the 13.8M benchmark GPT, each 16 MiB layer of the square benchmark model."""
-        if self._bucket_kept or len(self.params) != 1 or grad.numel() != self.layout.padded_numel:
-            return False
-        if grad.dtype != self.grad_dtype or grad.device != self.device or not grad.is_contiguous():
-            return False
-        storage = grad.untyped_storage()
-        return grad.storage_offset() == 0 and storage.nbytes() == grad.numel() * grad.element_size()
-
-    def start_reduce(self, new_bucket: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> REDUCING. Returns ``(bucket, out)``: the reduce-scatter's input (a zero bucket from
-        ``new_bucket`` when no gradient arrived) and output: ``grad_shard`` itself while it holds
-        nothing, else a temporary that :meth:`finish_reduce` adds."""
-        if self._grad_bucket is None:
-            self._grad_bucket = new_bucket()
-        assert self._grad_shard is not None and self._grad_state is not GradState.REDUCING
-        fresh = self._grad_state in (GradState.EMPTY, GradState.COLLECTING)
-        if self._grad_tier is not None:
-            self._grad_tier.before_reduce(self, fresh)  # memory (fresh) or the earlier sum's read
-        out = self._grad_shard if fresh else torch.empty_like(self._grad_shard)
-        self._grad_state = GradState.REDUCING
-        return self._grad_bucket, out
-
-    def finish_reduce(self, out: torch.Tensor, world_size: int, to_host: bool) -> torch.Tensor | None:
-        """The reduction into ``out`` completed: average it into ``grad_shard`` -> REDUCED, and with
-        ``to_host`` start the copy to ``host_grad`` when offloaded -> ON_HOST (pinned memory: the
-        copy overlaps what follows). Returns the bucket to recycle (``None`` when kept)."""
-        assert self._grad_shard is not None and self._grad_state is GradState.REDUCING
-        # Average after the sum: one pass over the slice, not the whole bucket (none for one rank).
-        if out is self._grad_shard:
-            if world_size > 1:
-                self._grad_shard.div_(world_size)
-        else:
-            if self._grad_tier is not None:
-                self._grad_tier.before_add(self)
-            self._grad_shard.add_(out.div_(world_size) if world_size > 1 else out)
-        self._grad_state = GradState.REDUCED
-        if self._grad_tier is not None:
-            self._grad_tier.after_reduce(self)  # sum of squares, written behind
-        if to_host and self._host_grad is not None:
-            self._host_grad.copy_(self._grad_shard, non_blocking=True)
-            self._grad_state = GradState.ON_HOST
-        if self._bucket_kept:
-            return None
-        bucket, self._grad_bucket = self._grad_bucket, None
-        if self._bucket_adopted:  # autograd's tensor, not the pool's: let it go
-            self._bucket_adopted = False
-            return None
-        return bucket
-
-    def end_backward(self) -> None:
-        """Forget which gradients this backward brought (the next one starts counting afresh)."""
-        self.arrived.clear()
-
-    def add_to_grads(self, start: int, piece: torch.Tensor) -> None:
-        """Add ``piece`` into the reduced gradient slice from element ``start`` on (and into its host
-        copy when that is current): gradients reduced outside the buckets (tied parameters)."""
-        assert self._grad_shard is not None
-        if self._grad_tier is not None:
-            with self._grad_tier.resident(self, write=True):
-                self._grad_shard[start : start + piece.numel()].add_(piece)
-            return
-        self._grad_shard[start : start + piece.numel()].add_(piece)
-        if self._grad_state is GradState.ON_HOST and self._host_grad is not None:
-            self._host_grad[start : start + piece.numel()].add_(piece.to(self._host_grad.device))
-
-    def grad_for_step(self) -> torch.Tensor:
-        """The reduced slice as the optimizer's ``master.grad``: fp32 where the master is separate,
-        in host memory when offloaded (the host copy made during backward when there is one)."""
-        assert self._grad_shard is not None
-        master_dtype = self._master.dtype  # fp32, or float64 (a float64 parameter kept under "32-true")
-        if self._grad_state is GradState.ON_HOST and self._host_grad is not None:
-            return self._host_grad.to(master_dtype)  # copied during backward (the engine waited for it)
-        if self.offloaded:
-            return self._grad_shard.to(device="cpu", dtype=master_dtype)  # to the host master
-        if self.separate_master:
-            return self._grad_shard.to(master_dtype)
-        # the master is param_shard: a reduce_dtype other than its dtype is cast to it
-        return (
-            self._grad_shard
-            if self._grad_shard.dtype == self._master.dtype
-            else self._grad_shard.to(self._master.dtype)
-        )
-
-    def drop_grads(self) -> None:
-        """After the step (or instead of one): every gradient role back to zero -> EMPTY."""
-        if self._bucket_kept:
-            assert self._grad_bucket is not None
-            self._grad_bucket.zero_()  # grad_shard is a view of it
-        elif self._grad_tier is not None:
-            self._grad_tier.drop(self)  # no memory; the file is stale until the next reduction
-        elif self._grad_shard is not None:
-            self._grad_shard.zero_()
-        self._grad_state = GradState.EMPTY
-
-    def window_grads(self) -> tuple[str, torch.Tensor] | None:
-        """The gradients this buffer holds in the middle of an accumulation window, for a checkpoint:
-        ``(GradState value, host copy)`` of ``grad_bucket`` (stage 1: this rank's unreduced sums) or
-        ``grad_shard`` (stages 2/3: the averaged slice); ``None`` when EMPTY. Between backwards only
-        (not REDUCING). ON_HOST is saved as REDUCED: ``host_grad`` is a copy of ``grad_shard``."""
-        if not self.trainable or self._grad_state is GradState.EMPTY:
-            return None
-        assert self._grad_state is not GradState.REDUCING, "a checkpoint in the middle of a reduction"
-        source = self._grad_bucket if self._bucket_kept else self._grad_shard
-        assert source is not None
-        state = GradState.REDUCED if self._grad_state is GradState.ON_HOST else self._grad_state
-        if self._grad_tier is not None:
-            with self._grad_tier.resident(self, write=False):
-                return state.value, source.detach().to("cpu", copy=True)
-        return state.value, source.detach().to("cpu", copy=True)
-
-    def load_window_grads(self, state: str, grads: torch.Tensor) -> None:
-        """Put back what :meth:`window_grads` saved (same layout, same rank)."""
-        target = self._grad_bucket if self._bucket_kept else self._grad_shard
-        assert target is not None and target.shape == grads.shape
-        if self._grad_tier is not None:
-            with self._grad_tier.resident(self, write=True):  # (still EMPTY: nothing read)
-                target.copy_(grads)
-        else:
-            target.copy_(grads)
-        self._grad_state = GradState(state)
+    # -- the master and the parameters ------------------------------------------------------------
 
     def absorb_edits(self, chunk: int = 1 << 20) -> None:
         """Write in-place edits of parameters into the master (the user's hooks and callbacks edit

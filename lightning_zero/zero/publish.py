@@ -19,12 +19,16 @@ all-gather reads only its own, already final, slice).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
+
+#: called with each buffer once its step and copy-back are issued, and the event that copy recorded
+#: (a pipelined step's hand-off: :meth:`Publisher.send`)
+Stepped = Callable[[FlatBuffer, "torch.cuda.Event | None"], None]
 
 
 class Publisher:

@@ -87,7 +87,7 @@ class SideStream:
 class GradReducer:
     """Owns the gradient hooks, the bucket pool and the schedule of reductions of a list of flat
     buffers (all optimizers of a model). What each buffer's gradients hold is the buffer's own
-    :class:`~lightning_zero.zero.flat.GradState`; the reducer only decides when it changes."""
+    :class:`~lightning_zero.zero.flat_grads.GradState`; the reducer only decides when it changes."""
 
     def __init__(
         self,

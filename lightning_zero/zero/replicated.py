@@ -47,9 +47,8 @@ import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.publish import publish
+from lightning_zero.zero.publish import Stepped, publish
 from lightning_zero.zero.step import ShardedOptimizer
-from lightning_zero.zero.step_kernels import Stepped
 from lightning_zero.zero.whole import WholeParam, declared_whole_model
 
 if TYPE_CHECKING:

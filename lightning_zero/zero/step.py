@@ -28,7 +28,8 @@ import torch
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.step_kernels import KernelStep, Stepped
+from lightning_zero.zero.publish import Stepped
+from lightning_zero.zero.step_kernels import KernelStep
 from lightning_zero.zero.swap_grads import Scale, squared_norm
 from lightning_zero.zero.whole import WholeTensorStep, declared_whole_model, declared_whole_tensor, whole_groups
 

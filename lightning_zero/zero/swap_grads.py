@@ -48,7 +48,8 @@ import torch
 from lightning_zero.config import NvmeConfig
 from lightning_zero.offload.nvme import Swapped, SwapStore
 from lightning_zero.ops.functional import cpu_sum_squares
-from lightning_zero.zero.flat import FlatBuffer, GradState, PendingGrad
+from lightning_zero.zero.flat import FlatBuffer
+from lightning_zero.zero.flat_grads import GradState, PendingGrad
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
