@@ -245,7 +245,7 @@ def compare(records: dict[str, list[dict[str, Any]]], rss: bool) -> list[str]:
         "-" if base_ms is None else f"{base_ms * 1e3:.0f}",
         "-" if head_ms is None else f"{head_ms * 1e3:.0f}",
         "-" if base_ms is None or head_ms is None else f"{head_ms / base_ms:.3f}",
-        f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-",
+        ("-" if not paired else f"{min(paired):.2f}" + (f"-{max(paired):.2f}" if len(paired) > 1 else "")),
     ]
     for key in ("bytes", "peak_rss") if rss else ("bytes",):
         row += [_mib(worst("base", key)), _mib(worst("head", key)), _delta(worst("head", key), worst("base", key))]
@@ -287,7 +287,7 @@ def run(ref: str, plan: Plan, out: Path, command: str) -> Path:
         with tempfile.TemporaryDirectory(prefix="lightning_zero_against_runs_") as scratch:
             samples = measure(trees, plan, Path(scratch))
     notes.append(
-        f"Each tree's own benchmarks/run.py, one system and one round per run, {plan.repetitions} repetitions "
+        f"Each tree's own benchmarks/run.py, one system and one round per run, {plan.repetitions} repetition(s) "
         "interleaved per system (base, head; then head, base). Step: median of all kept steps of rank 0 of a "
         f"tree's runs ({plan.steps} timed after {plan.warmup} warm-up per run); per-repetition ratios: head's "
         "median over base's in each repetition (their spread is the machine's noise). MiB/rank: live tensors "
