@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,6 @@ class Plan:
     rss: bool = True
     smoke: bool = False
     quick: bool = False
-    extra: list[str] = field(default_factory=list)
 
     def command(self, tree: Path, system: str, out: Path) -> list[str]:
         """The command line of one run of ``system`` in ``tree`` (one round, results in ``out``)."""
@@ -167,7 +166,7 @@ class Plan:
         args += ["--workloads", ",".join(self.workloads), "--precisions", ",".join(self.precisions)]
         args += ["--steps", str(self.steps), "--warmup", str(self.warmup), "--no-cpu-adam", "--out", str(out)]
         args += ["--quick"] * self.quick + ["--smoke"] * self.smoke + ["--no-rss"] * (not self.rss)
-        return args + self.extra
+        return args
 
 
 def run_one(tree: Path, system: str, plan: Plan, out: Path) -> list[dict[str, Any]]:
@@ -232,7 +231,7 @@ def compare(records: dict[str, list[dict[str, Any]]], rss: bool) -> list[str]:
     median = {t: statistics.median(steps[t]) if steps[t] else None for t in ok}
     paired = [
         h["median_s"] / b["median_s"]
-        for b, h in zip(records["base"], records["head"], strict=True)
+        for b, h in zip(records["base"], records["head"], strict=False)
         if "median_s" in b and "median_s" in h
     ]
 
@@ -294,6 +293,12 @@ def run(ref: str, plan: Plan, out: Path, command: str) -> Path:
         "at the end of the last step, largest rank, the larger of the repetitions"
         + ("; peak RSS: OS peak resident growth per rank in fresh ranks." if plan.rss else ".")
     )
+    for key, records in samples.items():
+        for label, runs in records.items():
+            for r in runs:
+                if r.get("errors"):
+                    lines = r["errors"][0].strip().splitlines() or ["no output"]
+                    notes.append(f"{label.capitalize()}, {' '.join(key)}: error: {lines[-1][:200]}")
     cols, rows = headers(plan.rss), table_rows(samples, plan.rss)
     print("\n" + common.format_table(cols, rows))
     for note in notes:

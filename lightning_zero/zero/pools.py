@@ -68,8 +68,8 @@ class BlockPool:
         :meth:`_give_up_smaller` then frees the exact blocks, and the pool drifts to larger blocks.
         That happens wherever the sizes taken at a hook are not those given back since the last one
         (measured on the benchmark GPT at stage 3, whose layers gather 288, 864 and 2 x 1152 KiB:
-        18.2 MiB kept for 15.4 MiB requested at once at most). Allocating the exact size keeps each
-        size at the most of it in use at once (16.3 MiB there)."""
+        18.2 MiB kept for 15.4 MiB requested at once at most). Allocating the exact size instead keeps
+        16.3 MiB there, what the same model kept before the prefetches started a hook later."""
         device = torch.device(device)
         key = (numel, dtype, device)
         blocks = self._free.get(key)

@@ -133,14 +133,12 @@ def test_the_table_compares_medians_and_memory_per_configuration() -> None:
     assert rows[1][3:7] == ["400", "-", "-", "-"] and rows[1][-1] == "1 failed"
 
 
-def test_run_py_refuses_bad_arguments_before_running_anything() -> None:
-    # two processes that import torch and Lightning and exit at argument parsing (a few seconds each)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for args, message in (
-        (["--against", "no-such-ref-anywhere"], "no such commit"),
-        (["--against", "HEAD", "--profile", "zero3"], "--against and --profile"),
-    ):
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / "run.py"), *args], capture_output=True, text=True, env=env
-        )
-        assert done.returncode == 2 and message in done.stderr, (args, done.stderr[-500:])
+def test_run_py_refuses_a_ref_git_cannot_resolve_before_running_anything() -> None:
+    # one process that imports torch and Lightning and exits at argument parsing (a few seconds)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--against", "no-such-ref-anywhere"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 2 and "no such commit" in done.stderr, done.stderr[-500:]
