@@ -289,9 +289,9 @@ def run(ref: str, plan: Plan, out: Path, command: str) -> Path:
         f"Each tree's own benchmarks/run.py, one system and one round per run, {plan.repetitions} repetition(s) "
         "interleaved per system (base, head; then head, base). Step: median of all kept steps of rank 0 of a "
         f"tree's runs ({plan.steps} timed after {plan.warmup} warm-up per run); per-repetition ratios: head's "
-        "median over base's in each repetition (their spread is the machine's noise). MiB/rank: live tensors "
-        "at the end of the last step, largest rank, the larger of the repetitions"
-        + ("; peak RSS: OS peak resident growth per rank in fresh ranks." if plan.rss else ".")
+        "median over base's in each repetition (their spread is the machine's noise; a range that spans 1.00 "
+        "shows no difference). MiB/rank: live tensors at the end of the last step, largest rank, the larger of "
+        "the repetitions" + ("; peak RSS: OS peak resident growth per rank in fresh ranks." if plan.rss else ".")
     )
     for key, records in samples.items():
         for label, runs in records.items():
