@@ -1,7 +1,11 @@
 """One command: the same small GPT (and BERT) under DDP, FSDP2, ZeroRedundancyOptimizer, lightning_zero
 and DeepSpeed on 2 CPU/gloo ranks; one table of step time and bytes per rank; JSON and PNG plots.
 
-    python benchmarks/run.py [--quick] [--out DIR]
+    python benchmarks/run.py [--quick] [--out DIR] [--against REF]
+
+``--against REF``: the same measurements of the working tree and of a git ref (a temporary
+worktree), interleaved in one run, in one table of step time and memory per rank side by side
+(``against.py``).
 
 Full run: GPT and BERT, "bf16-mixed" and "32-true" (only "32-true" on a CPU without native bf16,
 where bf16 steps take ~40x longer; ``--precisions`` forces both), 6 timed steps after 2 warm-up
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
+import against
 import common
 import report
 import systems
@@ -170,7 +175,22 @@ def main() -> None:
     parser.add_argument("--no-cpu-adam", action="store_true", help="skip the CPU Adam throughput measurement")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 1 step: checks that every system runs")
     parser.add_argument("--profile", metavar="SYSTEM", help="instead: torch.profiler of one system on rank 0")
+    parser.add_argument(
+        "--against",
+        metavar="REF",
+        help="instead: the working tree against git REF (branch, tag, HEAD~1, commit), interleaved in one run; "
+        "--rounds repetitions per system; writes OUT/against.json",
+    )
     args = parser.parse_args()
+    if args.rounds < 1 or args.warmup < 0 or (args.steps is not None and args.steps < 1):
+        parser.error(f"--rounds {args.rounds}, --warmup {args.warmup}, --steps {args.steps}: need >= 1, >= 0, >= 1")
+    if args.against is not None:
+        if args.profile:
+            parser.error("--against and --profile do different things: pass one of them")
+        try:
+            against.resolve(args.against)  # a wrong ref fails here, before anything runs
+        except ValueError as error:
+            parser.error(str(error))
 
     workloads = (args.workloads or ("gpt" if args.quick else "gpt,bert")).split(",")
     # --quick runs one precision: the one this CPU is fast at (bf16 is ~40x slower than fp32 without
@@ -189,6 +209,21 @@ def main() -> None:
         names = [s for s in args.systems.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    if args.against is not None:
+        plan = against.Plan(
+            systems=names,
+            workloads=workloads,
+            precisions=precisions,
+            steps=steps,
+            warmup=args.warmup,
+            repetitions=args.rounds,
+            rss=not args.no_rss,
+            smoke=args.smoke,
+            quick=args.quick,
+        )
+        against.run(args.against, plan, out, "python benchmarks/run.py " + " ".join(sys.argv[1:]))
+        return
 
     if args.profile:
         prof = common.run_ranks(_profile_worker, args.profile, precisions[0], workloads[0], args.warmup, steps)[0]

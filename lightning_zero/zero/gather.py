@@ -266,7 +266,10 @@ class GatherCoordinator:
 
     def _start_checked_later(self, buffers: list[FlatBuffer], label: str) -> None:
         """Prefetches: on gloo their order check is sent now and their gathers start at the next
-        hook (:meth:`_flush`), so that no rank waits here for the others; elsewhere they start now."""
+        hook (:meth:`_flush`), so that no rank waits here for the others; elsewhere they start now.
+        (Started a hook after they were chosen, past the releases in between, the sizes they take
+        from the pool are not those just given back: :meth:`BlockPool.take
+        <lightning_zero.zero.pools.BlockPool.take>` gives each size its own blocks for that.)"""
         self._flush()
         if not buffers:
             return

@@ -57,3 +57,24 @@ def test_other_dtypes_and_sizes_beyond_fit_are_left_alone():
         (100, torch.bfloat16),
         (150, torch.float32),
     ]
+
+
+def test_a_size_whose_blocks_are_all_out_gets_its_own_block_not_a_larger_one():
+    # The stage-3 pattern: the sizes taken at a hook are not the ones given back since the last. A
+    # second 100 while the only 100 is out, with a free 150 (a size that is needed again right after):
+    # borrowing the 150 would make the next 150 miss and allocate, and the pool would keep
+    # [100, 150, 150] (step after step, the larger blocks win) where [100, 100, 150] serves the step.
+    pool = BlockPool()
+    counts = []
+    for _ in range(3):
+        a = pool.take(100, torch.float32, CPU)
+        b = pool.take(150, torch.float32, CPU)
+        pool.give(b)
+        c = pool.take(100, torch.float32, CPU)
+        d = pool.take(150, torch.float32, CPU)
+        for block in (a, c, d):
+            pool.give(block)
+        counts.append(pool.allocations)
+    assert _kept(pool) == [100, 100, 150]
+    assert counts == [3, 3, 3]  # all in the first step
+    assert pool.in_use_bytes == 0
