@@ -24,14 +24,17 @@ from lightning_zero.config import PRECISIONS, ActivationCheckpointConfig, Offloa
 from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
-from lightning_zero.plan.peak import LiveBytes
+from lightning_zero.plan.peak import LiveBytes, cpu_attention, host_kernel_steps, kernel_step_uncounted
+from lightning_zero.plan.resident import DEFAULT, HostRuntime
 from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
 from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
-    "the process group's own buffers, the allocator's slack and fragmentation",
-    "attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
-    "memory-efficient kernel holds less, so the transient peak is then an upper bound",
+    "the process group's own buffers, the allocator's slack and fragmentation, on an accelerator its "
+    "runtime's own memory (CUDA context, library workspaces)",
+    "on an accelerator, attention runs torch's math path on meta tensors (its scores materialized): a "
+    "GPU's flash or memory-efficient kernel holds less, so the transient peak is then an upper bound "
+    "(a CPU plan runs the CPU's flash kernel where torch picks it)",
     "on an accelerator, the offloaded step's host temporaries are counted in the device's peak",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
@@ -87,6 +90,11 @@ class Plan:
     untracked: int = 0
     """Bytes the engine's steps leave allocated between steps that ``memory_breakdown()`` does not
     name (e.g. the optimizer's fp32 gradient slices): part of the resident memory all the same."""
+    resident: int = 0
+    """CPU ranks: resident memory that is no tensor, :class:`.resident.HostRuntime`'s terms (the
+    kernels' code paged in, oneDNN's kept primitives of :attr:`matmul_problems`); 0 on an accelerator."""
+    matmul_problems: int = 0
+    """Distinct 16-bit matrix-product problems (op, shapes, strides) of one step."""
     activation_checkpointing: tuple[str, ...] = ()
     """The checkpointed modules' qualified names."""
     not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
@@ -101,9 +109,9 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        """The device's peak of a step: its memory (:meth:`total`), :attr:`untracked` and
-        :attr:`transient_peak`."""
-        return self.total("device") + self.untracked + self.transient_peak
+        """The device's peak of a step: its memory (:meth:`total`), :attr:`untracked`,
+        :attr:`transient_peak` and (CPU ranks) :attr:`resident`."""
+        return self.total("device") + self.untracked + self.transient_peak + self.resident
 
     def step_time(self, machine: Machine) -> StepTime:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
@@ -135,6 +143,7 @@ def plan(
     micro_batch: int = 1,
     seq_len: int = 128,
     activations: ActivationCheckpointConfig | None = None,
+    host_runtime: HostRuntime | None = None,
 ) -> Plan:
     """Plan one rank of ``world_size`` data-parallel ranks training ``model`` (``"pkg.mod:Class"``
     with ``model_kwargs``, or a Hugging Face ``config.json``: see :func:`~.model.meta_model`) with
@@ -145,7 +154,9 @@ def plan(
     ``memory_breakdown()`` does on a CPU rank). ``inputs``: the forward's positional inputs; by
     default token ids ``(micro_batch, seq_len)`` for a Hugging Face model or a LightningModule's
     ``example_input_array``. ``activations``: activation checkpointing, as the strategy's
-    ``activation_checkpointing`` option applies it.
+    ``activation_checkpointing`` option applies it. ``host_runtime``: a CPU rank's non-tensor
+    resident terms (default :data:`.resident.DEFAULT`; :func:`.resident.measure_host_runtime`
+    measures this machine).
     """
     zero = zero or ZeroConfig()
     offload = offload or OffloadConfig()
@@ -166,7 +177,7 @@ def plan(
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
-    with fake_world(world_size) as group, host_on_meta(host), gloo:
+    with fake_world(world_size) as group, host_on_meta(host), gloo, cpu_attention(device == "cpu"):
         from lightning_zero.zero import ZeroEngine
 
         groups = {id(group): "data"}
@@ -185,6 +196,8 @@ def plan(
         meter = ActivationMeter(include_meta=True)
         events: list[Event] = []
         lives: list[LiveBytes] = []
+        # what a CPU rank's kernels allocate where they differ from torch's on meta tensors (.peak)
+        host_kernel = host_kernel_steps(engine, device)
         for step in range(2):
             trace = events if step else []
             # the first step allocates the offloaded step's host buffers: known by the second
@@ -192,7 +205,7 @@ def plan(
             live = LiveBytes()
             lives.append(live)
             recorders = record_collectives(step_calls if step else [], groups, trace), OpRecorder(trace, host_storages)
-            with recorders[0], recorders[1], live:
+            with recorders[0], recorders[1], live, kernel_step_uncounted(optimizer, lives, host_kernel):
                 meter.start()
                 try:
                     loss = forward()
@@ -210,6 +223,7 @@ def plan(
                 engine.step(optimizer)
         memory = _count(module, engine, host, offload, device)
         untracked = _untracked(module, engine, lives)
+        problems = len(live.matmul_problems)
         resolved = engine.config.zero
         flat = len(engine.memory_tensors()["parameters"])
         engine.close(unshard=False)
@@ -230,6 +244,8 @@ def plan(
         setup=_totals(setup_calls),
         transient_peak=live.peak,
         untracked=untracked,
+        resident=(host_runtime or DEFAULT).resident(problems) if device == "cpu" else 0,
+        matmul_problems=problems,
         activation_checkpointing=tuple(checkpointed),
         trace=tuple(events),
         step_calls=tuple((c.op, c.nbytes) for c in step_calls),
