@@ -84,7 +84,8 @@ class Plan:
     transient_peak: int
     """The most bytes a training step holds beyond what was alive when it began (saved activations,
     gradients on their way to the buckets, temporaries of forward, backward and step; with activation
-    checkpointing the recomputed activations of one module at a time), from :class:`.peak.LiveBytes`."""
+    checkpointing the recomputed activations of one module at a time), from :class:`.peak.LiveBytes`.
+    On CPU ranks with the kernels a CPU runs (flash attention, the single-pass AdamW: :mod:`.peak`)."""
     step: tuple[CollectiveTotal, ...]
     setup: tuple[CollectiveTotal, ...]
     untracked: int = 0
