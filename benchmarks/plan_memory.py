@@ -280,7 +280,8 @@ def main() -> None:
         args.json,
         {
             "machine": {**common.machine(), "ranks": f"{args.ranks} gloo ranks, 1 thread each"},
-            "title": f"plan_memory.py: planned peak against the OS-measured peak RSS growth ({args.ranks} ranks)",
+            "title": f"plan_memory.py: planned peak against the OS-measured peak RSS growth ({args.ranks} ranks"
+            + (f"; {args.shapes})" if args.shapes != parser.get_default("shapes") else ")"),
             "topic": "memory",
             "command": ("python benchmarks/plan_memory.py " + " ".join(sys.argv[1:])).strip(),
             "headers": headers,

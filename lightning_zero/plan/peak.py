@@ -67,7 +67,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in _MATMULS and args[-1].dtype in _SIXTEEN_BIT:
+        if func in _MATMULS and isinstance(args[-1], torch.Tensor) and args[-1].dtype in _SIXTEEN_BIT:
             operands = tuple((tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor))
             self.matmul_problems.add((func, operands))
         if func.is_view or self.paused:
@@ -154,7 +154,10 @@ def cpu_attention(on: bool) -> Iterator[None]:
             return original(*args, scale=scale, enable_gqa=enable_gqa)
         # (with enable_gqa the CPU kernel takes the fewer key/value heads as they are, as here)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        try:
+            return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        except (NotImplementedError, RuntimeError):  # a torch without this kernel's meta function
+            return original(*args, scale=scale, enable_gqa=enable_gqa)
 
     functional.scaled_dot_product_attention = attention
     try:
