@@ -15,8 +15,8 @@ pool (``memory_breakdown()``'s categories) plus the step's transient peak counte
 The plan's CPU terms that are no tensor (:mod:`lightning_zero.plan.resident`: the kernels' code paged
 in, oneDNN's kept primitives) are measured once per run on this machine (``measure_host_runtime``).
 Shapes: those of ``benchmarks/plan_check.py`` (the default), and two held out from any tuning of the
-plan: ``gpt-wide`` (another GPT) and ``hf-llama`` (a Hugging Face Llama with grouped-query
-attention, its config built in code); the transformers also with every block checkpointed.
+plan: ``gpt-wide`` (another GPT), ``hf-llama`` (a Hugging Face Llama with grouped-query
+attention, its config built in code) and ``hf-gpt2`` (a small GPT2Config); the transformers also with every block checkpointed.
 """
 
 from __future__ import annotations
@@ -60,6 +60,20 @@ HELD_OUT: dict[str, tuple[str, object, tuple[int, int]]] = {
             "tie_word_embeddings": False,
         },
         (3, 160),
+    ),
+    "hf-gpt2": (
+        "hf",
+        {
+            "model_type": "gpt2",
+            "vocab_size": 3000,
+            "n_embd": 256,
+            "n_layer": 3,
+            "n_head": 4,
+            "n_positions": 128,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+        (4, 128),
     ),
 }
 
@@ -112,7 +126,8 @@ def _checkpointed(shape: str) -> object:
     model = torch.nn.Module()
     with torch.device("meta"):
         model = _model(shape)
-    return type(next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())  # transformers' name for its blocks
+    return type(next(m for m in model.modules() if type(m).__name__ in blocks))
 
 
 LAYOUTS = [("zero1", 1, False), ("zero2", 2, False), ("zero3", 3, False), ("zero3_offload", 3, True)]
