@@ -26,14 +26,17 @@ from lightning_zero.parallel_config import PipelineConfig, TensorParallelConfig
 from lightning_zero.plan.disk import DiskPlan, disk_plan, disk_tier
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
-from lightning_zero.plan.peak import LiveBytes
+from lightning_zero.plan.peak import LiveBytes, cpu_attention, host_kernel_steps, kernel_step_uncounted
+from lightning_zero.plan.resident import DEFAULT, HostRuntime
 from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
 from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
-    "the process group's own buffers, the allocator's slack and fragmentation",
-    "attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
-    "memory-efficient kernel holds less, so the transient peak is then an upper bound",
+    "the process group's own buffers, the allocator's slack and fragmentation, on an accelerator its "
+    "runtime's own memory (CUDA context, library workspaces)",
+    "on an accelerator, attention runs torch's math path on meta tensors (its scores materialized): a "
+    "GPU's flash or memory-efficient kernel holds less, so the transient peak is then an upper bound "
+    "(a CPU plan runs the CPU's flash kernel where torch picks it)",
     "on an accelerator, the offloaded step's host temporaries are counted in the device's peak",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
@@ -85,12 +88,18 @@ class Plan:
     transient_peak: int
     """The most bytes a training step holds beyond what was alive when it began (saved activations,
     gradients on their way to the buckets, temporaries of forward, backward and step; with activation
-    checkpointing the recomputed activations of one module at a time), from :class:`.peak.LiveBytes`."""
+    checkpointing the recomputed activations of one module at a time), from :class:`.peak.LiveBytes`.
+    On CPU ranks with the kernels a CPU runs (flash attention, the single-pass AdamW: :mod:`.peak`)."""
     step: tuple[CollectiveTotal, ...]
     setup: tuple[CollectiveTotal, ...]
     untracked: int = 0
     """Bytes the engine's steps leave allocated between steps that ``memory_breakdown()`` does not
     name (e.g. the optimizer's fp32 gradient slices): part of the resident memory all the same."""
+    resident: int = 0
+    """CPU ranks: resident memory that is no tensor, :class:`.resident.HostRuntime`'s terms (the
+    kernels' code paged in, oneDNN's kept primitives of :attr:`matmul_problems`); 0 on an accelerator."""
+    matmul_problems: int = 0
+    """Distinct 16-bit matrix-product problems (op, shapes, strides) of one step."""
     activation_checkpointing: tuple[str, ...] = ()
     """The checkpointed modules' qualified names."""
     not_modeled: tuple[str, ...] = field(default=NOT_MODELED)
@@ -115,9 +124,9 @@ class Plan:
 
     @property
     def peak(self) -> int:
-        """The device's peak of a step: its memory (:meth:`total`), :attr:`untracked` and
-        :attr:`transient_peak`."""
-        return self.total("device") + self.untracked + self.transient_peak
+        """The device's peak of a step: its memory (:meth:`total`), :attr:`untracked`,
+        :attr:`transient_peak` and (CPU ranks) :attr:`resident`."""
+        return self.total("device") + self.untracked + self.transient_peak + self.resident
 
     def step_time(self, machine: Machine) -> StepTime:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
@@ -156,6 +165,7 @@ def plan(
     tensor: TensorParallelConfig | None = None,
     pipeline: PipelineConfig | None = None,
     batch_keys: tuple[str, ...] | None = None,
+    host_runtime: HostRuntime | None = None,
     _stage: Any = None,
 ) -> Plan:
     """Plan one rank of ``world_size`` data-parallel ranks training ``model`` (``"pkg.mod:Class"``
@@ -170,7 +180,8 @@ def plan(
     ``activation_checkpointing`` option applies it. ``tensor``/``pipeline``: the strategy's
     tensor- and pipeline-parallel options; ``world_size`` is then every rank, D x T x P, and the plan
     is of one rank per differing pipeline stage (:mod:`.model_parallel`; ``batch_keys``: the names of
-    the inputs in a pipeline's dict batch).
+    the inputs in a pipeline's dict batch). ``host_runtime``: a CPU rank's non-tensor resident terms
+    (default :data:`.resident.DEFAULT`; :func:`.resident.measure_host_runtime` measures this machine).
     """
     if _stage is None and ((tensor and tensor.size > 1) or (pipeline and pipeline.stages > 1) or batch_keys):
         from lightning_zero.plan.model_parallel import plan_model_parallel
@@ -178,7 +189,7 @@ def plan(
         return plan_model_parallel(
             plan, model, world_size, tensor=tensor, pipeline=pipeline, batch_keys=batch_keys, zero=zero,
             offload=offload, precision=precision, device=device, model_kwargs=model_kwargs, inputs=inputs,
-            micro_batch=micro_batch, seq_len=seq_len, activations=activations,
+            micro_batch=micro_batch, seq_len=seq_len, activations=activations, host_runtime=host_runtime,
         )  # fmt: skip
     zero = zero or ZeroConfig()
     offload = offload or OffloadConfig()
@@ -203,6 +214,7 @@ def plan(
         host_on_meta(host),
         gloo,
         disk_tier(offload, host, device) as disk,
+        cpu_attention(device == "cpu"),
     ):
         from lightning_zero.zero import ZeroEngine
 
@@ -229,6 +241,8 @@ def plan(
         events: list[Event] = []
         lives: list[LiveBytes] = []
         setup_written = disk.traffic()[1]
+        # what a CPU rank's kernels allocate where they differ from torch's on meta tensors (.peak)
+        host_kernel = host_kernel_steps(engine, device)
         for step in range(2):
             trace = events if step else []
             disk.events, disk.staging_peak, traffic = (trace, 0, disk.traffic()) if step else (None, 0, (0, 0))
@@ -237,7 +251,7 @@ def plan(
             live = LiveBytes()
             lives.append(live)
             recorders = record_collectives(step_calls if step else [], groups, trace), OpRecorder(trace, host_storages)
-            with recorders[0], recorders[1], live:
+            with recorders[0], recorders[1], live, kernel_step_uncounted(optimizer, lives, host_kernel):
                 meter.start()
                 try:
                     loss = forward(trace) if _stage else forward()
@@ -257,6 +271,7 @@ def plan(
         memory = _count(module, engine, host, offload, device)
         nvme = disk_plan(disk, traffic, disk.traffic(), setup_written)
         untracked = _untracked(module, engine, lives)
+        problems = len(live.matmul_problems)
         resolved = engine.config.zero
         flat = len(engine.memory_tensors()["parameters"])
         engine.close(unshard=False)
@@ -277,6 +292,8 @@ def plan(
         setup=_totals(setup_calls),
         transient_peak=live.peak,
         untracked=untracked,
+        resident=(host_runtime or DEFAULT).resident(problems) if device == "cpu" else 0,
+        matmul_problems=problems,
         activation_checkpointing=tuple(checkpointed),
         trace=tuple(events),
         step_calls=tuple((c.op, c.nbytes) for c in step_calls),

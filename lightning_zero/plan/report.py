@@ -35,7 +35,13 @@ def format_plan(p: Plan) -> str:
     lines.append(f"activations saved by one forward: {p.activations / 2**20:.2f} MiB")
     lines.append(
         f"peak of a step on the device: {p.peak / 2**20:.2f} MiB (the total above, {p.transient_peak / 2**20:.2f} MiB "
-        f"transient during the step, {p.untracked / 2**20:.2f} MiB kept between steps outside the categories)"
+        f"transient during the step, {p.untracked / 2**20:.2f} MiB kept between steps outside the categories"
+        + (
+            f", {p.resident / 2**20:.2f} MiB resident that is no tensor: kernel code, oneDNN's primitives of "
+            f"{p.matmul_problems} distinct 16-bit matrix products)"
+            if p.device == "cpu"
+            else ")"
+        )
     )
     if p.activation_checkpointing:
         lines.append(f"activation checkpointing: {len(p.activation_checkpointing)} modules")

@@ -162,7 +162,7 @@ def test_transient_peak_follows_batch_and_checkpointing():
     # 900 rows: the activations (not the step's fp32 temporaries of these small layers) make the peak
     small, large = _plan(rows=9), _plan(rows=900, reduce_bucket_size=262144)
     assert large.transient_peak > small.transient_peak > 0 and large.activations > small.activations
-    assert large.peak == large.total("device") + large.untracked + large.transient_peak
+    assert large.peak == large.total("device") + large.untracked + large.transient_peak + large.resident
     checkpointed = plan(
         f"{__name__}:Stack",
         4,
