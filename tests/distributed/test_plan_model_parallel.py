@@ -169,11 +169,12 @@ def test_model_parallel_plan_equals_four_real_ranks():
                 assert got_bytes == dict(want_bytes), (case, got_bytes, dict(want_bytes))
                 if represented == q.parallel.stage:
                     # The step's transient peak (the plan's storage counter, on meta tensors and here on the
-                    # real ones) is an upper bound here: planned/measured 1.16-2.3x on these tiny stages in
-                    # bf16-mixed (23-93 KB), 1.00-1.06x in 32-true; not traced, and as large without a
-                    # pipeline (D2xT2: 1.18x) and with data parallelism alone (1.23x on 2 ranks), so not the split's or the schedule's. Equal stages planned once are bounded
-                    # by the first's (1F1B keeps the most micro-batches in flight there).
-                    assert q.transient_peak >= peak, (case, q.transient_peak, peak)
+                    # real ones), with a CPU rank's kernels (flash attention, the single-pass Adam) in the
+                    # plan: measured planned/measured 0.98-1.02 on these tiny stages, 1.21 on a 26 KB first
+                    # stage of four (5.5 KB over). 5% or 8 KiB, whichever is larger, holds both.
+                    # Equal stages planned once are bounded by the first's (1F1B keeps the most
+                    # micro-batches in flight there).
+                    assert abs(q.transient_peak - peak) <= max(0.05 * peak, 8192), (case, q.transient_peak, peak)
                 else:
                     assert q.transient_peak >= peak and q.parallel.in_flight > 1, (case, q.transient_peak, peak)
         groups = {t.group for q in info.stages for t in q.step}
