@@ -11,6 +11,7 @@ prefetch from the first one's module order, as a real run does.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,8 @@ from lightning_zero.memory import CATEGORIES, ActivationMeter, memory_breakdown
 from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
 from lightning_zero.plan.peak import LiveBytes
-from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
-from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
+from lightning_zero.plan.timing import Event, OpRecorder, StepTime, fresh_threshold, step_time
+from lightning_zero.plan.world import Call, cpu_step_kernels, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
     "the process group's own buffers, the allocator's slack and fragmentation",
@@ -108,7 +109,8 @@ class Plan:
     def step_time(self, machine: Machine) -> StepTime:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
         recorded step replayed on the machine's rates, with the overlap the engine does."""
-        return step_time(self.trace, self.step_calls, self.world_size, machine)
+        fresh = fresh_threshold(self.device, self.zero.host_mmap_threshold)
+        return step_time(self.trace, self.step_calls, self.world_size, machine, fresh)
 
 
 def _totals(calls: list[Call]) -> tuple[CollectiveTotal, ...]:
@@ -166,7 +168,8 @@ def plan(
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
-    with fake_world(world_size) as group, host_on_meta(host), gloo:
+    kernels = cpu_step_kernels() if device == "cpu" else contextlib.nullcontext()
+    with fake_world(world_size) as group, host_on_meta(host), gloo, kernels:
         from lightning_zero.zero import ZeroEngine
 
         groups = {id(group): "data"}

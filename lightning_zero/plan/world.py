@@ -86,6 +86,29 @@ def host_on_meta(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def cpu_step_kernels() -> Iterator[None]:
+    """The optimizer step a CPU rank runs: without offload the engine steps Adam/AdamW on fp32
+    masters in host memory with its compiled kernel when one is built (one pass instead of torch's
+    several); it decides by the masters' device, which in the plan is meta. While it decides, meta
+    tensors report the CPU (the device they stand for in a CPU plan); its step then runs on them."""
+    import importlib
+
+    kernels = importlib.import_module("lightning_zero.zero.step_kernels")
+    decide = kernels.KernelStep._for_host_masters
+    device = torch.Tensor.device
+
+    def as_cpu(tensor: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if device.__get__(tensor).type == "meta" else device.__get__(tensor)
+
+    def for_host_masters(*args: Any, **kwargs: Any) -> Any:
+        with mock.patch.object(torch.Tensor, "device", property(as_cpu)):
+            return decide(*args, **kwargs)
+
+    with mock.patch.object(kernels.KernelStep, "_for_host_masters", staticmethod(for_host_masters)):
+        yield
+
+
 @dataclass(frozen=True)
 class Call:
     """One collective as issued: its :mod:`~lightning_zero.comm` function, the group's name and
