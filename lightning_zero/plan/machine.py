@@ -334,7 +334,7 @@ def _measure(rank: int, seconds: float, threads: int) -> dict[str, object]:
     try:
         group = dist.group.WORLD
         n = comm.world_size(group)
-        step = seconds / 40
+        step = seconds / 60  # about 55 steps in all, and the per-op rates' second or so
         out: dict[str, object] = {"threads": torch.get_num_threads()}
         flops: dict[str, float] = {}
         latency: list[float] = []
@@ -344,34 +344,36 @@ def _measure(rank: int, seconds: float, threads: int) -> dict[str, object]:
             # a transformer layer's products at a few hundred tokens; a tiny one gives the fixed cost
             products, work = _linear_products(256, 1024, dtype)
             comm.barrier(group)
-            flops[name] = _rate(products, work, 4 * step)
+            flops[name] = _rate(products, work, 3 * step)
             products, work = _linear_products(16, 64, dtype)
             latency.append(max(0.0, (1 / _rate(products, 1, step) - work / flops[name]) / 3))
+            # one set of buffers, sliced for the smaller sizes (values do not matter to an add)
+            buffers = [torch.full((_SIZES[-1],), 0.5, dtype=dtype) for _ in range(3)]
             for kind in ("", " in place"):
                 points = []
                 for numel in _SIZES:
-                    x, y, z = (torch.randn(numel, dtype=dtype) for _ in range(3))
+                    x, y, z = (b[:numel] for b in buffers)
                     # the output exists (its pages are mapped): the fresh pages' cost is measured apart
                     add = functools.partial(torch.add, x, y, out=x if kind else z)
                     comm.barrier(group)
                     points.append((3.0 * x.element_size() * numel, _rate(add, 3.0 * x.element_size() * numel, step)))
-                    del x, y, z
                 curves[name + kind] = points
+            del buffers
         out["flops"], out["elementwise"] = flops, curves
-        out["fresh_bandwidth"] = _fresh_bandwidth(2 * step)
-        out["op_elements"], out["op_flops"] = op_rates((torch.float32, torch.bfloat16))
+        out["fresh_bandwidth"] = _fresh_bandwidth(step)
+        out["op_elements"], out["op_flops"] = op_rates((torch.float32, torch.bfloat16), repeats=3)
         out["matmul_latency"] = statistics.mean(latency)
         comm.barrier(group)
-        out["op_overhead"] = _autograd_op_cost(2 * step)
+        out["op_overhead"] = _autograd_op_cost(step)
         links = {}
         if n > 1:
             for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
                 small, large = 4096 * n, 8 << 20
-                t_small = 1 / _rate_together(_collective(op, small, group), 1, 2 * step, group)
-                t_large = 1 / _rate_together(_collective(op, large, group), 1, 4 * step, group)
+                t_small = 1 / _rate_together(_collective(op, small, group), 1, step, group)
+                t_large = 1 / _rate_together(_collective(op, large, group), 1, 2 * step, group)
                 per_byte = max((t_large - t_small) / (ring_bytes(op, large, n) - ring_bytes(op, small, n)), 1e-13)
                 links[op] = (max(t_small - ring_bytes(op, small, n) * per_byte, 0.0), 1 / per_byte)
-            out["overlap"] = _overlap(group, 4 * step)
+            out["overlap"] = _overlap(group, 3 * step)
         out["collectives"] = links
         return out
     finally:
