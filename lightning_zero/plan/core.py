@@ -31,14 +31,15 @@ from lightning_zero.plan.world import Call, cpu_step_kernels, fake_world, host_o
 
 NOT_MODELED = (
     "the process group's own buffers, the allocator's slack and fragmentation",
-    "attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
+    "on an accelerator, attention runs torch's math path on meta tensors (its scores materialized): a GPU's flash or "
     "memory-efficient kernel holds less, so the transient peak is then an upper bound",
     "on an accelerator, the offloaded step's host temporaries are counted in the device's peak",
     "with overlap_comm (the default), which gradient buckets the pool keeps depends on when the network "
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
     "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
     "step time: the overlap of host-device copies with compute (they are counted as compute), "
-    "kernels slower than their roofline (small or odd-shaped products), the network's contention",
+    "kernels slower than their roofline (small or odd-shaped products), the network's contention; on a "
+    "CPU rank the step's write-back of parameters edited outside it (the engine skips it when none was)",
     "tensor and pipeline parallelism (the data-parallel group only)",
     "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
