@@ -153,10 +153,14 @@ class Machine:
 
     def bandwidth(self, dtype: str, nbytes: int = 0, in_place: bool = False) -> float:
         """Bytes/s of an element-wise op on ``dtype`` tensors moving ``nbytes`` on the device,
-        writing into an existing tensor (``in_place``) or a new one."""
-        curve = self.elementwise.get(f"{dtype} in place" if in_place else dtype) or self.elementwise.get(dtype)
-        if curve:
-            return interpolate(curve, nbytes)
+        writing what it reads (``in_place``) or another tensor. A dtype without a curve of its own
+        (integers, bool) uses float32's: the same bytes through the same caches."""
+        if dtype in self.dtype_bandwidth and not any(key.split(" ")[0] == dtype for key in self.elementwise):
+            return self.dtype_bandwidth[dtype]
+        kind = " in place" if in_place else ""
+        for key in (dtype + kind, dtype, "float32" + kind, "float32"):
+            if key in self.elementwise:
+                return interpolate(self.elementwise[key], nbytes)
         return self.dtype_bandwidth.get(dtype, self.memory_bandwidth)
 
     def link(self, op: str) -> Link:

@@ -35,8 +35,8 @@ def op_name(func: Any, kwargs: dict[str, Any]) -> str:
 
 
 def op_elements(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
-    """Elements of the op's largest output (of its largest input when it writes none)."""
-    return max((t.numel() for t in outputs or inputs), default=0)
+    """Elements of the op's largest tensor, input or output (a reduction's input)."""
+    return max((t.numel() for t in [*inputs, *outputs]), default=0)
 
 
 def op_flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
@@ -124,7 +124,8 @@ _PLAIN |= {"detach", "_to_copy", "expand", "t", "view", "alias"}
 
 def _workloads(dtype: torch.dtype) -> list[Callable[[], object]]:
     """Forward and backward of the activations, normalizations and attention of common models, on
-    tensors of a layer's size at a few hundred tokens (``512 x 1536``), and a comparison."""
+    tensors of a layer's size at a few hundred tokens (``512 x 1536``), a comparison and its ``any``,
+    and the engine's CPU Adam kernel."""
     x = torch.randn(512, 1536, dtype=dtype, requires_grad=True)
     weight, bias = torch.ones(1536, dtype=dtype, requires_grad=True), torch.zeros(1536, dtype=dtype, requires_grad=True)
     # causal attention at three lengths (its rate grows with the length: blocks on the diagonal)
@@ -152,6 +153,7 @@ def _workloads(dtype: torch.dtype) -> list[Callable[[], object]]:
 
     workloads: list[Callable[[], object]] = [lambda f=f: run(f) for f in functions]  # type: ignore[misc]
     workloads.append(lambda: torch.ne(x.detach(), other, out=flags))
+    workloads.append(lambda: flags.any())  # the engine's check of a chunk for edited parameters
     from lightning_zero.ops import compiled, functional
 
     if dtype == torch.float32 and compiled():

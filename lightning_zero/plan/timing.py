@@ -40,7 +40,7 @@ Event = tuple[Any, ...]
 """``("op", where, dtype, flops, bytes, name, new, elements)``, ``("issue", call, synchronous)``,
 ``("wait", call)``, ``("phase", name)``; ``call`` indexes the plan's list of the step's collectives.
 An op's ``name`` is the aten op's (:func:`~.opclass.op_name`), ``new`` the bytes of each storage it
-allocates (none: it writes in place), ``elements`` the numel of its largest output (or input); an op
+allocates (none: it writes in place), ``elements`` the numel of its largest tensor; an op
 event may stop after ``bytes`` (a synthetic one)."""
 
 

@@ -275,10 +275,12 @@ def test_the_recorder_names_ops_and_their_new_storages():
         torch.nn.functional.gelu(x, approximate="tanh")
         x.add_(1.0)
         x.t()
+        x.sum()
     ops = {e[5]: e for e in events}
     assert ops["gelu[tanh]"][6] == (8 * 16 * 4,) and ops["gelu[tanh]"][7] == 128  # a new output
     assert ops["add_"][6] == ()  # in place
     assert ops["t"][4] == 0  # a view moves nothing
+    assert ops["sum"][7] == 128  # a reduction's elements are its input's
     # the CPU attention kernel: 4 FLOPs per query x key x head element, half of them causal, the
     # backward 2.5 times the forward
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -329,3 +331,11 @@ def test_op_rates_measure_each_op_class():
     curve = flops["_scaled_dot_product_flash_attention_for_cpu_backward float32"]
     assert len(curve) == 3 and [size for size, _ in curve] == sorted(size for size, _ in curve)
     assert all(rate > 0 for _, rate in curve)
+
+
+def test_a_dtype_without_a_curve_uses_float32s():
+    cpu = dataclasses.replace(SLOW, elementwise={"float32": ((1e3, 1e9),), "float32 in place": ((1e3, 2e9),)})
+    assert cpu.bandwidth("bool", 10**6) == 1e9 and cpu.bandwidth("int64", 10, in_place=True) == 2e9
+    # the table's machines: one bandwidth, or a dtype's own where it differs
+    table = dataclasses.replace(SLOW, dtype_bandwidth={"bfloat16": 5e8})
+    assert table.bandwidth("bfloat16", 10**9) == 5e8 and table.bandwidth("float32", 10**9) == SLOW.memory_bandwidth
