@@ -1,6 +1,6 @@
 """The plan's predicted step time against measured steps of the real engine on this machine.
 
-Run: ``python benchmarks/plan_check.py [--ranks 1,2,4] [--steps 5] [--json benchmarks/results/plan-step-time.json]``
+Run: ``python benchmarks/plan_check.py [--ranks 1,2,4] [--steps 4] [--json benchmarks/results/plan-step-time.json]``
      ``--quick``: tiny models, one step each (checks the script, not the numbers)
 
 For each world size: :func:`lightning_zero.plan.machine.calibrate` measures this machine as that many
@@ -155,7 +155,7 @@ def planned(shape: str, stage: int, offload: bool, world_size: int) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,2,4")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--calibration-seconds", type=float, default=4.0)
     parser.add_argument("--quick", action="store_true", help="tiny models, one timed step: checks the script")

@@ -38,8 +38,7 @@ NOT_MODELED = (
     "completes each reduction: communication_buckets assumes none completes before it is waited for "
     "(measured up to 1.5x more on 2 gloo ranks of a small model); exact with overlap_comm=False",
     "step time: the overlap of host-device copies with compute (they are counted as compute), "
-    "kernels slower than their roofline (small or odd-shaped products), the network's contention; on a "
-    "CPU rank the step's write-back of parameters edited outside it (the engine skips it when none was)",
+    "kernels slower than their roofline (small or odd-shaped products), the network's contention",
     "tensor and pipeline parallelism (the data-parallel group only)",
     "NVMe tiers, loss scaling (16-mixed), gradient clipping's norm all-reduce",
     "optimizers other than AdamW (the plan gives every trainable parameter to one AdamW)",
