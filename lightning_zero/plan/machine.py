@@ -437,7 +437,8 @@ def calibrate(world_size: int = 2, seconds: float = 4.0, threads: int = 1) -> Ma
     first = results[0]
 
     def mean(key: str) -> dict[str, float]:
-        return {k: statistics.mean(r[key][k] for r in results) for k in first[key]}
+        # over the ranks that measured it (an op a rank timed too fast to keep is left out there)
+        return {k: statistics.mean(r[key][k] for r in results if k in r[key]) for k in first[key]}
 
     links = {op: Link(latency=lat, bandwidth=bw) for op, (lat, bw) in first["collectives"].items()}
     if not links:  # one rank: no collective runs, any positive rate will do
@@ -464,7 +465,10 @@ def calibrate(world_size: int = 2, seconds: float = 4.0, threads: int = 1) -> Ma
         source=f"calibrated on {world_size} ranks",
         op_elements=mean("op_elements"),
         op_flops={
-            key: tuple((size, statistics.mean(dict(r["op_flops"][key])[size] for r in results)) for size, _ in curve)
+            key: tuple(
+                (size, statistics.mean(dict(r["op_flops"].get(key, curve)).get(size, rate) for r in results))
+                for size, rate in curve
+            )
             for key, curve in first["op_flops"].items()
         },
         matmul_latency=statistics.mean(float(r["matmul_latency"]) for r in results),
