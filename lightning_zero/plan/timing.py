@@ -1,11 +1,12 @@
 """Predicted step time: the plan's training step replayed on a :class:`~.machine.Machine`.
 
 While the planner runs a step of the real engine on meta tensors it records, in the order they
-happen, every op (its FLOPs from torch's own formulas, ``torch.utils.flop_counter``, and the bytes it
-reads and writes), every collective the engine issues (synchronous or not) and every wait on an
-asynchronous one (:class:`OpRecorder` and :func:`~.world.record_collectives`). :func:`step_time`
-replays that order on two clocks, the rank's compute and its network: an op costs
-``max(FLOPs / FLOP/s, bytes / bandwidth)`` (at least the per-op overhead), a collective starts when
+happen, every op (its name, its FLOPs from torch's own formulas, ``torch.utils.flop_counter``, the
+bytes it reads and writes, the storages it allocates), every collective the engine issues
+(synchronous or not) and every wait on an asynchronous one (:class:`OpRecorder` and
+:func:`~.world.record_collectives`). :func:`step_time` replays that order on two clocks, the rank's
+compute and its network: an op costs what its class costs on the machine (:func:`op_seconds`: FLOPs,
+bytes by size and kind, a rate measured for that op, fresh pages, the per-op cost), a collective starts when
 it is issued and the network is free, and the compute waits only where the engine waits. So the
 overlap is the engine's own: stage 3's prefetched all-gathers run under the modules before the one
 that waits for them, gradient buckets reduce under the rest of the backward, and the engine's
