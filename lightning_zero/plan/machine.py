@@ -45,14 +45,15 @@ def ring_bytes(op: str, nbytes: int, world_size: int) -> float:
 
 
 def interpolate(curve: Sequence[tuple[float, float]], size: float) -> float:
-    """The rate of ``curve`` (``(size, rate)`` points in increasing size) at ``size``: linear in
-    log(size) between two points, the nearest point's outside them."""
+    """The rate of ``curve`` (``(size, rate)`` points in increasing size) at ``size``: between two
+    points the time per unit (1 / rate) is linear in log(size), so a slow point weighs as much as the
+    time it costs; outside them the nearest point's rate."""
     if size <= curve[0][0]:
         return curve[0][1]
     for (s0, r0), (s1, r1) in itertools.pairwise(curve):
         if size <= s1:
             w = math.log(size / s0) / math.log(s1 / s0) if s1 > s0 else 1.0
-            return r0 + w * (r1 - r0)
+            return 1 / ((1 - w) / r0 + w / r1)
     return curve[-1][1]
 
 
@@ -88,9 +89,10 @@ class Machine:
     elementwise: Mapping[str, tuple[tuple[float, float], ...]] = dataclasses.field(default_factory=dict)
     """Measured element-wise rates by size: ``((bytes moved, bytes/s), ...)`` in increasing size, per
     ``"<dtype>"`` (an op that writes another tensor than it reads) and ``"<dtype> in place"`` (an op
-    that writes what it reads: the optimizer step, accumulation). Between the sizes the rate is
-    interpolated in log(bytes), outside them the nearest is used: the caches shape the curve, not a
-    formula. Fresh pages of new outputs cost ``fresh_bandwidth`` besides."""
+    that writes what it reads: the optimizer step, accumulation). Between the sizes the time per
+    byte is interpolated in log(bytes) (:func:`interpolate`), outside them the nearest rate is
+    used: the caches shape the curve, not a formula. Fresh pages of new outputs cost
+    ``fresh_bandwidth`` besides."""
     host_bandwidth: float = 0.0
     """Bytes/s of element-wise ops in host memory (the offloaded optimizer step); 0: the device's."""
     host_link: float = math.inf

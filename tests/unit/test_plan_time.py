@@ -227,10 +227,10 @@ def test_elementwise_curves_fresh_pages_and_measured_ops():
     from lightning_zero.plan.machine import interpolate
     from lightning_zero.plan.timing import fresh_threshold, op_seconds
 
-    # a curve is linear in log(size) between its points and flat beyond them
+    # a curve's time per unit is linear in log(size) between its points, its rate flat beyond them
     curve = ((1e3, 4e9), (1e5, 2e9))
     assert interpolate(curve, 10) == 4e9 and interpolate(curve, 1e7) == 2e9
-    assert interpolate(curve, 1e4) == pytest.approx(3e9)
+    assert interpolate(curve, 1e4) == pytest.approx(1 / (0.5 / 4e9 + 0.5 / 2e9))
     cpu = dataclasses.replace(
         SLOW,
         elementwise={"float32": ((1e3, 1e9), (1e6, 1e8)), "float32 in place": ((1e3, 2e9), (1e6, 4e8))},
