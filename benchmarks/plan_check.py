@@ -19,6 +19,7 @@ ratio planned / measured.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -170,14 +171,17 @@ def main() -> None:
         args.steps, args.calibration_seconds = 1, 0.5
     from lightning_zero.plan.machine import calibrate, to_dict
 
-    rows, machines = [], {}
+    rows, machines, loads = [], {}, {}
     shapes = args.shapes.split(",")
     for world_size in (int(n) for n in args.ranks.split(",")):
+        load_before = os.getloadavg()[0]  # other jobs on the machine make these numbers unreliable
         machine = calibrate(world_size, seconds=args.calibration_seconds)
         machines[world_size] = to_dict(machine)
         print(f"{world_size} ranks: {machine}", flush=True)
         cases = [(shape, label, stage, offload) for shape in shapes for label, stage, offload in LAYOUTS]
         measured = common.run_ranks(measure, cases, args.steps, world_size=world_size)[0]
+        loads[world_size] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        print(f"{world_size} ranks: load average {loads[world_size]}", flush=True)
         for (shape, label, stage, offload), seconds in zip(cases, measured, strict=True):
             predicted = planned(shape, stage, offload, world_size).step_time(machine)  # type: ignore[attr-defined]
             row = [
@@ -219,7 +223,11 @@ def main() -> None:
             "command": command.strip(),
             "headers": headers,
             "rows": rows,
-            "notes": [summary, "Calibrated machines (per world size): " + str(machines)],
+            "notes": [
+                summary,
+                "1-minute load average before calibrating and after measuring, per world size: " + str(loads),
+                "Calibrated machines (per world size): " + str(machines),
+            ],
         },
     )
 
