@@ -1,14 +1,15 @@
 """The plan's predicted step time against measured steps of the real engine on this machine.
 
-Run: ``python benchmarks/plan_check.py [--ranks 1,2,4] [--steps 5] [--json benchmarks/results/plan-step-time.json]``
+Run: ``python benchmarks/plan_check.py [--ranks 1,2,4] [--steps 4] [--json benchmarks/results/plan-step-time.json]``
      ``--quick``: tiny models, one step each (checks the script, not the numbers)
 
 For each world size: :func:`lightning_zero.plan.machine.calibrate` measures this machine as that many
-gloo ranks (FLOP/s, element-wise bandwidth, each collective, the overlap of communication with
-compute, a few seconds); then the same ranks train three shapes (the benchmark GPT of
-``benchmarks/common.py``, a deeper and narrower GPT at a longer sequence, and the square stack of
-eight 2048-wide Linear layers) at stages 1, 2, 3 and with the optimizer offloaded at stages 2 and 3
-(bf16-mixed, AdamW, the strategy's defaults otherwise), through the engine itself
+gloo ranks (micro-benchmarks of each op class and collective, a few seconds; never the models
+below); then the same ranks train four shapes (the benchmark GPT of ``benchmarks/common.py``, a
+deeper and narrower GPT at a longer sequence, the square stack of eight 2048-wide Linear layers,
+and an MLP of odd widths held out while the model was developed) at stages 1, 2, 3 and with the
+optimizer offloaded at stages 2 and 3 (bf16-mixed, AdamW, the strategy's defaults otherwise, glibc's
+mmap threshold set as the strategy sets it for CPU training), through the engine itself
 (:class:`~lightning_zero.zero.engine.ZeroEngine`), and time each step between barriers; the first
 two steps are dropped and the median of the rest is reported. The plan of each case (meta tensors,
 fake process group) is timed on the calibrated machine and printed beside the measurement, with the
@@ -18,10 +19,12 @@ ratio planned / measured.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -31,11 +34,36 @@ import torch.distributed as dist
 
 from recipes.gpt2.model import GPT, GPTConfig
 
-#: name -> (model kind, config, inputs' shape); "gpt" is the benchmark GPT, micro-batch 4 x 128
-SHAPES: dict[str, tuple[str, GPTConfig | None, tuple[int, int]]] = {
+
+class OddMLP(torch.nn.Module):
+    """Residual blocks of LayerNorm, Linear(width, hidden), SiLU, Linear(hidden, width) at odd widths:
+    the shape the step-time model was validated on without being developed on it."""
+
+    def __init__(self, width: int = 1000, hidden: int = 2900, depth: int = 5) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width),
+                torch.nn.Linear(width, hidden),
+                torch.nn.SiLU(),
+                torch.nn.Linear(hidden, width),
+            )
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+#: name -> (model kind, config, inputs' shape); "gpt" is the benchmark GPT, micro-batch 4 x 128;
+#: "mlp-odd" is the shape held out while the model was developed
+SHAPES: dict[str, tuple[str, Any, tuple[int, int]]] = {
     "gpt": ("gpt", common.MODEL, (4, 128)),
     "gpt-deep": ("gpt", GPTConfig(vocab_size=4096, block_size=256, n_layer=12, n_head=4, n_embd=256), (2, 256)),
     "square": ("square", None, (64, 2048)),
+    "mlp-odd": ("odd", {"width": 1000, "hidden": 2900, "depth": 5}, (100, 1000)),
 }
 #: (label, stage, offload_optimizer)
 LAYOUTS = [
@@ -49,13 +77,12 @@ LAYOUTS = [
 
 def _model(shape: str) -> torch.nn.Module:
     kind, config, _ = SHAPES[shape]
-    return GPT(config) if kind == "gpt" else common.SquareStack()
+    return GPT(config) if kind == "gpt" else OddMLP(**config) if kind == "odd" else common.SquareStack()
 
 
 def _inputs(shape: str, generator: torch.Generator) -> torch.Tensor:
     kind, config, dims = SHAPES[shape]
     if kind == "gpt":
-        assert config is not None
         return torch.randint(0, config.vocab_size, dims, generator=generator)
     return torch.randn(*dims, generator=generator).to(torch.bfloat16)
 
@@ -69,13 +96,16 @@ def _loss(shape: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def measure(rank: int, cases: list[tuple[str, str, int, bool]], steps: int) -> list[float]:
     """Median step seconds (rank 0's clock, between barriers) of each case on these ranks."""
-    from lightning_zero import comm
+    from lightning_zero import comm, memory
     from lightning_zero.config import OffloadConfig, StrategyConfig, ZeroConfig
     from lightning_zero.zero.engine import ZeroEngine
 
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     out = []
+    # as the strategy sets up CPU training (lightning_zero/lifecycle.py): glibc's mmap threshold
+    threshold = ZeroConfig().host_mmap_threshold
+    fixed = threshold is not None and memory.fix_mmap_threshold(threshold)
     try:
         for shape, _, stage, offload in cases:
             torch.manual_seed(0)
@@ -98,6 +128,8 @@ def measure(rank: int, cases: list[tuple[str, str, int, bool]], steps: int) -> l
             engine.close()
             del engine, model, optimizer
     finally:
+        if fixed:
+            memory.restore_mmap_threshold()
         dist.destroy_process_group()
     return out
 
@@ -108,7 +140,7 @@ def planned(shape: str, stage: int, offload: bool, world_size: int) -> object:
     from lightning_zero.plan import plan
 
     kind, config, dims = SHAPES[shape]
-    source = "recipes.gpt2.model:GPT" if kind == "gpt" else "common:SquareStack"
+    source = {"gpt": "recipes.gpt2.model:GPT", "odd": "plan_check:OddMLP"}.get(kind, "common:SquareStack")
     inputs = [(dims, torch.int64 if kind == "gpt" else torch.float32)]
     return plan(
         source,
@@ -116,7 +148,7 @@ def planned(shape: str, stage: int, offload: bool, world_size: int) -> object:
         zero=ZeroConfig(stage=stage),
         offload=OffloadConfig(offload_optimizer=offload),
         device="cpu",
-        model_kwargs={"config": config} if config is not None else None,
+        model_kwargs={"config": config} if kind == "gpt" else config,
         inputs=inputs,
     )
 
@@ -124,7 +156,7 @@ def planned(shape: str, stage: int, offload: bool, world_size: int) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,2,4")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--calibration-seconds", type=float, default=4.0)
     parser.add_argument("--quick", action="store_true", help="tiny models, one timed step: checks the script")
@@ -135,17 +167,21 @@ def main() -> None:
         SHAPES["gpt"] = ("gpt", common.MODEL, (2, 16))
         SHAPES["gpt-deep"] = ("gpt", GPTConfig(vocab_size=128, block_size=32, n_layer=3, n_head=2, n_embd=16), (2, 32))
         SHAPES["square"] = ("square", None, (4, common.SQUARE_WIDTH))
+        SHAPES["mlp-odd"] = ("odd", {"width": 10, "hidden": 29, "depth": 2}, (4, 10))
         args.steps, args.calibration_seconds = 1, 0.5
     from lightning_zero.plan.machine import calibrate, to_dict
 
-    rows, machines = [], {}
+    rows, machines, loads = [], {}, {}
     shapes = args.shapes.split(",")
     for world_size in (int(n) for n in args.ranks.split(",")):
+        load_before = os.getloadavg()[0]  # other jobs on the machine make these numbers unreliable
         machine = calibrate(world_size, seconds=args.calibration_seconds)
         machines[world_size] = to_dict(machine)
         print(f"{world_size} ranks: {machine}", flush=True)
         cases = [(shape, label, stage, offload) for shape in shapes for label, stage, offload in LAYOUTS]
         measured = common.run_ranks(measure, cases, args.steps, world_size=world_size)[0]
+        loads[world_size] = f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        print(f"{world_size} ranks: load average {loads[world_size]}", flush=True)
         for (shape, label, stage, offload), seconds in zip(cases, measured, strict=True):
             predicted = planned(shape, stage, offload, world_size).step_time(machine)  # type: ignore[attr-defined]
             row = [
@@ -187,7 +223,11 @@ def main() -> None:
             "command": command.strip(),
             "headers": headers,
             "rows": rows,
-            "notes": [summary, "Calibrated machines (per world size): " + str(machines)],
+            "notes": [
+                summary,
+                "1-minute load average before calibrating and after measuring, per world size: " + str(loads),
+                "Calibrated machines (per world size): " + str(machines),
+            ],
         },
     )
 

@@ -11,6 +11,7 @@ prefetch from the first one's module order, as a real run does.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,8 @@ from lightning_zero.plan.machine import Machine
 from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_model
 from lightning_zero.plan.peak import LiveBytes, cpu_attention, host_kernel_steps, kernel_step_uncounted
 from lightning_zero.plan.resident import DEFAULT, HostRuntime
-from lightning_zero.plan.timing import Event, OpRecorder, StepTime, step_time
-from lightning_zero.plan.world import Call, fake_world, host_on_meta, record_collectives
+from lightning_zero.plan.timing import Event, OpRecorder, StepTime, fresh_threshold, step_time
+from lightning_zero.plan.world import Call, cpu_step_kernels, fake_world, host_on_meta, record_collectives
 
 NOT_MODELED = (
     "the process group's own buffers, the allocator's slack and fragmentation, on an accelerator its "
@@ -131,11 +132,12 @@ class Plan:
     def step_time(self, machine: Machine) -> StepTime:
         """This layout's training step on ``machine`` (:func:`.timing.step_time`): the engine's
         recorded step replayed on the machine's rates, with the overlap the engine does."""
+        fresh = fresh_threshold(self.device, self.zero.host_mmap_threshold)
         if self.parallel is not None:  # each call on its own group's size, and the pipeline's bubble
             from lightning_zero.plan.pipeline_time import parallel_step_time
 
-            return parallel_step_time(self, machine)
-        return step_time(self.trace, self.step_calls, self.world_size, machine)
+            return parallel_step_time(self, machine, fresh)
+        return step_time(self.trace, self.step_calls, self.world_size, machine, fresh)
 
 
 def _totals(calls: list[Call]) -> tuple[CollectiveTotal, ...]:
@@ -209,12 +211,14 @@ def plan(
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
+    kernels = cpu_step_kernels() if device == "cpu" else contextlib.nullcontext()
     with (
         fake_world(world_size, _stage.rank if _stage else 0) as group,
         host_on_meta(host),
         gloo,
         disk_tier(offload, host, device) as disk,
         cpu_attention(device == "cpu"),
+        kernels,
     ):
         from lightning_zero.zero import ZeroEngine
 

@@ -135,7 +135,6 @@ def cpu_attention(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    _register_flops()
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
@@ -191,29 +190,3 @@ def _cpu_picks_flash(
         tiny(query), tiny(key), tiny(value), small_mask, dropout_p, is_causal, scale=scale
     )
     return bool(backend == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value)
-
-
-def _register_flops() -> None:
-    """torch's FLOP formulas for the CPU flash kernel (torch registers the GPU kernels' only), so that
-    the step time (:mod:`.timing`, ``torch.utils.flop_counter``) counts the attention it runs."""
-    from torch.utils import flop_counter
-
-    aten = torch.ops.aten
-    forward, backward = (
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    )
-    if forward not in flop_counter.flop_registry:
-
-        def forward_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-            return int(flop_counter.sdpa_flop_count(query, key, value))
-
-        flop_counter.register_flop_formula(forward)(forward_flops)
-    if backward not in flop_counter.flop_registry:
-
-        def backward_flops(
-            grad: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
-        ) -> int:
-            return int(flop_counter.sdpa_backward_flop_count(grad, query, key, value))
-
-        flop_counter.register_flop_formula(backward)(backward_flops)

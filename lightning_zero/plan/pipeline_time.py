@@ -17,6 +17,7 @@ machine's one interconnect.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,11 +107,12 @@ def simulate(
     return [free[s] + tails[s] for s in range(stages)]
 
 
-def parallel_step_time(p: Any, machine: Machine) -> PipelineStepTime:
-    """The step of a D x T x P layout on ``machine`` (see the module's docstring)."""
+def parallel_step_time(p: Any, machine: Machine, fresh_above: float = math.inf) -> PipelineStepTime:
+    """The step of a D x T x P layout on ``machine`` (see the module's docstring); ``fresh_above``:
+    :func:`~.timing.fresh_threshold` of the plan."""
     info = p.parallel
     plans = info.stages or (p,)
-    whole = [(step_time(q.trace, _calls(q), 2, machine), q) for q in plans]
+    whole = [(step_time(q.trace, _calls(q), 2, machine, fresh_above), q) for q in plans]
     if info.pipeline == 1 or not info.stages:
         slowest, q = max(whole, key=lambda t: t[0].seconds)
         fields = {f.name: getattr(slowest, f.name) for f in dataclasses.fields(StepTime)}
@@ -120,9 +122,9 @@ def parallel_step_time(p: Any, machine: Machine) -> PipelineStepTime:
     for q in plans:
         calls = _calls(q)
         actions, tail = _split(q.trace)
-        seconds = {a: step_time(events, calls, 2, machine).seconds for a, events in actions.items()}
+        seconds = {a: step_time(events, calls, 2, machine, fresh_above).seconds for a, events in actions.items()}
         for s in q.parallel.represents:
-            durations[s], tails[s] = seconds, step_time(tail, calls, 2, machine).seconds
+            durations[s], tails[s] = seconds, step_time(tail, calls, 2, machine, fresh_above).seconds
     ends = simulate(durations, tails, info.schedule, info.micro_batches, info.chunks)
     busy = [sum(durations[s].values()) + tails[s] for s in range(info.pipeline)]
     stage = max(range(info.pipeline), key=lambda s: busy[s])

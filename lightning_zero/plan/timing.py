@@ -1,11 +1,12 @@
 """Predicted step time: the plan's training step replayed on a :class:`~.machine.Machine`.
 
 While the planner runs a step of the real engine on meta tensors it records, in the order they
-happen, every op (its FLOPs from torch's own formulas, ``torch.utils.flop_counter``, and the bytes it
-reads and writes), every collective the engine issues (synchronous or not) and every wait on an
-asynchronous one (:class:`OpRecorder` and :func:`~.world.record_collectives`). :func:`step_time`
-replays that order on two clocks, the rank's compute and its network: an op costs
-``max(FLOPs / FLOP/s, bytes / bandwidth)`` (at least the per-op overhead), a collective starts when
+happen, every op (its name, its FLOPs from torch's own formulas, ``torch.utils.flop_counter``, the
+bytes it reads and writes, the storages it allocates), every collective the engine issues
+(synchronous or not) and every wait on an asynchronous one (:class:`OpRecorder` and
+:func:`~.world.record_collectives`). :func:`step_time` replays that order on two clocks, the rank's
+compute and its network: an op costs what its class costs on the machine (:func:`op_seconds`: FLOPs,
+bytes by size and kind, a rate measured for that op, fresh pages, the per-op cost), a collective starts when
 it is issued and the network is free, and the compute waits only where the engine waits. So the
 overlap is the engine's own: stage 3's prefetched all-gathers run under the modules before the one
 that waits for them, gradient buckets reduce under the rest of the backward, and the engine's
@@ -17,6 +18,8 @@ bandwidth, and copies between host and device at the host link's.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +27,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from lightning_zero.plan.disk import DiskClock
-from lightning_zero.plan.machine import Machine
+from lightning_zero.plan.machine import Machine, interpolate
+from lightning_zero.plan.opclass import op_elements, op_flops, op_name
 
 # ops that allocate without writing, or only relabel a storage: no bytes move
 _FREE = {"detach", "alias", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
@@ -36,13 +39,17 @@ _FREE |= {"new_empty_strided", "set_", "resize_", "_has_compatible_shallow_copy_
 _COMMUNICATION = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 
 Event = tuple[Any, ...]
-"""``("op", where, dtype, flops, bytes)``, ``("issue", call, synchronous)``, ``("wait", call)``,
-``("phase", name)``; ``call`` indexes the plan's list of the step's collectives; the NVMe tiers'
-``("io", "read"|"write", bytes, token)`` and ``("io_wait", token)`` (:mod:`.disk`)."""
+"""``("op", where, dtype, flops, bytes, name, new, elements)``, ``("issue", call, synchronous)``,
+``("wait", call)``, ``("phase", name)``; ``call`` indexes the plan's list of the step's collectives;
+the NVMe tiers' ``("io", "read"|"write", bytes, token)`` and ``("io_wait", token)`` (:mod:`.disk`).
+An op's ``name`` is the aten op's (:func:`~.opclass.op_name`), ``new`` the bytes of each storage it
+allocates (none: it writes in place), ``elements`` the numel of its largest tensor; an op
+event may stop after ``bytes`` (a synthetic one)."""
 
 
 class OpRecorder(TorchDispatchMode):
-    """Append one ``("op", where, dtype, flops, bytes)`` event per op dispatched in the block.
+    """Append one ``("op", where, dtype, flops, bytes, name, new, elements)`` event per op
+    dispatched in the block.
 
     ``where``: ``"host"`` when every tensor of the op is in host memory (storages in ``host``),
     ``"link"`` for a copy between host and device, else ``"device"``; ``host`` is None on a CPU
@@ -62,11 +69,13 @@ class OpRecorder(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         free = func.is_view or func._opname in _FREE
         nbytes = 0 if free else sum(t.numel() * t.element_size() for t in tensors + outputs)
-        flops = 0
-        if func._overloadpacket in flop_registry:
-            flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+        flops = op_flops(func, args, kwargs, out)
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else ""
-        self.events.append(("op", self._where(tensors + outputs), dtype, flops, nbytes))
+        inputs = {t.untyped_storage()._cdata for t in tensors}
+        new = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outputs}
+        fresh = tuple(n for key, n in new.items() if key not in inputs)
+        name, elements = op_name(func, kwargs), op_elements(tensors, outputs)
+        self.events.append(("op", self._where(tensors + outputs), dtype, flops, nbytes, name, fresh, elements))
         return out
 
     def _where(self, tensors: list[torch.Tensor]) -> str:
@@ -105,21 +114,56 @@ class StepTime:
         return self.communication - self.exposed_communication
 
 
-def _op_seconds(event: Event, machine: Machine) -> float:
-    _, where, dtype, flops, nbytes = event
+def fresh_threshold(device: str, mmap_threshold: int | None) -> float:
+    """Bytes from which a new host tensor lands on fresh pages every time: the C library's mmap
+    threshold (``MALLOC_MMAP_THRESHOLD_`` when set, else the strategy's ``host_mmap_threshold``,
+    else glibc's dynamic threshold, which rises to at most 32 MiB); infinite on an accelerator,
+    whose caching allocator keeps its memory."""
+    if device != "cpu":
+        return math.inf
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_", "").isdigit():
+        return float(os.environ["MALLOC_MMAP_THRESHOLD_"])
+    return float(mmap_threshold) if mmap_threshold is not None else float(32 << 20)
+
+
+def op_seconds(event: Event, machine: Machine, fresh_above: float = math.inf) -> float:
+    """Seconds of one ``("op", ...)`` event on ``machine``: a matrix product (an op with FLOPs) at the
+    dtype's FLOP/s plus the machine's fixed cost of one; an element-wise op at the bandwidth of its
+    size and kind (in place or not); an op the machine measured on its own (``op_elements``,
+    ``op_flops``: activations, normalization, attention) at least at that rate; new outputs of at
+    least ``fresh_above`` bytes at ``fresh_bandwidth`` besides; plus the per-op cost (added on a CPU
+    rank, the larger on an accelerator)."""
+    _, where, dtype, flops, nbytes = event[:5]
+    name, new, elements = (*event[5:8], "", (), 0)[:3]  # a synthetic event may stop at bytes
     if where == "link":
         bandwidth = machine.host_link
     elif where == "host":
         bandwidth = machine.host_bandwidth or machine.memory_bandwidth
     else:
-        bandwidth = machine.bandwidth(dtype, nbytes)
-    compute = flops / machine.matmul_rate(dtype) if flops else 0.0
-    return max(machine.op_overhead, compute, nbytes / bandwidth)
+        bandwidth = machine.bandwidth(dtype, nbytes, in_place=not new)
+    work = nbytes / bandwidth
+    key = f"{name} {dtype}"
+    if key in machine.op_flops:
+        work = max(work, flops / interpolate(machine.op_flops[key], flops / max(elements, 1)))
+    elif flops:
+        work = max(work, machine.matmul_latency + flops / machine.matmul_rate(dtype))
+    if key in machine.op_elements:
+        work = max(work, elements / machine.op_elements[key])
+    if where == "device":
+        work += sum(n for n in new if n >= fresh_above) / machine.fresh_bandwidth
+    return machine.op_overhead + work if machine.serial_overhead else max(machine.op_overhead, work)
 
 
-def step_time(events: Sequence[Event], calls: Sequence[tuple[str, int]], world_size: int, machine: Machine) -> StepTime:
+def step_time(
+    events: Sequence[Event],
+    calls: Sequence[tuple[str, int]],
+    world_size: int,
+    machine: Machine,
+    fresh_above: float = math.inf,
+) -> StepTime:
     """Replay ``events`` (one step, as :class:`OpRecorder` and the collective recorder wrote them;
-    ``calls``: each collective's ``(op, whole-buffer bytes)``) on ``machine``'s rates.
+    ``calls``: each collective's ``(op, whole-buffer bytes)``) on ``machine``'s rates; new outputs of
+    at least ``fresh_above`` bytes land on fresh pages (:func:`fresh_threshold`).
 
     Two clocks: the compute runs the ops in order; the network runs one collective at a time, each
     from when it is issued (and the previous one is done). A synchronous collective and a wait
@@ -133,7 +177,7 @@ def step_time(events: Sequence[Event], calls: Sequence[tuple[str, int]], world_s
     for event in events:
         kind = event[0]
         if kind == "op":
-            seconds = _op_seconds(event, machine)
+            seconds = op_seconds(event, machine, fresh_above)
             compute += seconds
             phases[phase] += seconds
             host += seconds if event[1] != "device" else 0.0

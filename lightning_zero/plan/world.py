@@ -86,6 +86,55 @@ def host_on_meta(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def cpu_step_kernels() -> Iterator[None]:
+    """The optimizer step a CPU rank runs, where the engine decides by the device of its tensors
+    (meta in the plan): without offload it steps Adam/AdamW on fp32 masters in host memory with its
+    compiled kernel when one is built (one pass instead of torch's several), and before the step it
+    checks each chunk of the parameter slice for edits made outside the step (``ne`` and ``any``),
+    writing back only where one was. While the engine decides, meta tensors report the CPU (the
+    device they stand for in a CPU plan); the check finds no edit (meta tensors have no values: the
+    common case, parameters changed only by the step)."""
+    import importlib
+
+    kernels = importlib.import_module("lightning_zero.zero.step_kernels")
+    flat = importlib.import_module("lightning_zero.zero.flat")
+    decide, absorb = kernels.KernelStep._for_host_masters, flat.FlatBuffer.absorb_edits
+    device, empty = torch.Tensor.device, torch.empty
+
+    def as_cpu(tensor: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if device.__get__(tensor).type == "meta" else device.__get__(tensor)
+
+    def no_values(tensor: torch.Tensor) -> bool:
+        return False  # the plan's tensors stand for values it does not have
+
+    def meta_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            kwargs["device"] = "meta"  # what the engine allocates "on the CPU" stays meta
+        return empty(*args, **kwargs)
+
+    def on_cpu() -> Any:
+        return mock.patch.object(torch.Tensor, "device", property(as_cpu))
+
+    def for_host_masters(*args: Any, **kwargs: Any) -> Any:
+        with on_cpu():
+            return decide(*args, **kwargs)
+
+    def absorb_edits(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with (
+            on_cpu(),
+            mock.patch.object(torch.Tensor, "__bool__", no_values),
+            mock.patch.object(torch, "empty", meta_empty),
+        ):
+            return absorb(self, *args, **kwargs)
+
+    with (
+        mock.patch.object(kernels.KernelStep, "_for_host_masters", staticmethod(for_host_masters)),
+        mock.patch.object(flat.FlatBuffer, "absorb_edits", absorb_edits),
+    ):
+        yield
+
+
 @dataclass(frozen=True)
 class Call:
     """One collective as issued: its :mod:`~lightning_zero.comm` function, the group's name and

@@ -240,8 +240,10 @@ def test_calibration_measures_every_rate_the_model_uses():
 
     machine = calibrate(2, seconds=0.5)
     assert set(machine.flops) == {"float32", "bfloat16"} and min(machine.flops.values()) > 0
-    assert set(machine.large_bandwidth) == set(machine.dtype_bandwidth) == {"float32", "bfloat16"}
-    assert machine.cache_bytes > 0
+    assert set(machine.elementwise) == {"float32", "float32 in place", "bfloat16", "bfloat16 in place"}
+    assert all(rate > 0 for curve in machine.elementwise.values() for _, rate in curve)
+    assert machine.fresh_bandwidth > 0 and machine.op_overhead > 0 and machine.serial_overhead
+    assert "gelu bfloat16" in machine.op_elements and machine.threads == 1
     assert set(machine.collectives) == {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
     assert all(link.bandwidth > 0 and link.latency >= 0 for link in machine.collectives.values())
     assert 0 <= machine.overlap <= 1 and machine.source == "calibrated on 2 ranks"

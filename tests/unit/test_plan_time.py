@@ -147,11 +147,6 @@ def test_machine_table_and_validation():
         dataclasses.replace(SLOW, memory_bandwidth=0.0)
     with pytest.raises(ValueError, match="overlap"):
         dataclasses.replace(SLOW, overlap=1.5)
-    # beyond the caches an element-wise op runs at the large-tensor bandwidth
-    cached = dataclasses.replace(SLOW, cache_bytes=1000, large_bandwidth={"float32": 1e8})
-    small, large = ("op", "device", "float32", 0, 1000), ("op", "device", "float32", 0, 1001)
-    assert step_time([small], [], 1, cached).seconds == pytest.approx(1e-6)
-    assert step_time([large], [], 1, cached).seconds == pytest.approx(1001 / 1e8)
     # one rank: a collective moves nothing, only its latency counts
     assert SLOW.link("all_gather").seconds("all_gather", 10**9, 1) == 0.0
 
@@ -226,3 +221,121 @@ def test_the_plan_command_times_and_searches(capsys):
     assert "not in the table" in capsys.readouterr().err
     assert main([*args, "--machine", "calibrate"]) == 2  # a CPU measurement for a cuda plan
     assert "--device cpu" in capsys.readouterr().err
+
+
+def test_elementwise_curves_fresh_pages_and_measured_ops():
+    from lightning_zero.plan.machine import interpolate
+    from lightning_zero.plan.timing import fresh_threshold, op_seconds
+
+    # a curve's time per unit is linear in log(size) between its points, its rate flat beyond them
+    curve = ((1e3, 4e9), (1e5, 2e9))
+    assert interpolate(curve, 10) == 4e9 and interpolate(curve, 1e7) == 2e9
+    assert interpolate(curve, 1e4) == pytest.approx(1 / (0.5 / 4e9 + 0.5 / 2e9))
+    cpu = dataclasses.replace(
+        SLOW,
+        elementwise={"float32": ((1e3, 1e9), (1e6, 1e8)), "float32 in place": ((1e3, 2e9), (1e6, 4e8))},
+        fresh_bandwidth=1e8,
+        op_elements={"gelu float32": 1e6},
+        op_flops={"attn float32": ((10.0, 1e8), (1000.0, 1e9))},
+        op_overhead=1e-6,
+        serial_overhead=True,
+    )
+    # beyond the caches (the second point) an op writing a new tensor and one writing in place
+    new, in_place = (
+        ("op", "device", "float32", 0, 10**6, "add", (4000,), 10),
+        ("op", "device", "float32", 0, 10**6, "add_", (), 10),
+    )
+    assert op_seconds(new, cpu) == pytest.approx(1e-6 + 1e6 / 1e8)
+    assert op_seconds(in_place, cpu) == pytest.approx(1e-6 + 1e6 / 4e8)
+    # its output on fresh pages (at least the threshold) costs their first touch besides
+    assert op_seconds(new, cpu, fresh_above=4000) == pytest.approx(1e-6 + 1e6 / 1e8 + 4000 / 1e8)
+    assert op_seconds(in_place, cpu, fresh_above=1) == op_seconds(in_place, cpu)
+    # an op measured on its own costs at least its elements at that rate (1e5 elements: 0.1 s)
+    gelu = ("op", "device", "float32", 0, 1000, "gelu", (), 10**5)
+    assert op_seconds(gelu, cpu) == pytest.approx(1e-6 + 0.1)
+    # an op with its own FLOP rate curve, by FLOPs per output element (100: halfway in log)
+    attention = ("op", "device", "float32", 10**9, 0, "attn", (), 10**7)
+    assert op_seconds(attention, cpu) == pytest.approx(1e-6 + 1e9 / interpolate(((10.0, 1e8), (1000.0, 1e9)), 100))
+    # on an accelerator the per-op cost hides under the work (launches run ahead)
+    assert op_seconds(gelu, dataclasses.replace(cpu, serial_overhead=False)) == pytest.approx(0.1)
+    # which new tensors land on fresh pages: the C library's threshold on a CPU rank, none on a GPU
+    assert fresh_threshold("cuda", 1 << 20) == float("inf")
+    assert fresh_threshold("cpu", 1 << 20) == 1 << 20 and fresh_threshold("cpu", None) == 32 << 20
+    with pytest.raises(ValueError, match="increasing size"):
+        dataclasses.replace(cpu, elementwise={"float32": ((1e6, 1e9), (1e3, 1e9))})
+
+
+def test_the_recorder_names_ops_and_their_new_storages():
+    from lightning_zero.plan.opclass import op_flops
+    from lightning_zero.plan.timing import OpRecorder
+
+    events: list = []
+    x = torch.empty(8, 16, device="meta")
+    with OpRecorder(events, host=None):
+        torch.nn.functional.gelu(x, approximate="tanh")
+        x.add_(1.0)
+        x.t()
+        x.sum()
+    ops = {e[5]: e for e in events}
+    assert ops["gelu[tanh]"][6] == (8 * 16 * 4,) and ops["gelu[tanh]"][7] == 128  # a new output
+    assert ops["add_"][6] == ()  # in place
+    assert ops["t"][4] == 0  # a view moves nothing
+    assert ops["sum"][7] == 128  # a reduction's elements are its input's
+    # the CPU attention kernel: 4 FLOPs per query x key x head element, half of them causal, the
+    # backward 2.5 times the forward
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.empty(2, 3, 16, 8, device="meta")
+    assert op_flops(flash, (q, q, q, 0.0, False), {}, None) == 4 * 2 * 3 * 16 * 16 * 8
+    assert op_flops(flash, (q, q, q, 0.0, True), {}, None) == 2 * 2 * 3 * 16 * 16 * 8
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert op_flops(backward, (q, q, q, q, q, q, 0.0, True), {}, None) == 5 * 2 * 3 * 16 * 16 * 8
+
+
+def test_a_cpu_plan_runs_the_kernels_a_cpu_rank_runs():
+    """Attention through the CPU flash kernel (not the math path meta tensors would take) and, where
+    the engine's compiled kernels are built, the optimizer step as the CPU kernel (one pass)."""
+    from lightning_zero.ops import compiled
+    from lightning_zero.plan.timing import OpRecorder
+
+    def attention(host: set[int] | None, **kwargs: object) -> set[str]:
+        events: list = []
+        q = torch.empty(2, 3, 16, 8, device="meta", requires_grad=True)
+        with OpRecorder(events, host=host):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, **kwargs).sum().backward()  # type: ignore[arg-type]
+        return {e[5] for e in events if e[0] == "op"}
+
+    cpu = attention(None, is_causal=True)
+    assert {
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    } <= cpu
+    assert "bmm" not in cpu
+    assert "bmm" in attention(set(), is_causal=True)  # an accelerator's plan: not the CPU kernel
+    assert "bmm" in attention(None, enable_gqa=True)  # inputs the CPU kernel does not take: torch's choice
+    if compiled():
+        names = {e[5] for e in _plan(stage=2, device="cpu").trace if e[0] == "op"}
+        assert "cpu_adam_step" in names and "_foreach_addcdiv_" not in names
+    names = {e[5] for e in _plan(stage=2, device="cuda").trace if e[0] == "op"}
+    assert "cpu_adam_step" not in names
+
+
+def test_op_rates_measure_each_op_class():
+    """Structure only: the calibration's per-op rates cover the activations, normalization,
+    softmax and attention of common models, forward and backward, with positive rates."""
+    from lightning_zero.plan.opclass import op_rates
+
+    elements, flops = op_rates((torch.float32,), repeats=1)
+    for name in ("gelu", "gelu[tanh]", "gelu_backward", "silu", "native_layer_norm", "native_layer_norm_backward"):
+        assert elements[f"{name} float32"] > 0, name
+    assert "add float32" not in elements  # plain element-wise ops: the bandwidth curves
+    curve = flops["_scaled_dot_product_flash_attention_for_cpu_backward float32"]
+    assert len(curve) == 3 and [size for size, _ in curve] == sorted(size for size, _ in curve)
+    assert all(rate > 0 for _, rate in curve)
+
+
+def test_a_dtype_without_a_curve_uses_float32s():
+    cpu = dataclasses.replace(SLOW, elementwise={"float32": ((1e3, 1e9),), "float32 in place": ((1e3, 2e9),)})
+    assert cpu.bandwidth("bool", 10**6) == 1e9 and cpu.bandwidth("int64", 10, in_place=True) == 2e9
+    # the table's machines: one bandwidth, or a dtype's own where it differs
+    table = dataclasses.replace(SLOW, dtype_bandwidth={"bfloat16": 5e8})
+    assert table.bandwidth("bfloat16", 10**9) == 5e8 and table.bandwidth("float32", 10**9) == SLOW.memory_bandwidth
