@@ -97,9 +97,9 @@ def cpu_step_kernels() -> Iterator[None]:
     common case, parameters changed only by the step)."""
     import importlib
 
-    kernels = importlib.import_module("lightning_zero.zero.step_kernels")
+    mapping = importlib.import_module("lightning_zero.zero.step_mapping")
     flat = importlib.import_module("lightning_zero.zero.flat")
-    decide, absorb = kernels.KernelStep._for_host_masters, flat.FlatBuffer.absorb_edits
+    decide, absorb = mapping._kind_for_host_masters, flat.FlatBuffer.absorb_edits
     device, empty = torch.Tensor.device, torch.empty
 
     def as_cpu(tensor: torch.Tensor) -> torch.device:
@@ -129,7 +129,7 @@ def cpu_step_kernels() -> Iterator[None]:
             return absorb(self, *args, **kwargs)
 
     with (
-        mock.patch.object(kernels.KernelStep, "_for_host_masters", staticmethod(for_host_masters)),
+        mock.patch.object(mapping, "_kind_for_host_masters", for_host_masters),
         mock.patch.object(flat.FlatBuffer, "absorb_edits", absorb_edits),
     ):
         yield

@@ -295,12 +295,13 @@ def test_a_cpu_plan_runs_the_kernels_a_cpu_rank_runs():
     """Attention through the CPU flash kernel (not the math path meta tensors would take) and, where
     the engine's compiled kernels are built, the optimizer step as the CPU kernel (one pass)."""
     from lightning_zero.ops import compiled
+    from lightning_zero.plan.peak import cpu_attention
     from lightning_zero.plan.timing import OpRecorder
 
     def attention(host: set[int] | None, **kwargs: object) -> set[str]:
         events: list = []
         q = torch.empty(2, 3, 16, 8, device="meta", requires_grad=True)
-        with OpRecorder(events, host=host):
+        with cpu_attention(host is None), OpRecorder(events, host=host):
             torch.nn.functional.scaled_dot_product_attention(q, q, q, **kwargs).sum().backward()  # type: ignore[arg-type]
         return {e[5] for e in events if e[0] == "op"}
 
@@ -311,7 +312,13 @@ def test_a_cpu_plan_runs_the_kernels_a_cpu_rank_runs():
     } <= cpu
     assert "bmm" not in cpu
     assert "bmm" in attention(set(), is_causal=True)  # an accelerator's plan: not the CPU kernel
-    assert "bmm" in attention(None, enable_gqa=True)  # inputs the CPU kernel does not take: torch's choice
+    # grouped-query heads: the kernel torch itself picks for CPU tensors of these shapes
+    q = torch.zeros(1, 4, 2, 8)
+    flash = (
+        torch._fused_sdp_choice(q, q[:, :2], q[:, :2], None, 0.0, False, enable_gqa=True)
+        == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+    )
+    assert ("bmm" not in attention(None, enable_gqa=True)) == bool(flash)
     if compiled():
         names = {e[5] for e in _plan(stage=2, device="cpu").trace if e[0] == "op"}
         assert "cpu_adam_step" in names and "_foreach_addcdiv_" not in names
