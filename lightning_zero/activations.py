@@ -14,7 +14,7 @@ How it meets the rest of the data path:
   the reduction hooks as without checkpointing.
 * Stage 3: the recompute calls the submodules of the checkpointed module again, so their gather
   hooks (:mod:`lightning_zero.zero.gather`) run inside backward. Under
-  :func:`~lightning_zero.zero.gather.recomputing` they all-gather what the recompute reads, leave
+  :func:`~lightning_zero.zero.guarded.recomputing` they all-gather what the recompute reads, leave
   the module-order trace (the prefetch plan) alone, and do not release after the recomputed
   forward: the recomputed activations feed the backward that follows at once, and the reduction's
   gradient hooks release each buffer when all of its gradients have arrived, as without
@@ -76,7 +76,7 @@ def apply_activation_checkpointing(
 
     ``host``: where the checkpointed modules' inputs wait for backward when ``config.offload`` is set
     (the strategy passes the CPU when the model is on an accelerator, ``None`` when it is already on
-    the CPU). ``stage3``: the recompute runs under :func:`~lightning_zero.zero.gather.recomputing`, for
+    the CPU). ``stage3``: the recompute runs under :func:`~lightning_zero.zero.guarded.recomputing`, for
     the gather hooks (stages 1/2 need nothing around it). Returns the qualified names of the wrapped modules. Wrapping twice is a no-op.
     """
     host = host if config.offload else None

@@ -63,7 +63,7 @@ _SCHEDULERS: dict[str, dict[str, Any]] = {
 _SCHEDULE_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR"}
 _SCHEDULE_NAMES["onecycle"] = "OneCycle"
 
-#: The optimizer and scheduler keys of the migration table (see :data:`lightning_zero.deepspeed_config.KEYS`).
+#: The optimizer and scheduler keys of the migration table (see :data:`lightning_zero.deepspeed_keys.KEYS`).
 OPTIMIZER_KEYS: dict[str, Key] = {
             "optimizer.type=Adam": Key("map", "torch.optim.AdamW (torch.optim.Adam with adam_w_mode=false); "
                                        "bias_correction=false: lightning_zero.ops.FusedAdam"),

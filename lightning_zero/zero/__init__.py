@@ -2,7 +2,8 @@
 
 ``partition.py`` (pure layout arithmetic) -> ``build.py`` (model and optimizers into flat buffers;
 ``flat.py`` and ``flat_grads.py`` hold their tensors and states) -> ``gather.py`` (stage 3 module
-hooks) -> ``reduce.py`` (gradient buckets) -> ``step.py`` (the optimizer on this rank's slices;
+hooks; ``gather_prefetch.py`` their prefetch window, ``guarded.py`` the modules' attribute guard)
+-> ``reduce.py`` (gradient buckets) -> ``step.py`` (the optimizer on this rank's slices;
 ``step_kernels.py``, ``step_lamb.py`` and ``step_mapping.py`` the compiled kernels it may use) ->
 ``publish.py`` (updated slices back into whole parameters). ``engine.py`` owns them all; its surface
 comes in mixins (``engine_step.py``, ``engine_gather.py``, ``engine_grads.py``, ``engine_groups.py``,
@@ -30,7 +31,7 @@ from lightning_zero.zero.build import fp32_norm_params
 from lightning_zero.zero.deferred import Continuation, Recorder, Recording, active_recording
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.engine_checkpoint import exact_storage
-from lightning_zero.zero.gather import placeholders_allowed, placeholders_ok, recompute_contexts
+from lightning_zero.zero.guarded import placeholders_allowed, placeholders_ok, recompute_contexts
 from lightning_zero.zero.surface import (
     HeldParam,
     LocalPiece,

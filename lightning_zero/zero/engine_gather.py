@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_zero import comm
 from lightning_zero.zero.flat import FlatBuffer
-from lightning_zero.zero.gather import GatherCoordinator, scatter_back
+from lightning_zero.zero.gather import GatherCoordinator
 from lightning_zero.zero.swap import EngineSwap
 
 
@@ -91,3 +91,19 @@ class GatherSurface:
                 if torch.is_grad_enabled() and for_backward:
                     self._coordinator.pin(sharded)
                 self._coordinator.drop(sharded)
+
+
+def scatter_back(buffers: list[FlatBuffer], source_rank: int | None, group: comm.ProcessGroup) -> None:
+    """After user code edited gathered parameters: make every rank's shards (and fp32 masters) match
+    the full parameters of ``source_rank`` (``None``: each rank keeps its own edits). Call on all ranks."""
+    for b in buffers:
+        assert b.flat_param is not None
+        if source_rank is not None:
+            comm.broadcast(b.flat_param, source_rank, group)
+        start, end = b.layout.shard_range(b.rank)
+        # under the parameter disk tier the shard has memory only for this write
+        with b.shard_tier.rewrite([b]) if b.shard_tier is not None else contextlib.nullcontext():
+            if b.param_shard.data_ptr() != b.flat_param[start:end].data_ptr():
+                b.param_shard.copy_(b.flat_param[start:end])
+        if b.separate_master:
+            b.master.copy_(b.flat_param[start:end])

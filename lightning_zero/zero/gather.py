@@ -17,6 +17,7 @@ just before they are used and let them go right after.
   step's trace, up to ``prefetch_bucket_size`` elements ahead and ``max_live_parameters`` gathered
   in all; when a step deviates (a different branch, a shorter sequence), prefetching stops for the
   rest of that step and the new trace replaces the old one. Nothing crashes on an order change.
+  (The window and the prefetches' deferred order check: :mod:`~lightning_zero.zero.gather_prefetch`.)
 
 * Reading a released parameter elsewhere: modules holding sharded parameters get a subclass of their
   own class whose ``__getattr__`` asks the coordinator. Inside a running forward or a step (the
@@ -28,7 +29,8 @@ just before they are used and let them go right after.
   error naming the parameter on any use of its values, instead of silently computing on this rank's
   piece (a released parameter is a view of its piece in the shard, so that elementwise in-place
   edits over ``module.parameters()`` land in the shards). ``ZeroStrategy.gathered_parameters``
-  makes such reads legal.
+  makes such reads legal. (That subclass, and the flags for checkpointing and recompute:
+  :mod:`~lightning_zero.zero.guarded`.)
 
 All ranks must run the same modules in the same order (the all-gathers are collectives). On a gloo
 group each gather is preceded by an exchange of the buffer's number
@@ -40,9 +42,7 @@ the same for every collective (the gathers are labelled with the module's qualif
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,111 +55,16 @@ from lightning_zero import comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.debug import GatherOrderCheck, PendingCheck
 from lightning_zero.zero.flat import FlatBuffer, ParamState
+from lightning_zero.zero.gather_prefetch import GatherPrefetch
+from lightning_zero.zero.guarded import RECOMPUTING, guarded_class
 from lightning_zero.zero.released import GatherOnUse, ReleasedParameter
 from lightning_zero.zero.units import gather_units
 
 if TYPE_CHECKING:
     from lightning_zero.zero.swap import ParamTier
 
-_GUARDED: dict[type, type] = {}
-# Set while the checkpoint code reads ``state_dict()`` knowing that sharded parameters are placeholders.
-_PLACEHOLDERS_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("placeholders_ok", default=False)
-# Set while activation checkpointing recomputes a forward inside backward.
-_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("recomputing", default=False)
 
-
-@contextlib.contextmanager
-def placeholders_allowed() -> Iterator[None]:
-    """``module.state_dict()`` may return the empty placeholders of sharded parameters inside this
-    block (the checkpoint code, which writes those parameters from the shards instead)."""
-    token = _PLACEHOLDERS_OK.set(True)
-    try:
-        yield
-    finally:
-        _PLACEHOLDERS_OK.reset(token)
-
-
-def placeholders_ok() -> bool:
-    """Whether the caller is inside :func:`placeholders_allowed`."""
-    return _PLACEHOLDERS_OK.get()
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Marks the recompute of a checkpointed forward (inside backward): the gather hooks gather what it
-    reads, keep it gathered for the backward that follows, and leave the prefetch trace alone."""
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
-
-
-def recompute_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-    """``context_fn`` of ``torch.utils.checkpoint.checkpoint``: nothing around the first forward,
-    :func:`recomputing` around the recompute."""
-    return contextlib.nullcontext(), recomputing()
-
-
-def _guarded_class(cls: type) -> type:
-    """``cls`` whose attribute reads of released parameters go through the coordinator (gathered on
-    use inside a forward or step, a metadata-only :class:`ReleasedParameter` elsewhere); cached per class."""
-    if cls not in _GUARDED:
-
-        def __getattr__(self: nn.Module, name: str) -> Any:
-            # mypy cannot see that ``guarded`` (made below with type()) is a class
-            value = super(guarded, self).__getattr__(name)  # type: ignore[arg-type]
-            coordinator = self.__dict__.get("_lightning_zero_coordinator")
-            if coordinator is not None and isinstance(value, nn.Parameter) and coordinator.is_released(value):
-                return coordinator.released_read(value)
-            return value
-
-        def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
-            super(guarded, self)._save_to_state_dict(destination, prefix, keep_vars)  # type: ignore[arg-type]  # as above
-            coordinator = self.__dict__.get("_lightning_zero_coordinator")
-            if coordinator is None or keep_vars or _PLACEHOLDERS_OK.get():
-                return  # keep_vars: the Parameter objects themselves are asked for, not their values
-            for name, param in self._parameters.items():
-                if param is not None and coordinator.is_released(param):
-                    raise RuntimeError(
-                        f"state_dict() of {type(self).__name__} under ZeRO stage 3 outside a forward: its parameter "
-                        f"{prefix + name!r} is sharded and holds no data here. Call it inside "
-                        "`with trainer.strategy.gathered_parameters(module):` on every rank, save with "
-                        "trainer.save_checkpoint, or read it after fit (the parameters are whole again). Under "
-                        "Fabric, model.state_dict() gathers a full state dict on every rank (call it on all ranks); "
-                        "save with fabric.save."
-                    )
-
-        members = {"__getattr__": __getattr__, "_save_to_state_dict": _save_to_state_dict, "__module__": cls.__module__}
-        if issubclass(cls, nn.RNNBase):
-            members.update(_rnn_members())
-        guarded = type(cls.__name__, (cls,), members)
-        guarded.__qualname__ = cls.__qualname__
-        _GUARDED[cls] = guarded
-    return _GUARDED[cls]
-
-
-def _rnn_members() -> dict[str, Any]:
-    """What a guarded ``nn.RNNBase`` (GRU, LSTM, RNN) changes: the RNN's forward passes its
-    ``_flat_weights`` list (the Parameter objects themselves, so they see each gather and release) to
-    the kernel. That list is rebuilt by ``_init_flat_weights`` (on ``module.to()``, ``float()``,
-    unpickling), which reads the weights through ``__getattr__``: here it takes the Parameter objects
-    from ``_parameters`` without the guard, since keeping references is not reading values.
-    ``flatten_parameters`` (cuDNN's single weight buffer, which re-points every weight into it) is a
-    no-op while ZeRO owns the parameters' storage; cuDNN then runs on the separate weights."""
-
-    def _init_flat_weights(self: nn.RNNBase) -> None:
-        own = self._parameters
-        self._flat_weights = [own[n] if n in own else getattr(self, n, None) for n in self._flat_weights_names]
-        self._flat_weight_refs = [weakref.ref(w) if w is not None else None for w in self._flat_weights]
-
-    def flatten_parameters(self: nn.RNNBase) -> None:
-        return None
-
-    return {"_init_flat_weights": _init_flat_weights, "flatten_parameters": flatten_parameters}
-
-
-class GatherCoordinator:
+class GatherCoordinator(GatherPrefetch):
     """Owns the forward hooks of every module that uses sharded parameters."""
 
     def __init__(
@@ -222,7 +127,7 @@ class GatherCoordinator:
             own = sharded(sub._parameters.values())
             if own:
                 self._guarded.append((sub, type(sub)))
-                sub.__class__ = _guarded_class(type(sub))
+                sub.__class__ = guarded_class(type(sub))
                 sub._lightning_zero_coordinator = self
             if id(sub) in units:
                 self._track(sub, sharded(sub.parameters()))
@@ -263,32 +168,6 @@ class GatherCoordinator:
             self._order.agree([self._number[id(b)] for b in released], label)
         for b in released:
             b.gather_start(self.group, label)
-
-    def _start_checked_later(self, buffers: list[FlatBuffer], label: str) -> None:
-        """Prefetches: on gloo their order check is sent now and their gathers start at the next
-        hook (:meth:`_flush`), so that no rank waits here for the others; elsewhere they start now.
-        (Started a hook after they were chosen, past the releases in between, the sizes they take
-        from the pool are not those just given back: :meth:`BlockPool.take
-        <lightning_zero.zero.pools.BlockPool.take>` gives each size its own blocks for that.)"""
-        self._flush()
-        if not buffers:
-            return
-        if self._order is None:
-            for b in buffers:
-                b.gather_start(self.group, label)
-            return
-        self._pending = (self._order.start([self._number[id(b)] for b in buffers], label), buffers, label)
-
-    def _flush(self, start: bool = True) -> None:
-        """Complete the pending prefetches' order check and (``start``) start their gathers. Call on all ranks."""
-        if self._pending is None:
-            return
-        check, buffers, label = self._pending
-        self._pending = None
-        check.verify()
-        if start:
-            for b in buffers:
-                b.gather_start(self.group, label)
 
     def _track(self, sub: nn.Module, needs: list[FlatBuffer]) -> None:
         """Give ``sub`` the hooks that gather ``needs`` around its forward and before its backward."""
@@ -331,7 +210,7 @@ class GatherCoordinator:
         """A module attribute read of a released parameter: gathered on use inside a forward or a step
         (a collective: every rank reads it at the same point of the same code), a metadata-only
         :class:`ReleasedParameter` elsewhere."""
-        if self._depth or self._running or _RECOMPUTING.get():
+        if self._depth or self._running or RECOMPUTING.get():
             self.gather_on_use(param)
             return param
         name, shape = self._params[id(param)]
@@ -345,7 +224,7 @@ class GatherCoordinator:
         where = "the step" if reader is None else repr(self._qualnames[id(reader)][0] or "the root module")
         self.acquire([b], f"{self._params[id(param)][0]!r} read in {where}")
         self.pin([b])
-        if reader is not None and not _RECOMPUTING.get():
+        if reader is not None and not RECOMPUTING.get():
             learned = self._learned.setdefault(id(reader), [])
             if all(b is not o for o in learned):
                 learned.append(b)
@@ -411,51 +290,11 @@ class GatherCoordinator:
         their gradients have arrived, which happens after every use in backward."""
         self._pinned.update(id(b) for b in buffers)
 
-    def _live_numel(self) -> int:
-        return sum(b.numel for b in self._all if b.state is not ParamState.RELEASED)
-
-    def _prefetch(self, upcoming: list[int]) -> None:
-        """Start (:meth:`_start_checked_later`) the gathers of the next modules' buffers, up to the window."""
-        self._flush()  # the last hook's: started first, so that the window counts them in flight
-        if upcoming:
-            self._start_checked_later(self._window(upcoming), f"{self.names[upcoming[0]]} (prefetch)")
-
-    def _window(self, upcoming: list[int]) -> list[FlatBuffer]:
-        """The released buffers that the modules ``upcoming`` need, in order, that fit the window."""
-        budget = self.config.prefetch_bucket_numel
-        live = self._live_numel()
-        chosen: list[FlatBuffer] = []
-        seen: set[int] = set()
-        for index in upcoming:
-            for b in self.needs[index]:
-                if id(b) in seen:
-                    continue
-                seen.add(id(b))
-                if b.state is not ParamState.RELEASED:
-                    # gathered or on its way already (an earlier prefetch): part of the window ahead.
-                    # Not counting it let every module's backward prefetch a further window, until
-                    # the whole model was gathered (measured on the benchmark GPT: 54 MiB of gathers
-                    # alive at once in backward, the model's full fp32 size, with a 5M window).
-                    budget -= b.numel
-                    if budget < 0:
-                        return chosen
-                    continue
-                if self.shard_tier is not None and b.shard_tier is not None and not self.shard_tier.ready(b):
-                    # its shard's read was not started at an earlier hook (ParamTier.ready: a decision
-                    # that gates a collective, so the same on every rank, not "has my read finished")
-                    return chosen
-                if budget - b.numel < 0 or live + b.numel > self.config.max_live_parameters:
-                    return chosen
-                chosen.append(b)
-                budget -= b.numel
-                live += b.numel
-        return chosen
-
     # -- forward -------------------------------------------------------------------------------
 
     def _make_pre_forward(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
-            if _RECOMPUTING.get():  # activation checkpointing, in backward: gather only
+            if RECOMPUTING.get():  # activation checkpointing, in backward: gather only
                 # no reference taken: no post-forward drop follows
                 self._start(self.needs[index], f"{self.names[index]} (recompute)")
                 for b in self.needs[index]:
@@ -476,21 +315,9 @@ class GatherCoordinator:
 
         return hook
 
-    def _reused_soon(self, index: int) -> bool:
-        if not self._on_plan:
-            return False
-        window = 0
-        for upcoming in self.previous[len(self.trace) :]:
-            if upcoming == index:
-                return True
-            window += sum(b.numel for b in self.needs[upcoming])
-            if window > self.config.prefetch_bucket_numel:
-                return False
-        return False
-
     def _make_post_forward(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if _RECOMPUTING.get():
+            if RECOMPUTING.get():
                 # The backward consuming these activations runs next and needs the parameters; the
                 # reduction's gradient hooks release them once their gradients arrived (or end_pass).
                 return output
@@ -521,11 +348,6 @@ class GatherCoordinator:
             upcoming = self.trace[found - 1 :: -1] if found > 0 else []
             self._read_ahead(upcoming)
             self._prefetch(upcoming)
-
-    def _read_ahead(self, upcoming: list[int]) -> None:
-        """Start the disk reads of the next modules' shards (the parameter disk tier bounds how many)."""
-        if self.shard_tier is not None:
-            self.shard_tier.read_ahead([b for index in upcoming for b in self.needs[index]])
 
     # -- step boundaries -------------------------------------------------------------------------
 
@@ -567,19 +389,3 @@ class GatherCoordinator:
             sub.__class__ = cls
             del sub._lightning_zero_coordinator
         self._guarded.clear()
-
-
-def scatter_back(buffers: list[FlatBuffer], source_rank: int | None, group: comm.ProcessGroup) -> None:
-    """After user code edited gathered parameters: make every rank's shards (and fp32 masters) match
-    the full parameters of ``source_rank`` (``None``: each rank keeps its own edits). Call on all ranks."""
-    for b in buffers:
-        assert b.flat_param is not None
-        if source_rank is not None:
-            comm.broadcast(b.flat_param, source_rank, group)
-        start, end = b.layout.shard_range(b.rank)
-        # under the parameter disk tier the shard has memory only for this write
-        with b.shard_tier.rewrite([b]) if b.shard_tier is not None else contextlib.nullcontext():
-            if b.param_shard.data_ptr() != b.flat_param[start:end].data_ptr():
-                b.param_shard.copy_(b.flat_param[start:end])
-        if b.separate_master:
-            b.master.copy_(b.flat_param[start:end])
