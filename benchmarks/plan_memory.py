@@ -99,12 +99,14 @@ def _model(shape: str) -> torch.nn.Module:
         from recipes.gpt2.model import GPT
 
         return GPT(config)  # type: ignore[arg-type]
+    if kind == "odd":
+        return plan_check.OddMLP(**config)  # type: ignore[arg-type]
     return common.SquareStack()
 
 
 def _inputs(shape: str, generator: torch.Generator) -> torch.Tensor:
     kind, config, dims = _shape(shape)
-    if kind == "square":
+    if kind in ("square", "odd"):
         return torch.randn(*dims, generator=generator).to(torch.bfloat16)
     vocab = config["vocab_size"] if kind == "hf" else config.vocab_size  # type: ignore[index, union-attr]
     return torch.randint(0, vocab, dims, generator=generator)
@@ -113,7 +115,7 @@ def _inputs(shape: str, generator: torch.Generator) -> torch.Tensor:
 def _loss(shape: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
     out = getattr(out, "logits", out)
-    if _shape(shape)[0] != "square":  # what the plan computes for token ids and (batch, seq, vocab) logits
+    if _shape(shape)[0] not in ("square", "odd"):  # what the plan computes for token ids and (batch, seq, vocab) logits
         return torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), x.flatten())
     return out.float().mean()
 
@@ -149,6 +151,7 @@ def _use_quick_shapes() -> None:
         (2, 32),
     )
     plan_check.SHAPES["square"] = ("square", None, (4, common.SQUARE_WIDTH))
+    plan_check.SHAPES["mlp-odd"] = ("odd", {"width": 10, "hidden": 29, "depth": 2}, (4, 10))
     HELD_OUT["gpt-wide"] = ("gpt", GPTConfig(vocab_size=96, block_size=24, n_layer=2, n_head=2, n_embd=24), (2, 24))
     HELD_OUT["hf-llama"] = (
         "hf",
@@ -214,8 +217,8 @@ def planned(shape: str, stage: int, offload: bool, checkpoint: bool, world_size:
         with tempfile.TemporaryDirectory() as directory:
             _hf_config(config).save_pretrained(directory)  # type: ignore[attr-defined]
             return _plan_of(plan, directory, None, kind, dims, shape, stage, offload, checkpoint, world_size, runtime)
-    source = "recipes.gpt2.model:GPT" if kind == "gpt" else "common:SquareStack"
-    kwargs = {"config": config} if config is not None else None
+    source = {"gpt": "recipes.gpt2.model:GPT", "odd": "plan_check:OddMLP"}.get(kind, "common:SquareStack")
+    kwargs = {"config": config} if kind == "gpt" else config
     return _plan_of(plan, source, kwargs, kind, dims, shape, stage, offload, checkpoint, world_size, runtime)
 
 
@@ -229,7 +232,7 @@ def _plan_of(plan, source, kwargs, kind, dims, shape, stage, offload, checkpoint
         offload=OffloadConfig(offload_optimizer=offload),
         device="cpu",
         model_kwargs=kwargs,
-        inputs=[(dims, torch.float32 if kind == "square" else torch.int64)],
+        inputs=[(dims, torch.float32 if kind in ("square", "odd") else torch.int64)],
         activations=ActivationCheckpointConfig(policy=_checkpointed(shape) if checkpoint else None),
         host_runtime=runtime,
     )
@@ -256,7 +259,7 @@ def main() -> None:
     rows = []
     for world_size in (int(n) for n in args.ranks.split(",")):
         for shape in args.shapes.split(","):
-            checkpoints = (False, True) if _shape(shape)[0] != "square" else (False,)
+            checkpoints = (False, True) if _shape(shape)[0] not in ("square", "odd") else (False,)
             for label, stage, offload in LAYOUTS:
                 for checkpoint in checkpoints:
                     growth = common.run_ranks(
