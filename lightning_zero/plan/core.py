@@ -11,7 +11,6 @@ prefetch from the first one's module order, as a real run does.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,14 @@ from lightning_zero.plan.model import InputSpec, default_inputs, loss_fn, meta_m
 from lightning_zero.plan.peak import LiveBytes, cpu_attention, host_kernel_steps, kernel_step_uncounted
 from lightning_zero.plan.resident import DEFAULT, HostRuntime
 from lightning_zero.plan.timing import Event, OpRecorder, StepTime, fresh_threshold, step_time
-from lightning_zero.plan.world import Call, cpu_step_kernels, fake_world, host_on_meta, record_collectives
+from lightning_zero.plan.world import (
+    Call,
+    accelerator_staging,
+    cpu_step_kernels,
+    fake_world,
+    host_on_meta,
+    record_collectives,
+)
 
 NOT_MODELED = (
     "the process group's own buffers, the allocator's slack and fragmentation, on an accelerator its "
@@ -211,7 +217,7 @@ def plan(
     # Stage 3's gather-order check runs on gloo data groups (CPU ranks): one small all-gather before
     # each parameter all-gather (lightning_zero.debug.GatherOrderCheck); the fake group is not gloo.
     gloo = mock.patch.object(comm, "is_plain_gloo", lambda g: device == "cpu" and comm.world_size(g) > 1)
-    kernels = cpu_step_kernels() if device == "cpu" else contextlib.nullcontext()
+    kernels = cpu_step_kernels() if device == "cpu" else accelerator_staging(host)
     with (
         fake_world(world_size, _stage.rank if _stage else 0) as group,
         host_on_meta(host),

@@ -87,6 +87,31 @@ def host_on_meta(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
 
 
 @contextmanager
+def accelerator_staging(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
+    """The offloaded step of a GPU rank writes each updated 16-bit slice into a (pinned) host copy
+    before it goes to the device (``KernelStep._param_copy``); the engine decides by the device of the
+    master, which is meta here. While it decides, tensors of the host allocations (``host``) report
+    the CPU, so the engine's own rule makes (or skips) the copy."""
+    import importlib
+
+    kernels = importlib.import_module("lightning_zero.zero.step_kernels")
+    original, device = kernels.KernelStep._param_copy, torch.Tensor.device
+
+    def param_copy(self: Any, b: Any) -> Any:
+        stored = {t.untyped_storage()._cdata for t, _ in host}
+
+        def placed(tensor: torch.Tensor) -> torch.device:
+            where = device.__get__(tensor)
+            return torch.device("cpu") if where.type == "meta" and tensor.untyped_storage()._cdata in stored else where
+
+        with mock.patch.object(torch.Tensor, "device", property(placed)):
+            return original(self, b)
+
+    with mock.patch.object(kernels.KernelStep, "_param_copy", param_copy):
+        yield
+
+
+@contextmanager
 def cpu_step_kernels() -> Iterator[None]:
     """The optimizer step a CPU rank runs, where the engine decides by the device of its tensors
     (meta in the plan): without offload it steps Adam/AdamW on fp32 masters in host memory with its

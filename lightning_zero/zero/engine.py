@@ -332,7 +332,9 @@ class ZeroEngine(OptimizerSteps, AddedGroups, GatherSurface, GradientWindow, Che
         every = self._all_buffers()
         stage1 = self.config.zero.stage == 1
         out: dict[str, list[torch.Tensor]] = {
-            "parameters": [t for b in every if (t := b.flat_param if b.persistent else b.param_shard) is not None],
+            "parameters": [t for b in every if (t := b.flat_param if b.persistent else b.param_shard) is not None]
+            # offload with a GPU: the (pinned) host copies the kernel writes the updated 16-bit slices into
+            + [t for s in self._sharded.values() for t in s.host_staging()],
             "master_weights": [b.master for b in self._buffers if b.separate_master],
             "gradients": [b.grad_bucket for b in self._buffers if stage1 and b.grad_bucket is not None]
             + [b.grad_shard for b in self._buffers if b.grad_shard is not None]

@@ -401,6 +401,11 @@ class ShardedOptimizer:
             if stepped is not None:
                 stepped(b, None)
 
+    def host_staging(self) -> list[torch.Tensor]:
+        """Host buffers the step keeps beside the accelerator's parameters: the (pinned) copies the
+        offloaded kernel writes the updated 16-bit slices into before they go to the device."""
+        return self.kernel.staging() if self.kernel is not None else []
+
     @property
     def pipelines(self) -> bool:
         """Whether :meth:`step` can hand out each buffer as soon as it is updated (the kernels)."""

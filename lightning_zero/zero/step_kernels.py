@@ -152,6 +152,10 @@ class KernelStep(ShardedLamb):
                     state[key] = value.to(dtype)
         return state
 
+    def staging(self) -> list[torch.Tensor]:
+        """The host staging copies :meth:`_param_copy` keeps (one per offloaded 16-bit buffer)."""
+        return list(self._copy_out.values())
+
     def _param_copy(self, b: FlatBuffer) -> torch.Tensor | None:
         """Where the kernel writes the updated 16-bit parameters: the device slice itself when it is
         in host memory, else a (pinned) host staging buffer copied to the device afterwards."""

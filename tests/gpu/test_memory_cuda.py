@@ -1,5 +1,6 @@
 """memory_breakdown() on a CUDA device with an offloaded optimizer counts the pinned host copies of
-the gradient slices (what the CPU optimizer reads) as host gradients.
+the gradient slices (what the CPU optimizer reads) as host gradients, and the staging copies of the
+updated 16-bit slices as host parameters.
 
 Skipped (with the reason in the -ra summary) without a CUDA device."""
 
@@ -55,3 +56,5 @@ def test_offloaded_gradient_copies_are_counted_on_the_host():
     trainer.fit(model, DataLoader(data, batch_size=4))
     # one rank: the host copy holds every gradient element in bf16 (2 bytes), padding aside
     assert seen["host"]["gradients"] >= 2 * numel, seen
+    # and the kernel's pinned staging copy of the updated bf16 slice, one per buffer, kept after a step
+    assert seen["host"]["parameters"] >= 2 * numel, seen
