@@ -105,7 +105,7 @@ def search(
             f"device_memory={device_memory} and host_memory={host_memory} must be positive bytes, "
             f"nvme_memory={nvme_memory} >= 0."
         )
-    plan_kwargs["nvme_memory"], plan_kwargs["nvme"] = nvme_memory, nvme or NvmeConfig(path="nvme")
+    limits = _Limits(device_memory, host_memory, nvme_memory, nvme or NvmeConfig(path="nvme"))
     if not micro_batches or min(micro_batches) < 1:
         raise ValueError(f"micro_batches={list(micro_batches)} must be sizes >= 1.")
     base_zero = plan_kwargs.pop("zero", None) or ZeroConfig()
@@ -127,8 +127,8 @@ def search(
             "pipeline": dataclasses.replace(base_pipeline, stages=p, chunks=base_pipeline.chunks if p > 1 else 1),
         }
         try:
-            found += _layouts(model, world_size, machine, device_memory, host_memory, micro_batches, checkpoint_policy,
-                              make_inputs, base_zero, parallel, plan_kwargs)  # fmt: skip
+            found += _layouts(model, world_size, machine, limits, micro_batches, checkpoint_policy, make_inputs,
+                              base_zero, parallel, plan_kwargs)  # fmt: skip
         except ValueError as error:
             if (t, p) == (1, 1):
                 raise
@@ -136,12 +136,22 @@ def search(
     return sorted(found, key=lambda c: (not c.fits, -c.samples_per_second))
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """What a layout must fit: bytes per rank of device, host and NVMe memory, and the disk tiers'
+    settings to try the NVMe layouts with."""
+
+    device: int
+    host: int
+    nvme: int
+    disk: NvmeConfig
+
+
 def _layouts(
     model: str,
     world_size: int,
     machine: Machine,
-    device_memory: int,
-    host_memory: int,
+    limits: _Limits,
     micro_batches: Sequence[int],
     checkpoint_policy: Any,
     make_inputs: Callable[[int], Any] | None,
@@ -152,12 +162,10 @@ def _layouts(
     """The candidates of one tensor- and pipeline-parallel size."""
     model_parallel = parallel["tensor"].size * parallel["pipeline"].stages > 1
     found: list[Candidate] = []
-    plan_kwargs = dict(plan_kwargs)
-    nvme_memory, nvme = plan_kwargs.pop("nvme_memory"), plan_kwargs.pop("nvme")
-    for stage, offload_optimizer, offload_parameters in LAYOUTS + (NVME_LAYOUTS if nvme_memory > 0 else []):
+    for stage, offload_optimizer, offload_parameters in LAYOUTS + (NVME_LAYOUTS if limits.nvme > 0 else []):
         if model_parallel and stage == 3:
             continue  # refused beside tensor or pipeline parallelism
-        disk = nvme if offload_optimizer == "nvme" else None
+        disk = limits.disk if offload_optimizer == "nvme" else None
         for checkpointing in (False, True) if checkpoint_policy is not None else (False,):
             for micro_batch in sorted(micro_batches):
                 extra = {"inputs": make_inputs(micro_batch)} if make_inputs else {"micro_batch": micro_batch}
@@ -179,7 +187,7 @@ def _layouts(
                 staging = p.nvme.staging_bytes if p.nvme is not None else 0  # host memory: the device's on a CPU rank
                 peak = p.peak + (staging if p.device == "cpu" else 0)
                 host += staging if p.device == "cuda" else 0
-                fits = peak <= device_memory and host <= host_memory and p.nvme_bytes <= nvme_memory
+                fits = peak <= limits.device and host <= limits.host and p.nvme_bytes <= limits.nvme
                 found.append(
                     Candidate(
                         stage,
