@@ -10,7 +10,7 @@ the engine builds is allocated.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +86,18 @@ def host_on_meta(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
         yield
 
 
+def _meta_reports_cpu(stands_for_host: Callable[[torch.Tensor], bool]) -> Any:
+    """While open, meta tensors for which ``stands_for_host`` holds report the CPU as their device
+    (where the engine decides by a tensor's device, the plan's meta tensors stand for host ones)."""
+    device = torch.Tensor.device
+
+    def placed(tensor: torch.Tensor) -> torch.device:
+        where = device.__get__(tensor)
+        return torch.device("cpu") if where.type == "meta" and stands_for_host(tensor) else where
+
+    return mock.patch.object(torch.Tensor, "device", property(placed))
+
+
 @contextmanager
 def accelerator_staging(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]:
     """The offloaded step of a GPU rank writes each updated 16-bit slice into a (pinned) host copy
@@ -95,16 +107,11 @@ def accelerator_staging(host: list[tuple[torch.Tensor, bool]]) -> Iterator[None]
     import importlib
 
     kernels = importlib.import_module("lightning_zero.zero.step_kernels")
-    original, device = kernels.KernelStep._param_copy, torch.Tensor.device
+    original = kernels.KernelStep._param_copy
 
     def param_copy(self: Any, b: Any) -> Any:
         stored = {t.untyped_storage()._cdata for t, _ in host}
-
-        def placed(tensor: torch.Tensor) -> torch.device:
-            where = device.__get__(tensor)
-            return torch.device("cpu") if where.type == "meta" and tensor.untyped_storage()._cdata in stored else where
-
-        with mock.patch.object(torch.Tensor, "device", property(placed)):
+        with _meta_reports_cpu(lambda tensor: tensor.untyped_storage()._cdata in stored):
             return original(self, b)
 
     with mock.patch.object(kernels.KernelStep, "_param_copy", param_copy):
@@ -125,10 +132,7 @@ def cpu_step_kernels() -> Iterator[None]:
     mapping = importlib.import_module("lightning_zero.zero.step_mapping")
     flat = importlib.import_module("lightning_zero.zero.flat")
     decide, absorb = mapping._kind_for_host_masters, flat.FlatBuffer.absorb_edits
-    device, empty = torch.Tensor.device, torch.empty
-
-    def as_cpu(tensor: torch.Tensor) -> torch.device:
-        return torch.device("cpu") if device.__get__(tensor).type == "meta" else device.__get__(tensor)
+    empty = torch.empty
 
     def no_values(tensor: torch.Tensor) -> bool:
         return False  # the plan's tensors stand for values it does not have
@@ -139,7 +143,7 @@ def cpu_step_kernels() -> Iterator[None]:
         return empty(*args, **kwargs)
 
     def on_cpu() -> Any:
-        return mock.patch.object(torch.Tensor, "device", property(as_cpu))
+        return _meta_reports_cpu(lambda tensor: True)
 
     def for_host_masters(*args: Any, **kwargs: Any) -> Any:
         with on_cpu():
